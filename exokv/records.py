@@ -1,0 +1,138 @@
+"""The plain data that crosses boundaries: front end <-> ranks <-> state store.
+
+Everything here is JSON-serialisable (``asdict``/``from_dict``) because it travels
+over the rank-0 channel and into SQLite; nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+def _from_dict(cls: type, data: dict[str, Any]) -> Any:
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class TurnRequest:
+    """One user turn: the whole conversation so far, rendered by every rank alike."""
+
+    session: str
+    messages: list[dict[str, str]]
+    max_tokens: int = 256
+    temp: float = 0.0
+    seed: int | None = None
+    use_cache: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TurnRequest:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class CacheEvent:
+    """One change to the cache, identical on every rank by construction.
+
+    kind: add | hit | update | evict | clear. ``bytes`` has one value per rank.
+    ``pressures`` is every rank's memory pressure when the decision was taken.
+    """
+
+    kind: str
+    decision: int
+    entry: int
+    tokens: int
+    bytes: list[int]
+    session: str = ""
+    reason: str = ""
+    pressures: list[float] = field(default_factory=list)
+    hit_length: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheEvent:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class RankStats:
+    """One rank's numbers, gathered in the per-turn collective."""
+
+    rank: int
+    cache_bytes: int
+    entries: int
+    budget: int | None
+    pressure: float
+    ram_total: int
+    rss: int
+    mlx_active: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankStats:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class EntryInfo:
+    """One live node of the prefix tree (an 'entry'), with its bytes on each rank."""
+
+    id: int
+    parent: int | None
+    session: str
+    tokens: int
+    depth: int
+    bytes: list[int]
+    hits: int
+    last_used: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EntryInfo:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class TurnResult:
+    """What one turn did: the reply, the token counts, the timings and the cache's changes."""
+
+    session: str
+    reply: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    decode_tps: float
+    overhead_s: float
+    ranks: int
+    finish_reason: str = "stop"
+    decision: int = 0
+    events: list[CacheEvent] = field(default_factory=list)
+    rank_stats: list[RankStats] = field(default_factory=list)
+    entries: list[EntryInfo] = field(default_factory=list)
+
+    @property
+    def evictions(self) -> int:
+        return sum(1 for e in self.events if e.kind == "evict")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TurnResult:
+        result = _from_dict(cls, data)
+        result.events = [CacheEvent.from_dict(e) for e in data.get("events", [])]
+        result.rank_stats = [RankStats.from_dict(r) for r in data.get("rank_stats", [])]
+        result.entries = [EntryInfo.from_dict(e) for e in data.get("entries", [])]
+        return result
