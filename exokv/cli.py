@@ -20,6 +20,74 @@ app = typer.Typer(
 )
 
 
+@app.command()
+def chat(
+    model: str = typer.Option(
+        None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
+    ),
+    system: str = typer.Option(None, "--system", help="system prompt"),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="most tokens per reply"),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="sampling temperature"),
+    seed: int = typer.Option(None, "--seed", help="random seed"),
+    ranks: int = typer.Option(1, "--ranks", "-n", min=1, help="ranks on this machine"),
+    hosts: str = typer.Option(None, "--hosts", help="a,b,... one rank per host"),
+    hostfile: str = typer.Option(None, "--hostfile", help="mlx hostfile (JSON)"),
+    backend: str = typer.Option("ring", "--backend", help="ring|jaccl|mpi"),
+    parallel: str = typer.Option("pipeline", "--parallel", help="pipeline|tensor"),
+    split: str = typer.Option(None, "--split", help="layers per rank, e.g. 3,1"),
+    cache_budget: str = typer.Option(
+        None, "--cache-budget", help="bytes per rank: 2GB or 64MB,16MB"
+    ),
+    memory_threshold: float = typer.Option(
+        0.9, "--memory-threshold", help="RAM fraction that triggers eviction"
+    ),
+    max_kv_size: int = typer.Option(
+        None, "--max-kv-size", min=1, help="rotating KV cache of this many tokens"
+    ),
+    no_cache: bool = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn"),
+    session: str = typer.Option(
+        None, "--session", help="name the conversation; resumes it if it exists"
+    ),
+    json_out: bool = typer.Option(False, "--json", help="script mode: one JSON object per turn"),
+    starting_port: int = typer.Option(None, "--starting-port", help="first port for the ranks"),
+) -> None:
+    """Chat with the model: a REPL on a terminal, script mode otherwise."""
+    from exokv.chat.run import ChatOptions, run_chat
+    from exokv.config import default_model
+
+    if backend not in ("ring", "jaccl", "mpi"):
+        raise typer.BadParameter("use ring, jaccl or mpi", param_hint="--backend")
+    if parallel not in ("pipeline", "tensor"):
+        raise typer.BadParameter("use pipeline or tensor", param_hint="--parallel")
+    if model is None:
+        model = default_model()
+        print(
+            f"exokv: using {model} (choose a real one with --model PATH_OR_REPO or EXOKV_MODEL)",
+            file=sys.stderr,
+        )
+    opts = ChatOptions(
+        model=model,
+        system=system,
+        max_tokens=max_tokens,
+        temp=temp,
+        seed=seed,
+        ranks=ranks,
+        hosts=hosts,
+        hostfile=hostfile,
+        backend=backend,
+        parallel=parallel,
+        split=split,
+        cache_budget=cache_budget,
+        memory_threshold=memory_threshold,
+        max_kv_size=max_kv_size,
+        no_cache=no_cache,
+        session=session,
+        json=json_out,
+        starting_port=starting_port,
+    )
+    raise typer.Exit(run_chat(opts))
+
+
 def _mount_subcommands() -> None:
     # Each command lives in its own module; importing them here keeps cli.py thin.
     from exokv import inspect as inspect_cmds

@@ -1,0 +1,50 @@
+"""Memory probes: what one rank knows about its own memory.
+
+These numbers are local; they only ever decide anything after being gathered
+from every rank. EXOKV_FAKE_PRESSURE ('0.5' or '0.5,0.97', one per rank) pins
+the pressure so tests can play a machine that is short of memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import psutil
+
+from exokv.errors import UsageError
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    pressure: float
+    ram_total: int
+    rss: int
+    mlx_active: int
+
+
+def sample(rank: int = 0) -> MemorySample:
+    vm = psutil.virtual_memory()
+    return MemorySample(
+        pressure=_fake_pressure(rank, vm.percent / 100.0),
+        ram_total=int(vm.total),
+        rss=int(psutil.Process().memory_info().rss),
+        mlx_active=int(mx.get_active_memory()),
+    )
+
+
+def default_budget(threshold: float, ram_total: int, model_bytes: int) -> int:
+    """The bytes of cache a rank may hold when no --cache-budget is given."""
+    return max(0, int(threshold * ram_total) - model_bytes)
+
+
+def _fake_pressure(rank: int, real: float) -> float:
+    text = os.environ.get("EXOKV_FAKE_PRESSURE")
+    if not text:
+        return real
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"EXOKV_FAKE_PRESSURE={text!r} is not a list of fractions") from None
+    return values[rank] if rank < len(values) else values[-1]

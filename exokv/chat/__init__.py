@@ -1,0 +1,1 @@
+"""The chat front end: conversations, slash commands, script mode and the REPL."""

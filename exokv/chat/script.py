@@ -1,0 +1,95 @@
+"""Script mode: each line of standard input is a user turn or a slash command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import IO, Any
+
+from exokv.chat.conversation import ChatController, Outcome
+
+TURN_KEYS = (
+    "turn",
+    "session",
+    "prompt_tokens",
+    "cached_tokens",
+    "prefilled_tokens",
+    "generated_tokens",
+    "ttft_s",
+    "decode_tps",
+    "reply",
+    "evictions",
+    "ranks",
+)
+
+
+def turn_json(outcome: Outcome) -> dict[str, Any]:
+    r = outcome.result
+    assert r is not None
+    doc = {
+        "turn": outcome.turn,
+        "session": r.session,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "prefilled_tokens": r.prefilled_tokens,
+        "generated_tokens": r.generated_tokens,
+        "ttft_s": round(r.ttft_s, 6),
+        "decode_tps": round(r.decode_tps, 3),
+        "reply": r.reply,
+        "evictions": r.evictions,
+        "ranks": r.ranks,
+        "overhead_s": round(r.overhead_s, 6),
+        "finish_reason": r.finish_reason,
+        "decision": r.decision,
+        "command": outcome.command,
+        "cache_bytes": [s.cache_bytes for s in r.rank_stats],
+        "events": [e.to_dict() for e in r.events],
+        "rank_stats": [s.to_dict() for s in r.rank_stats],
+    }
+    return doc
+
+
+def read_lines(stream: IO[bytes]) -> Any:
+    """Lines of stdin as text; bytes that are not UTF-8 become U+FFFD, with a warning."""
+    for raw in stream:
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            print(
+                "exokv: warning: input line is not valid UTF-8; bad bytes replaced", file=sys.stderr
+            )
+            yield raw.decode("utf-8", errors="replace")
+
+
+def run_script(chat: ChatController, as_json: bool, stream: IO[bytes] | None = None) -> int:
+    stream = stream or sys.stdin.buffer
+    out = sys.stdout
+
+    def on_text(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    for line in read_lines(stream):
+        outcome = chat.handle(line, on_text=None if as_json else on_text)
+        if outcome is None:
+            continue
+        if as_json:
+            if outcome.result is not None:
+                out.write(json.dumps(turn_json(outcome)) + "\n")
+            else:
+                doc = {"command": outcome.command, "ok": not outcome.error}
+                doc["message" if outcome.data is None else "data"] = (
+                    outcome.message if outcome.data is None else outcome.data
+                )
+                out.write(json.dumps(doc) + "\n")
+        elif outcome.result is not None:
+            out.write("\n")
+        elif outcome.data is not None:
+            out.write(json.dumps(outcome.data, indent=2) + "\n")
+        elif outcome.message:
+            target = sys.stderr if outcome.error else out
+            target.write(outcome.message + "\n")
+        out.flush()
+        if outcome.quit:
+            break
+    return 0

@@ -1,0 +1,1 @@
+"""Ranks, the channel to the front end, and the collectives the engine uses."""

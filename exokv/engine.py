@@ -1,0 +1,366 @@
+"""One chat turn, run identically on every rank.
+
+render -> fetch the longest cached prefix -> one collective -> evict by plan ->
+prefill only the new tokens -> decode -> insert. Every cache decision is made
+from the token sequences (identical everywhere) and the gathered numbers.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from exokv.cache import memory
+from exokv.cache.policy import Entry, RankLoad, plan
+from exokv.cache.prefix_cache import Hit, PrefixCache
+from exokv.cache.radix import Node
+from exokv.cluster.group import Group, LocalGroup
+from exokv.config import DEFAULT_MEMORY_THRESHOLD
+from exokv.errors import ExokvError
+from exokv.records import CacheEvent, EntryInfo, RankStats, TurnRequest, TurnResult
+
+PREFILL_STEP = 512
+_DIGEST = 8  # index of the tree digest; per-entry sizes follow it in the gathered vector
+
+
+@dataclass
+class EngineOptions:
+    budget: int | None = None  # this rank's --cache-budget; None: derived from RAM
+    memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
+    max_kv_size: int | None = None
+    seed: int | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        group: Group | None = None,
+        options: EngineOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.group = group or LocalGroup()
+        self.options = options or EngineOptions()
+        self.cache = PrefixCache(self._new_cache)
+        self.decision = 0
+        self.collectives = 0
+        if self.options.seed is not None:
+            mx.random.seed(self.options.seed)
+        self.bytes_per_token = self._measure_bytes_per_token()
+        ram = memory.sample(self.group.rank).ram_total
+        model_bytes = sum(v.nbytes for _, v in _flat_params(model))
+        self.budget = (
+            self.options.budget
+            if self.options.budget is not None
+            else memory.default_budget(self.options.memory_threshold, ram, model_bytes)
+        )
+
+    # -- the turn ---------------------------------------------------------------
+
+    def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> TurnResult:
+        start = time.perf_counter()
+        tokens = self.render(request.messages)
+        self.decision += 1
+        events: list[CacheEvent] = []
+        overhead = time.perf_counter()
+        hit = (
+            self.cache.fetch(tokens)
+            if request.use_cache
+            else Hit(cache=self._new_cache(), length=0, path=[])
+        )
+        try:
+            if hit.entry is not None:
+                events.append(self._event("hit", hit.entry, [], request.session, hit.length))
+            new_tokens = len(tokens) - hit.length + request.max_tokens
+            per_rank_bpt, stats = self._coordinate(new_tokens, request.session, events)
+            overhead = time.perf_counter() - overhead
+            self._prefill(hit.cache, tokens[hit.length : -1], hit.length, len(tokens), on_progress)
+            if request.use_cache and self.cache.mode == "snapshots":
+                # Turn boundary: the next turn's prompt extends this one.
+                self.cache.insert(tokens[:-1], hit.cache, request.session)
+            generated, reply, finish, ttft, tps = self._decode(
+                tokens[-1:], hit.cache, request, start, on_text, should_stop
+            )
+        finally:
+            if request.use_cache:
+                self.cache.release(hit)
+        tic = time.perf_counter()
+        if request.use_cache:
+            added, split = self.cache.insert(tokens + generated, hit.cache, request.session)
+            for node in split:
+                events.append(self._event("update", node, per_rank_bpt, request.session))
+            for node in added:
+                events.append(self._event("add", node, per_rank_bpt, request.session))
+        overhead += time.perf_counter() - tic
+        return TurnResult(
+            session=request.session,
+            reply=reply,
+            prompt_tokens=len(tokens),
+            cached_tokens=hit.length,
+            prefilled_tokens=len(tokens) - hit.length,
+            generated_tokens=len(generated),
+            ttft_s=ttft,
+            decode_tps=tps,
+            overhead_s=overhead,
+            ranks=self.group.size,
+            finish_reason=finish,
+            decision=self.decision,
+            events=events,
+            rank_stats=stats,
+            entries=self.entries(per_rank_bpt),
+        )
+
+    # -- the one collective and the plan ---------------------------------------
+
+    def _coordinate(
+        self, new_tokens: int, session: str, events: list[CacheEvent]
+    ) -> tuple[list[float], list[RankStats]]:
+        """Gather every rank's numbers once, plan, and evict the same entries everywhere."""
+        nodes = list(self.cache.tree.nodes())
+        probe = memory.sample(self.group.rank)
+        headroom = new_tokens * self.bytes_per_token
+        if self.cache.mode == "snapshots":
+            headroom *= 2  # a snapshot after prefill and another after decode
+        local = [
+            self.cache.total_bytes,
+            -1 if self.budget is None else self.budget,
+            int(probe.pressure * 1_000_000),
+            probe.ram_total,
+            headroom,
+            probe.rss,
+            probe.mlx_active,
+            self.bytes_per_token,
+            _tree_digest(nodes),
+        ]
+        if self.cache.mode == "snapshots":
+            local += [self.cache.entry_bytes(n) for n in nodes]
+        self.collectives += 1
+        rows = self.group.gather(local)
+        digests = {row[_DIGEST] for row in rows}
+        if len(digests) != 1:
+            raise ExokvError("ranks hold different cache trees (they diverged); restart the chat")
+        per_rank_bpt = [float(row[7]) for row in rows]
+        sizes = [
+            row[_DIGEST + 1 :]
+            if self.cache.mode == "snapshots"
+            else [len(n.key) * row[7] for n in nodes]
+            for row in rows
+        ]
+        loads = [
+            RankLoad(
+                cache_bytes=row[0],
+                budget=None if row[1] < 0 else row[1],
+                pressure=row[2] / 1_000_000,
+                ram=row[3],
+                headroom=row[4],
+            )
+            for row in rows
+        ]
+        entries = [
+            Entry(
+                id=n.id,
+                parent=n.parent.id if n.parent is not None else None,
+                last_used=n.last_used,
+                locked=n.locks > 0,
+            )
+            for n in nodes
+        ]
+        pressures = [load.pressure for load in loads]
+        by_id = {n.id: i for i, n in enumerate(nodes)}
+        for eviction in plan(entries, sizes, loads, self.options.memory_threshold):
+            i = by_id[eviction.entry]
+            node = nodes[i]
+            events.append(
+                CacheEvent(
+                    kind="evict",
+                    decision=self.decision,
+                    entry=node.id,
+                    tokens=len(node.key),
+                    bytes=[int(sizes[r][i]) for r in range(len(rows))],
+                    session=node.session,
+                    reason=eviction.reason,
+                    pressures=pressures,
+                )
+            )
+            self.cache.evict(node)
+        freed = [0] * len(rows)
+        for e in events:
+            if e.kind == "evict":
+                freed = [f + b for f, b in zip(freed, e.bytes, strict=True)]
+        stats = [
+            RankStats(
+                rank=r,
+                cache_bytes=row[0] - freed[r],
+                entries=len(nodes) - sum(1 for e in events if e.kind == "evict"),
+                budget=None if row[1] < 0 else row[1],
+                pressure=row[2] / 1_000_000,
+                ram_total=row[3],
+                rss=row[5],
+                mlx_active=row[6],
+            )
+            for r, row in enumerate(rows)
+        ]
+        return per_rank_bpt, stats
+
+    # -- model work -------------------------------------------------------------
+
+    def _prefill(
+        self,
+        cache: list[Any],
+        tokens: Sequence[int],
+        done: int,
+        total: int,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> None:
+        """Run the model over the tokens not yet cached (all but the last one)."""
+        if on_progress:
+            on_progress(done, total)
+        for i in range(0, len(tokens), PREFILL_STEP):
+            chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
+            self.model(chunk, cache=cache)
+            mx.eval([c.state for c in cache])
+            if on_progress:
+                on_progress(done + i + chunk.shape[1], total)
+
+    def _decode(
+        self,
+        last: list[int],
+        cache: list[Any],
+        request: TurnRequest,
+        start: float,
+        on_text: Callable[[str], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> tuple[list[int], str, str, float, float]:
+        sampler = make_sampler(temp=request.temp)
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        eos = set(self.tokenizer.eos_token_ids)
+        generated: list[int] = []
+        ttft = 0.0
+        first = last_time = time.perf_counter()
+        finish = "length"
+        steps = generate_step(
+            mx.array(last),
+            self.model,
+            prompt_cache=cache,
+            max_tokens=request.max_tokens,
+            sampler=sampler,
+        )
+        for token, _ in steps:
+            token = int(token)
+            last_time = time.perf_counter()
+            if not generated:
+                ttft = last_time - start
+                first = last_time
+            generated.append(token)
+            if token in eos:
+                finish = "stop"
+                break
+            detok.add_token(token)
+            if on_text:
+                on_text(detok.last_segment)
+            stop = should_stop() if should_stop else False
+            if self.group.size > 1:
+                stop = self.group.any(stop)
+            if stop:
+                finish = "interrupted"
+                break
+            if len(generated) >= request.max_tokens:
+                break
+        detok.finalize()
+        if on_text and detok.last_segment:
+            on_text(detok.last_segment)
+        tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
+        return generated, detok.text, finish, ttft, tps
+
+    def _new_cache(self) -> list[Any]:
+        return make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
+
+    def _measure_bytes_per_token(self) -> int:
+        """Bytes one token adds to this rank's cache, from one real forward pass.
+
+        Run on every rank alike (a pipeline forward is itself collective).
+        """
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array([[0]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        # Buffers are (batch, heads, capacity, dim): bytes per unit of capacity.
+        buffers = [a for c in cache for a in _leaves(c.keys) + _leaves(c.values)]
+        return int(sum(a.nbytes // max(a.shape[2], 1) for a in buffers))
+
+    # -- reporting --------------------------------------------------------------
+
+    def entries(self, per_rank_bpt: Sequence[float]) -> list[EntryInfo]:
+        me = self.group.rank
+        out = []
+        for node in self.cache.tree.nodes():
+            local = self.cache.entry_bytes(node)
+            if self.cache.mode == "slices":
+                sizes = [int(len(node.key) * b) for b in per_rank_bpt]
+            else:  # snapshot sizes elsewhere are estimated until the next gather
+                sizes = [int(local * b / max(per_rank_bpt[me], 1)) for b in per_rank_bpt]
+            sizes[me] = local
+            out.append(
+                EntryInfo(
+                    id=node.id,
+                    parent=node.parent.id if node.parent and node.parent.parent else None,
+                    session=node.session,
+                    tokens=len(node.key),
+                    depth=node.depth,
+                    bytes=sizes,
+                    hits=node.hits,
+                    last_used=node.last_used,
+                )
+            )
+        return out
+
+    def _event(
+        self, kind: str, node: Node, per_rank_bpt: Sequence[float], session: str, hit: int = 0
+    ) -> CacheEvent:
+        return CacheEvent(
+            kind=kind,
+            decision=self.decision,
+            entry=node.id,
+            tokens=len(node.key),
+            bytes=[int(len(node.key) * b) for b in per_rank_bpt],
+            session=session,
+            hit_length=hit,
+        )
+
+
+def _leaves(x: Any) -> list[mx.array]:
+    return list(x) if isinstance(x, tuple | list) else [x]
+
+
+def _flat_params(model: Any) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(model.parameters())
+
+
+def _tree_digest(nodes: Sequence[Node]) -> int:
+    """A checksum of the tree's shape, compared across ranks in the same collective."""
+    text = ";".join(f"{n.id}:{n.depth}:{n.parent.id if n.parent else -1}" for n in nodes)
+    return zlib.crc32(text.encode())
