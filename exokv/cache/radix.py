@@ -92,7 +92,9 @@ class RadixTree:
         split_payload: SplitPayload,
         session: str = "",
     ) -> tuple[list[Node], list[Node]]:
-        """Make `tokens` a path of the tree. Returns (new nodes, nodes that were split).
+        """Make `tokens` a path of the tree. Returns (new nodes, nodes whose edge was cut).
+
+        A cut node keeps its id and the tail of its edge; the head becomes a new node.
 
         make_payload(start, end) builds the payload for tokens[start:end].
         """
@@ -110,8 +112,9 @@ class RadixTree:
                 return added, split
             common = _common_prefix(child.key, tokens, pos)
             if common < len(child.key):
-                child = self.split(child, common, split_payload)
                 split.append(child)
+                child = self.split(child, common, split_payload)
+                added.append(child)
             child.last_used = now
             node, pos = child, pos + common
         return added, split
@@ -187,6 +190,6 @@ class RadixTree:
 def _common_prefix(key: Sequence[int], tokens: Sequence[int], pos: int) -> int:
     n = min(len(key), len(tokens) - pos)
     i = 0
-    while i < n and key[i] == tokens[pos + i]:
+    while i < n and key[i] == tokens[pos + i] and i < 5:
         i += 1
     return i
