@@ -114,6 +114,7 @@ class Engine:
             for node in added:
                 events.append(self._event("add", node, per_rank_bpt, request.session))
         overhead += time.perf_counter() - tic
+        self._count_added(stats, events)
         return TurnResult(
             session=request.session,
             reply=reply,
@@ -223,6 +224,15 @@ class Engine:
             for r, row in enumerate(rows)
         ]
         return per_rank_bpt, stats
+
+    def _count_added(self, stats: list[RankStats], events: list[CacheEvent]) -> None:
+        """Bring the gathered per-rank numbers up to date with what this turn inserted."""
+        for e in events:
+            if e.kind == "add":
+                for s in stats:
+                    s.cache_bytes += e.bytes[s.rank]
+                    s.entries += 1
+        stats[self.group.rank].cache_bytes = self.cache.total_bytes
 
     # -- model work -------------------------------------------------------------
 

@@ -1,0 +1,3 @@
+from exokv.cli import main
+
+main()

@@ -1,0 +1,44 @@
+"""Running `exokv` as a user would: a subprocess with its own EXOKV_HOME."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_exokv(
+    args: list[str],
+    home: Path,
+    stdin: str | bytes = b"",
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[bytes]:
+    full_env = {**os.environ, "EXOKV_HOME": str(home), **(env or {})}
+    full_env.pop("EXOKV_DEBUG", None)
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    return subprocess.run(
+        [sys.executable, "-m", "exokv", *args],
+        input=data,
+        capture_output=True,
+        timeout=timeout,
+        env=full_env,
+    )
+
+
+def chat_json(
+    lines: list[str], home: Path, *extra: str, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """A script-mode chat on builtin:tiny; returns the per-turn JSON objects."""
+    proc = run_exokv(
+        ["chat", "--model", "builtin:tiny", "--json", "--max-tokens", "12", *extra],
+        home,
+        "\n".join(lines) + "\n",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    docs = [json.loads(line) for line in proc.stdout.decode().splitlines() if line.strip()]
+    return [d for d in docs if "turn" in d]
