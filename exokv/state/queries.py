@@ -1,0 +1,328 @@
+"""Read-side queries: plain dicts with stable keys, the ``--json`` documents of `exokv cache`.
+
+Every function takes a connection already inside one read transaction
+(``Store.snapshot``), so the numbers in one document come from the same turns.
+Times are ISO 8601 strings in UTC.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+from datetime import datetime, timezone
+from typing import Any
+
+from exokv.state.running import pid_alive
+
+
+def iso(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _ratio(part: float, whole: float | None, scale: float = 1.0, digits: int = 4) -> float | None:
+    if not whole:
+        return None
+    return round(scale * part / whole, digits)
+
+
+def run_is_running(row: sqlite3.Row) -> bool:
+    """A run row's process still runs (a row from another host is trusted until it ends)."""
+    if row["ended"] is not None:
+        return False
+    if row["host"] and row["host"] != socket.gethostname():
+        return True  # another machine's process: trust that it has not ended
+    return pid_alive(row["pid"], row["started"])
+
+
+def _run_dict(row: sqlite3.Row, running: bool) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "pid": row["pid"],
+        "host": row["host"],
+        "model": row["model"],
+        "ranks": row["ranks"],
+        "budgets": json.loads(row["budgets"]),
+        "started": iso(row["started"]),
+        "ended": iso(row["ended"]),
+        "running": running,
+    }
+
+
+def current_runs(db: sqlite3.Connection | None) -> list[dict[str, Any]]:
+    """The runs whose cache is "the cache": those running now, else the latest one."""
+    if db is None:
+        return []
+    rows = db.execute("SELECT * FROM runs ORDER BY id").fetchall()
+    live = [_run_dict(r, True) for r in rows if run_is_running(r)]
+    if live or not rows:
+        return live
+    return [_run_dict(rows[-1], False)]
+
+
+def _live_entries(db: sqlite3.Connection, run_id: int) -> list[sqlite3.Row]:
+    return db.execute(
+        "SELECT * FROM cache_entries WHERE run_id = ? AND evicted_at IS NULL ORDER BY node_id",
+        (run_id,),
+    ).fetchall()
+
+
+def _latest_samples(db: sqlite3.Connection, run_id: int) -> dict[int, sqlite3.Row]:
+    rows = db.execute(
+        "SELECT * FROM memory_samples WHERE id IN "
+        "(SELECT MAX(id) FROM memory_samples WHERE run_id = ? GROUP BY rank)",
+        (run_id,),
+    ).fetchall()
+    return {r["rank"]: r for r in rows}
+
+
+def _rank_numbers(
+    run: dict[str, Any], samples: dict[int, Any], sizes: list[list[int]]
+) -> list[int]:
+    width = max((len(b) for b in sizes), default=0)
+    return sorted(set(range(max(run["ranks"], width))) | set(samples))
+
+
+def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
+    row = db.execute(
+        "SELECT COUNT(*), COALESCE(SUM(cached_tokens > 0), 0), COALESCE(SUM(cached_tokens), 0), "
+        "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(prefilled_tokens), 0) "
+        "FROM turns WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
+    evictions = db.execute(
+        "SELECT COUNT(*) FROM cache_events WHERE run_id = ? AND kind = 'evict'", (run_id,)
+    ).fetchone()[0]
+    return {
+        "turns": row[0],
+        "hits": row[1],
+        "misses": row[0] - row[1],
+        "tokens_saved": row[2],
+        "prompt_tokens": row[3],
+        "prefilled_tokens": row[4],
+        "evictions": evictions,
+    }
+
+
+def _budget_for(run: dict[str, Any], sample: Any, rank: int) -> int | None:
+    if sample is not None and sample["budget"] is not None:
+        return int(sample["budget"])
+    budgets = run["budgets"]
+    return budgets[rank] if rank < len(budgets) else None
+
+
+_TOTAL_KEYS = (
+    "entries",
+    "cached_tokens",
+    "bytes",
+    "budget",
+    "budget_pct",
+    "hits",
+    "misses",
+    "hit_rate",
+    "tokens_saved",
+    "evictions",
+    "turns",
+    "prompt_tokens",
+    "prefilled_tokens",
+)
+
+
+def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
+    """Per (run, rank) and total: the document of `exokv cache stats --json`."""
+    runs = current_runs(db) if db is not None else []
+    ranks: list[dict[str, Any]] = []
+    total: dict[str, Any] = dict.fromkeys(
+        ("entries", "cached_tokens", "bytes", "turns", "hits", "misses", "tokens_saved")
+        + ("prompt_tokens", "prefilled_tokens", "evictions"),
+        0,
+    )
+    budgets: list[int | None] = []
+    for run in runs:
+        live = _live_entries(db, run["id"])
+        sizes = [json.loads(e["bytes"]) for e in live]
+        samples = _latest_samples(db, run["id"])
+        counts = _run_turns(db, run["id"])
+        for key, value in counts.items():
+            total[key] += value
+        total["entries"] += len(live)
+        total["cached_tokens"] += sum(e["tokens"] for e in live)
+        for rank in _rank_numbers(run, samples, sizes):
+            held = [(e, b) for e, b in zip(live, sizes, strict=True) if rank < len(b)]
+            size = sum(b[rank] for _, b in held)
+            budget = _budget_for(run, samples.get(rank), rank)
+            budgets.append(budget)
+            total["bytes"] += size
+            ranks.append(
+                {
+                    "run": run["id"],
+                    "rank": rank,
+                    "entries": len(held),
+                    "cached_tokens": sum(e["tokens"] for e, _ in held),
+                    "bytes": size,
+                    "budget": budget,
+                    "budget_pct": _ratio(size, budget, 100.0, 1),
+                    "pressure": samples[rank]["pressure"] if rank in samples else None,
+                    "hits": counts["hits"],
+                    "misses": counts["misses"],
+                    "hit_rate": _ratio(counts["hits"], counts["turns"]),
+                    "tokens_saved": counts["tokens_saved"],
+                    "evictions": counts["evictions"],
+                }
+            )
+    budget_total = None if not budgets or None in budgets else sum(b or 0 for b in budgets)
+    total["budget"] = budget_total
+    total["budget_pct"] = _ratio(total["bytes"], budget_total, 100.0, 1)
+    total["hit_rate"] = _ratio(total["hits"], total["turns"])
+    total = {key: total[key] for key in _TOTAL_KEYS}
+    sessions = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] if db is not None else 0
+    return {"runs": runs, "sessions": sessions, "ranks": ranks, "total": total}
+
+
+def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[dict[str, Any]]:
+    """Live entries of the current runs: the rows of `exokv cache entries --json`."""
+    if db is None:
+        return []
+    out = []
+    for run in current_runs(db):
+        for e in _live_entries(db, run["id"]):
+            if session is not None and e["session"] != session:
+                continue
+            sizes = json.loads(e["bytes"])
+            out.append(
+                {
+                    "run": run["id"],
+                    "id": e["node_id"],
+                    "parent": e["parent"],
+                    "session": e["session"],
+                    "model": e["model"],
+                    "tokens": e["tokens"],
+                    "depth": e["depth"],
+                    "bytes": sizes,
+                    "total_bytes": sum(sizes),
+                    "hits": e["hits"],
+                    "created": iso(e["created"]),
+                    "last_used": iso(e["last_used"]),
+                }
+            )
+    return out
+
+
+def pressure(
+    db: sqlite3.Connection | None, rank: int | None = None, history: int = 30
+) -> list[dict[str, Any]]:
+    """Latest sample and recent history per (run, rank), oldest sample first."""
+    if db is None:
+        return []
+    out = []
+    for run in current_runs(db):
+        samples = _latest_samples(db, run["id"])
+        for r in _rank_numbers(run, samples, []):
+            if rank is not None and r != rank:
+                continue
+            rows = db.execute(
+                "SELECT * FROM memory_samples WHERE run_id = ? AND rank = ? "
+                "ORDER BY id DESC LIMIT ?",
+                (run["id"], r, history),
+            ).fetchall()[::-1]
+            last = rows[-1] if rows else None
+            out.append(
+                {
+                    "run": run["id"],
+                    "rank": r,
+                    "time": iso(last["time"]) if last else None,
+                    "pressure": last["pressure"] if last else None,
+                    "cache_bytes": last["cache_bytes"] if last else None,
+                    "entries": last["entries"] if last else None,
+                    "budget": _budget_for(run, last, r),
+                    "rss": last["rss"] if last else None,
+                    "mlx_active": last["mlx_active"] if last else None,
+                    "ram_total": last["ram_total"] if last else None,
+                    "history": [
+                        {
+                            "time": iso(s["time"]),
+                            "pressure": s["pressure"],
+                            "cache_bytes": s["cache_bytes"],
+                        }
+                        for s in rows
+                    ],
+                }
+            )
+    return out
+
+
+def evictions(
+    db: sqlite3.Connection | None,
+    rank: int | None = None,
+    limit: int = 20,
+    since: float | None = None,
+) -> list[dict[str, Any]]:
+    """The eviction log of every run, newest first.
+
+    ``freed`` is the bytes freed on ``rank`` when one is given, else on all ranks.
+    """
+    if db is None:
+        return []
+    where = ["e.kind = 'evict'"]
+    params: list[Any] = []
+    if since is not None:
+        where.append("e.time >= ?")
+        params.append(since)
+    if rank is not None:
+        where.append("json_array_length(e.bytes) > ?")
+        params.append(rank)
+    rows = db.execute(
+        "SELECT e.*, t.turn AS turn FROM cache_events e LEFT JOIN turns t ON t.id = e.turn_id "
+        f"WHERE {' AND '.join(where)} ORDER BY e.time DESC, e.id DESC LIMIT ?",
+        (*params, limit),
+    ).fetchall()
+    out = []
+    for e in rows:
+        sizes = json.loads(e["bytes"])
+        out.append(
+            {
+                "id": e["id"],
+                "run": e["run_id"],
+                "turn": e["turn"],
+                "time": iso(e["time"]),
+                "decision": e["decision"],
+                "entry": e["entry"],
+                "session": e["session"],
+                "tokens": e["tokens"],
+                "bytes": sizes,
+                "freed": sizes[rank] if rank is not None else sum(sizes),
+                "reason": e["reason"],
+                "pressures": json.loads(e["pressures"]),
+            }
+        )
+    return out
+
+
+def sessions(db: sqlite3.Connection) -> list[dict[str, Any]]:
+    """Every session, most recently used first; ``tokens`` is its context at the last turn."""
+    rows = db.execute(
+        "SELECT s.*, "
+        "(SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS messages, "
+        "(SELECT COUNT(*) FROM turns t WHERE t.session_id = s.id) AS turns, "
+        "(SELECT COALESCE(SUM(cached_tokens), 0) FROM turns t WHERE t.session_id = s.id) "
+        " AS cached, "
+        "(SELECT prompt_tokens + generated_tokens FROM turns t WHERE t.session_id = s.id "
+        " ORDER BY t.id DESC LIMIT 1) AS tokens "
+        "FROM sessions s ORDER BY s.last_used DESC, s.id DESC"
+    ).fetchall()
+    return [
+        {
+            "name": r["name"],
+            "model": r["model"],
+            "system": r["system"],
+            "messages": r["messages"],
+            "turns": r["turns"],
+            "tokens": r["tokens"] or 0,
+            "cached_tokens": r["cached"],
+            "created": iso(r["created"]),
+            "last_used": iso(r["last_used"]),
+        }
+        for r in rows
+    ]

@@ -1,0 +1,519 @@
+"""The one SQLite database under EXOKV_HOME: opening it safely and writing to it.
+
+Writers take the write lock up front (BEGIN IMMEDIATE) so a read never has to
+be upgraded, and each chat turn is one transaction; readers run in WAL mode
+inside one read transaction, so they see whole turns and never block the chat.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from exokv.config import exokv_home
+from exokv.errors import ExokvError
+from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
+from exokv.state import queries
+from exokv.state.schema import foreign_tables, migrate
+
+DB_NAME = "exokv.db"
+BUSY_TIMEOUT_S = 10.0
+_MAGIC = b"SQLite format 3\x00"
+
+
+def db_path(home: Path | None = None) -> Path:
+    return (home if home is not None else exokv_home()) / DB_NAME
+
+
+def caches_dir(home: Path | None = None) -> Path:
+    """Where saved KV caches live; `exokv cache clear` empties it."""
+    return (home if home is not None else exokv_home()) / "caches"
+
+
+def _corrupt(path: Path, why: str) -> ExokvError:
+    moves = [f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.corrupt')}"]
+    for suffix in ("-wal", "-shm"):
+        # A stale WAL next to a fresh database would be replayed into it.
+        side = Path(str(path) + suffix)
+        if side.exists():
+            moves.append(
+                f"mv {shlex.quote(str(side))} {shlex.quote(str(path) + '.corrupt' + suffix)}"
+            )
+    return ExokvError(
+        f"the state database {path} cannot be used ({why}); nothing was changed: "
+        f"move it aside with `{' && '.join(moves)}` and exokv will start a new one"
+    )
+
+
+def _check_header(path: Path) -> None:
+    try:
+        with path.open("rb") as f:
+            head = f.read(100)
+    except OSError as err:
+        raise ExokvError(f"cannot read the state database {path}: {err.strerror}") from err
+    # An empty file is what sqlite3 itself creates: a new database, nothing to lose.
+    if head and (len(head) < 100 or not head.startswith(_MAGIC)):
+        raise _corrupt(path, "not an SQLite database")
+
+
+class _Damaged(Exception):
+    """Raised inside ``_connect``; reported only after the connection is closed, so the
+    advice names exactly the side files (-wal, -shm) that are left on disk."""
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+class Store:
+    """The exokv database. Open with ``Store.open()``; use as a context manager to close."""
+
+    def __init__(self, db: sqlite3.Connection, path: Path) -> None:
+        self._db = db
+        self.path = path
+        self.home = path.parent
+        self._lock = threading.RLock()
+
+    # -- opening ---------------------------------------------------------
+
+    @classmethod
+    def open(cls, home: Path | None = None) -> Store:
+        """Open (creating and migrating as needed) the database under ``home``."""
+        path = db_path(home)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ExokvError(
+                f"cannot create {path.parent}: {err.strerror}; "
+                "set EXOKV_HOME to a writable directory"
+            ) from err
+        return cls._connect(path)
+
+    @classmethod
+    def open_existing(cls, home: Path | None = None) -> Store | None:
+        """Like ``open`` but None when there is no database yet: readers create nothing."""
+        path = db_path(home)
+        if not path.exists():
+            return None
+        return cls._connect(path)
+
+    @classmethod
+    def _connect(cls, path: Path) -> Store:
+        existed = path.exists()
+        if existed:
+            _check_header(path)
+        try:
+            db = sqlite3.connect(
+                str(path),
+                timeout=BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as err:
+            raise ExokvError(f"cannot open the state database {path}: {err}") from err
+        store = cls(db, path)
+        try:
+            if existed:
+                store._check_integrity()
+            with store._guard():
+                if existed and (tables := foreign_tables(db)):
+                    raise _Damaged(
+                        f"an SQLite database, but not exokv's: tables {', '.join(tables)}"
+                    )
+                db.row_factory = sqlite3.Row
+                db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+                db.execute("PRAGMA foreign_keys = ON")
+                if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    db.execute("PRAGMA journal_mode = WAL")
+                db.execute("PRAGMA synchronous = NORMAL")
+                migrate(db, str(path))
+        except _Damaged as err:
+            db.close()
+            raise _corrupt(path, str(err)) from None
+        except BaseException:
+            db.close()
+            raise
+        return store
+
+    def _check_integrity(self) -> None:
+        # Before any write, so a damaged file is reported, never "repaired".
+        try:
+            verdict = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]
+        except sqlite3.DatabaseError as err:
+            if "locked" in str(err) or "busy" in str(err):
+                raise self._error(err) from err
+            raise _Damaged(str(err)) from err
+        if verdict != "ok":
+            raise _Damaged(verdict)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transactions ----------------------------------------------------
+
+    def _error(self, err: sqlite3.Error) -> ExokvError:
+        text = str(err)
+        lowered = text.lower()
+        if "locked" in lowered or "busy" in lowered:
+            return ExokvError(
+                f"the state database {self.path} stayed locked by another exokv process for "
+                f"more than {BUSY_TIMEOUT_S:.0f} s; try again"
+            )
+        if "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered:
+            return _corrupt(self.path, text)
+        return ExokvError(f"state database {self.path}: {text}")
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.Error as err:
+            raise self._error(err) from err
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._guard():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                # SQLite may already have rolled back (e.g. disk full).
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def snapshot(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction: every query inside sees the same whole turns."""
+        with self._lock, self._guard():
+            if self._db.in_transaction:
+                yield self._db
+                return
+            self._db.execute("BEGIN")
+            try:
+                yield self._db
+            finally:
+                self._db.execute("COMMIT")
+
+    # -- runs --------------------------------------------------------------
+
+    def start_run(self, model: str, ranks: int, budgets: list[int | None]) -> int:
+        """One row per chat process; cache entries and events belong to it."""
+        with self._write() as db:
+            cur = db.execute(
+                "INSERT INTO runs (pid, host, model, ranks, budgets, started) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (os.getpid(), socket.gethostname(), model, ranks, _dumps(budgets), time.time()),
+            )
+            return int(cur.lastrowid)
+
+    def end_run(self, run_id: int) -> None:
+        with self._write() as db:
+            db.execute(
+                "UPDATE runs SET ended = ? WHERE id = ? AND ended IS NULL", (time.time(), run_id)
+            )
+
+    # -- sessions and messages -------------------------------------------
+
+    def _session_id(self, db: sqlite3.Connection, name: str, model: str | None, now: float) -> int:
+        db.execute(
+            "INSERT INTO sessions (name, model, created, last_used) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET last_used = excluded.last_used, "
+            "model = CASE WHEN excluded.model != '' THEN excluded.model ELSE sessions.model END",
+            (name, model or "", now, now),
+        )
+        return int(db.execute("SELECT id FROM sessions WHERE name = ?", (name,)).fetchone()[0])
+
+    def ensure_session(self, name: str, model: str, system: str | None = None) -> None:
+        """Create the session if new, else mark it used; a ``system`` replaces its prompt."""
+        with self._write() as db:
+            sid = self._session_id(db, name, model, time.time())
+            if system is not None:
+                db.execute("UPDATE sessions SET system = ? WHERE id = ?", (system, sid))
+
+    def session_names(self) -> list[str]:
+        with self.snapshot() as db:
+            return [r[0] for r in db.execute("SELECT name FROM sessions ORDER BY last_used DESC")]
+
+    def sessions(self) -> list[dict[str, Any]]:
+        with self.snapshot() as db:
+            return queries.sessions(db)
+
+    def get_system(self, session: str) -> str | None:
+        with self.snapshot() as db:
+            row = db.execute("SELECT system FROM sessions WHERE name = ?", (session,)).fetchone()
+            return row[0] if row else None
+
+    def load_messages(self, session: str) -> list[dict[str, str]]:
+        with self.snapshot() as db:
+            rows = db.execute(
+                "SELECT m.role, m.content FROM messages m JOIN sessions s ON s.id = m.session_id "
+                "WHERE s.name = ? ORDER BY m.position",
+                (session,),
+            )
+            return [{"role": r[0], "content": r[1]} for r in rows]
+
+    @staticmethod
+    def _replace_messages(db: sqlite3.Connection, sid: int, messages: list[dict[str, str]]) -> None:
+        db.execute("DELETE FROM messages WHERE session_id = ?", (sid,))
+        db.executemany(
+            "INSERT INTO messages (session_id, position, role, content) VALUES (?, ?, ?, ?)",
+            [(sid, i, m["role"], m["content"]) for i, m in enumerate(messages)],
+        )
+
+    def set_messages(self, session: str, messages: list[dict[str, str]]) -> None:
+        """Replace the whole conversation (for /undo, /retry, /system)."""
+        with self._write() as db:
+            self._replace_messages(db, self._session_id(db, session, None, time.time()), messages)
+
+    # -- the cache ---------------------------------------------------------
+
+    @staticmethod
+    def _insert_events(
+        db: sqlite3.Connection,
+        run_id: int,
+        turn_id: int | None,
+        events: Iterable[CacheEvent],
+        now: float,
+    ) -> None:
+        for e in events:
+            db.execute(
+                "INSERT INTO cache_events (run_id, turn_id, time, kind, decision, entry, tokens, "
+                "bytes, session, reason, pressures, hit_length) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    turn_id,
+                    now,
+                    e.kind,
+                    e.decision,
+                    e.entry,
+                    e.tokens,
+                    _dumps(list(e.bytes)),
+                    e.session,
+                    e.reason,
+                    _dumps(list(e.pressures)),
+                    e.hit_length,
+                ),
+            )
+            if e.kind == "evict":
+                db.execute(
+                    "UPDATE cache_entries SET evicted_at = ? "
+                    "WHERE run_id = ? AND node_id = ? AND evicted_at IS NULL",
+                    (now, run_id, e.entry),
+                )
+            elif e.kind == "clear":
+                db.execute(
+                    "UPDATE cache_entries SET evicted_at = ? "
+                    "WHERE run_id = ? AND evicted_at IS NULL",
+                    (now, run_id),
+                )
+
+    @staticmethod
+    def _upsert_entries(
+        db: sqlite3.Connection, run_id: int, model: str, entries: Iterable[EntryInfo], now: float
+    ) -> None:
+        # last_used is wall time, moved only when the tree's own clock or hit count moved.
+        db.executemany(
+            "INSERT INTO cache_entries (run_id, node_id, parent, session, model, tokens, depth, "
+            "bytes, hits, tick, created, last_used, evicted_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL) "
+            "ON CONFLICT(run_id, node_id) DO UPDATE SET parent = excluded.parent, "
+            "session = excluded.session, tokens = excluded.tokens, depth = excluded.depth, "
+            "bytes = excluded.bytes, hits = excluded.hits, "
+            "last_used = CASE WHEN excluded.tick != cache_entries.tick "
+            "OR excluded.hits != cache_entries.hits "
+            "THEN excluded.last_used ELSE cache_entries.last_used END, "
+            "tick = excluded.tick, evicted_at = NULL",
+            [
+                (
+                    run_id,
+                    e.id,
+                    e.parent,
+                    e.session,
+                    model,
+                    e.tokens,
+                    e.depth,
+                    _dumps(list(e.bytes)),
+                    e.hits,
+                    e.last_used,
+                    now,
+                    now,
+                )
+                for e in entries
+            ],
+        )
+
+    @staticmethod
+    def _insert_samples(
+        db: sqlite3.Connection,
+        run_id: int,
+        turn_id: int | None,
+        stats: Iterable[RankStats],
+        now: float,
+    ) -> None:
+        db.executemany(
+            "INSERT INTO memory_samples (run_id, turn_id, time, rank, pressure, cache_bytes, "
+            "entries, budget, rss, mlx_active, ram_total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (
+                    run_id,
+                    turn_id,
+                    now,
+                    s.rank,
+                    s.pressure,
+                    s.cache_bytes,
+                    s.entries,
+                    s.budget,
+                    s.rss,
+                    s.mlx_active,
+                    s.ram_total,
+                )
+                for s in stats
+            ],
+        )
+
+    def record_turn(
+        self,
+        run_id: int,
+        session: str,
+        messages: list[dict[str, str]],
+        result: TurnResult,
+        model: str,
+        turn: int | None = None,
+    ) -> int:
+        """Store one whole turn atomically; returns its number in the session.
+
+        ``messages`` is the conversation after the turn. ``result.entries`` is the
+        tree's live entries after the turn (entries it omits are left as they were;
+        only ``evict``/``clear`` events end an entry).
+        """
+        now = time.time()
+        with self._write() as db:
+            sid = self._session_id(db, session, model, now)
+            self._replace_messages(db, sid, messages)
+            if turn is None:
+                turn = int(
+                    db.execute(
+                        "SELECT COALESCE(MAX(turn), 0) + 1 FROM turns WHERE session_id = ?", (sid,)
+                    ).fetchone()[0]
+                )
+            cur = db.execute(
+                "INSERT INTO turns (run_id, session_id, turn, model, prompt_tokens, cached_tokens, "
+                "prefilled_tokens, generated_tokens, ttft_s, decode_tps, overhead_s, evictions, "
+                "decision, finish_reason, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    sid,
+                    turn,
+                    model,
+                    result.prompt_tokens,
+                    result.cached_tokens,
+                    result.prefilled_tokens,
+                    result.generated_tokens,
+                    result.ttft_s,
+                    result.decode_tps,
+                    result.overhead_s,
+                    result.evictions,
+                    result.decision,
+                    result.finish_reason,
+                    now,
+                ),
+            )
+            turn_id = cur.lastrowid
+            self._insert_events(db, run_id, turn_id, result.events, now)
+            self._upsert_entries(db, run_id, model, result.entries, now)
+            self._insert_samples(db, run_id, turn_id, result.rank_stats, now)
+        return turn
+
+    def record_events(self, run_id: int, events: list[CacheEvent]) -> None:
+        """Events outside a turn, e.g. ``clear`` from /new or a cache reload."""
+        with self._write() as db:
+            self._insert_events(db, run_id, None, events, time.time())
+
+    def record_samples(self, run_id: int, stats: list[RankStats]) -> None:
+        """Memory samples outside a turn, e.g. right after the ranks start."""
+        with self._write() as db:
+            self._insert_samples(db, run_id, None, stats, time.time())
+
+    # -- reading -----------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        with self.snapshot() as db:
+            return queries.stats(db)
+
+    def entries(self, session: str | None = None) -> list[dict[str, Any]]:
+        with self.snapshot() as db:
+            return queries.entries(db, session)
+
+    def pressure(self, rank: int | None = None, history: int = 30) -> list[dict[str, Any]]:
+        with self.snapshot() as db:
+            return queries.pressure(db, rank, history)
+
+    def evictions(
+        self, rank: int | None = None, limit: int = 20, since: float | None = None
+    ) -> list[dict[str, Any]]:
+        with self.snapshot() as db:
+            return queries.evictions(db, rank, limit, since)
+
+    def clear(self) -> dict[str, int]:
+        """Forget the cache (entries, events, samples, runs, saved KV caches).
+
+        Sessions, messages and turns stay: conversations are never lost. Turns
+        lose their run, so cache statistics start again from zero.
+        """
+        tables = {"entries": "cache_entries", "events": "cache_events", "samples": "memory_samples"}
+        tables["runs"] = "runs"
+        with self._write() as db:
+            before = {
+                k: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for k, t in tables.items()
+            }
+            # A run still running keeps its rows: its next turn references them.
+            keep = [r["id"] for r in db.execute("SELECT * FROM runs") if queries.run_is_running(r)]
+            # NOT IN over json_each: an empty list keeps nothing (NOT IN (NULL) would keep all).
+            keep_json = _dumps(keep)
+            db.execute(
+                "UPDATE turns SET run_id = NULL "
+                "WHERE run_id NOT IN (SELECT value FROM json_each(?))",
+                (keep_json,),
+            )
+            db.execute(
+                "DELETE FROM runs WHERE id NOT IN (SELECT value FROM json_each(?))", (keep_json,)
+            )
+            db.execute("DELETE FROM cache_events WHERE run_id IS NULL")
+            db.execute("DELETE FROM memory_samples WHERE run_id IS NULL")
+            after = {
+                k: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for k, t in tables.items()
+            }
+        counts = {k: before[k] - after[k] for k in tables}
+        counts["saved_caches"] = clear_saved_caches(self.home)
+        return counts
+
+
+def clear_saved_caches(home: Path | None = None) -> int:
+    """Delete the saved KV caches; returns how many files went."""
+    directory = caches_dir(home)
+    if not directory.is_dir():
+        return 0
+    count = sum(1 for p in directory.rglob("*") if p.is_file())
+    shutil.rmtree(directory)
+    return count
