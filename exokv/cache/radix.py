@@ -190,6 +190,6 @@ class RadixTree:
 def _common_prefix(key: Sequence[int], tokens: Sequence[int], pos: int) -> int:
     n = min(len(key), len(tokens) - pos)
     i = 0
-    while i < n and key[i] == tokens[pos + i] and i < 5:
+    while i < n and key[i] == tokens[pos + i]:
         i += 1
     return i
