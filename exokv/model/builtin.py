@@ -1,0 +1,527 @@
+"""Synthetic builtin models: a real qwen2 checkpoint and tokenizer, generated locally.
+
+The builtins exist so that exokv can be tried and tested without a download. They
+are generated once per ``EXOKV_HOME`` and must be bit-identical on every machine
+(a pipeline over two hosts loads half the layers on each), so nothing here may
+depend on the global MLX random state, on dict ordering or on the platform's
+floating-point quirks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exokv.config import exokv_home
+
+# Bump when the generated files change, so stale model dirs are regenerated.
+GENERATOR_VERSION = 1
+SEED = 20250607
+VOCAB_SIZE = 1024
+# With mlx's default init a random qwen2 answers every prompt with one repeated
+# token; larger weights make the greedy reply depend on the prompt.
+WEIGHT_GAIN = 3.0
+MARKER = "exokv_builtin.json"
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- else -%}"
+    "{%- set content = message['content'] | selectattr('type', 'equalto', 'text')"
+    " | map(attribute='text') | join('') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+_STALE_TMP_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+# Four layers each, because a pipeline split such as `--split 3,1` must add up to
+# the layer count. On a 2-core CPU the attention over a long prompt dominates, so
+# base stays narrow enough that a 2,000-token prefill takes a few seconds.
+SPECS: dict[str, BuiltinSpec] = {
+    "tiny": BuiltinSpec(64, 4, 4, 2, 128),
+    "small": BuiltinSpec(128, 4, 4, 2, 384),
+    "base": BuiltinSpec(192, 4, 4, 2, 384),
+}
+
+
+def builtin_config(name: str) -> dict[str, Any]:
+    """The config.json of a builtin; the eos id is fixed because specials train first."""
+    spec = SPECS[name]
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_traditional": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+        "exokv_builtin": {"name": name, "seed": SEED, "generator_version": GENERATOR_VERSION},
+    }
+
+
+def builtin_params(name: str) -> int:
+    """Parameter count, computed without generating the model."""
+    s = SPECS[name]
+    head_dim = s.hidden_size // s.num_attention_heads
+    q = s.hidden_size * s.num_attention_heads * head_dim + s.num_attention_heads * head_dim
+    kv = 2 * (s.hidden_size * s.num_key_value_heads * head_dim + s.num_key_value_heads * head_dim)
+    o = s.num_attention_heads * head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    layer = q + kv + o + mlp + 2 * s.hidden_size
+    return s.num_hidden_layers * layer + 2 * VOCAB_SIZE * s.hidden_size + s.hidden_size
+
+
+def builtin_dir(name: str) -> Path:
+    return exokv_home() / "models" / name
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """The completion marker of a generated builtin, or None if incomplete or stale."""
+    try:
+        marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("generator_version") != GENERATOR_VERSION:
+        return None
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        return None
+    for fname, size in files.items():
+        try:
+            if (path / fname).stat().st_size != size:
+                return None
+        except OSError:
+            return None
+    return marker
+
+
+def is_generated(name: str) -> bool:
+    return read_marker(builtin_dir(name)) is not None
+
+
+def ensure_builtin(name: str) -> Path:
+    """Generate builtin ``name`` under EXOKV_HOME/models once; return its directory."""
+    if name not in SPECS:
+        raise KeyError(name)
+    final = builtin_dir(name)
+    if read_marker(final) is not None:
+        return final
+    models = final.parent
+    models.mkdir(parents=True, exist_ok=True)
+    with _generation_lock(models / f".{name}.lock"):
+        # Another process may have finished while we waited for the lock.
+        if read_marker(final) is not None:
+            return final
+        _remove_stale_tmp(models, name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-{os.getpid()}-", dir=models))
+        try:
+            tmp.chmod(0o755)
+            _generate(name, tmp)
+            # A complete dir that appeared meanwhile came from a process that did
+            # not see our lock (e.g. no flock on this filesystem): it is as good as
+            # ours and may already be in use, so it stays.
+            if read_marker(final) is None:
+                _move_aside(final)
+                try:
+                    os.rename(tmp, final)
+                except OSError:
+                    if read_marker(final) is None:
+                        raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@contextlib.contextmanager
+def _generation_lock(path: Path) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a target platform
+        yield
+        return
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        # kill() would address a whole process group, not one process.
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _remove_stale_tmp(models: Path, name: str) -> None:
+    """Delete temp dirs left by interrupted generations (dead pid, or very old)."""
+    now = time.time()
+    for entry in models.glob(f".tmp-{name}-*"):
+        parts = entry.name.split("-")
+        pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else -1
+        try:
+            age = now - entry.stat().st_mtime
+        except OSError:
+            continue
+        if not _pid_alive(pid) or age > _STALE_TMP_SECONDS:
+            shutil.rmtree(entry, ignore_errors=True)
+    for entry in models.glob(f".old-{name}-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _move_aside(final: Path) -> None:
+    """An incomplete or outdated dir at the final name must not block the rename."""
+    if not final.exists():
+        return
+    aside = final.with_name(f".old-{final.name}-{os.getpid()}-{time.time_ns()}")
+    os.rename(final, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _generate(name: str, out: Path) -> None:
+    config = builtin_config(name)
+    _write_json(out / "config.json", config)
+    _write_json(
+        out / "generation_config.json",
+        {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]},
+    )
+    _write_tokenizer(out)
+    _write_weights(config, out)
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    digest = hashlib.sha256()
+    for fname in sorted(files):
+        digest.update(fname.encode() + b"\0")
+        digest.update((out / fname).read_bytes())
+    marker = {
+        "name": name,
+        "seed": SEED,
+        "generator_version": GENERATOR_VERSION,
+        "fingerprint": digest.hexdigest(),
+        "params": builtin_params(name),
+        "files": files,
+    }
+    # Written last: its presence is what makes the dir count as complete.
+    _write_json(out / MARKER, marker)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+# --- weights ---------------------------------------------------------------------------
+
+
+def _uniform(shape: tuple[int, ...], half_width: float, key_name: str) -> Any:
+    """Uniform(-w, w) from SHAKE-256 bits: identical on every platform and library version."""
+    import mlx.core as mx
+    import numpy as np
+
+    count = int(np.prod(shape))
+    stream = hashlib.shake_256(f"exokv:{SEED}:{key_name}".encode()).digest(4 * count)
+    raw = np.frombuffer(stream, dtype="<u4")
+    # 24 random bits map exactly onto float32, so the arithmetic below is exact or
+    # correctly rounded everywhere.
+    unit = (raw >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+    values = (unit * np.float32(2.0) - np.float32(1.0)) * np.float32(half_width)
+    return mx.array(values.reshape(shape))
+
+
+def _init_weights(config: dict[str, Any]) -> dict[str, Any]:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs.from_dict(config)
+    # Only the names and shapes are used: mlx-lm's own init draws from the global
+    # random state, which differs with the caller's history.
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(qwen2.Model(args).parameters())}
+    weights = {}
+    for key in sorted(shapes):
+        shape = shapes[key]
+        if key.endswith("norm.weight"):
+            weights[key] = mx.ones(shape, dtype=mx.float32)
+        elif key.endswith("embed_tokens.weight"):
+            # Same variance as mlx's N(0, 1/dims) embedding init, times the gain.
+            width = WEIGHT_GAIN * (3.0 / shape[1]) ** 0.5
+            weights[key] = _uniform(shape, width, key)
+        elif len(shape) == 2:
+            weights[key] = _uniform(shape, WEIGHT_GAIN * shape[1] ** -0.5, key)
+        else:
+            # A bias: mlx's Linear init bound for its layer, no gain.
+            fan_in = shapes[key[: -len("bias")] + "weight"][1]
+            weights[key] = _uniform(shape, fan_in**-0.5, key)
+    return weights
+
+
+def _write_weights(config: dict[str, Any], out: Path) -> None:
+    import mlx.core as mx
+
+    weights = _init_weights(config)
+    # One file for the embeddings/norm/head and one per layer, so a pipeline stage
+    # reads only the files of its own layers.
+    groups: dict[str, dict[str, Any]] = {"shared": {}}
+    for key, value in weights.items():
+        parts = key.split(".")
+        group = f"layer{int(parts[2]):04d}" if parts[1] == "layers" else "shared"
+        groups.setdefault(group, {})[key] = value
+    order = ["shared"] + sorted(g for g in groups if g != "shared")
+    total = len(order)
+    weight_map = {}
+    total_size = 0
+    for i, group in enumerate(order, start=1):
+        fname = f"model-{i:05d}-of-{total:05d}.safetensors"
+        tensors = groups[group]
+        mx.save_safetensors(str(out / fname), tensors, metadata={"format": "mlx"})
+        for key, value in tensors.items():
+            weight_map[key] = fname
+            total_size += value.nbytes
+    _write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total_size}, "weight_map": weight_map},
+    )
+
+
+# --- tokenizer -------------------------------------------------------------------------
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = corpus_lines()
+    # Single-threaded: the corpus is small, and a process that used the tokenizers
+    # thread pool prints a warning in every child it forks later (the rank launcher).
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        tok.train_from_iterator(lines, trainer, length=len(lines))
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    for i, special in enumerate(SPECIAL_TOKENS):
+        if tok.token_to_id(special) != i:
+            raise RuntimeError(f"special token {special} is not id {i}")
+    tok.save(str(out / "tokenizer.json"), pretty=True)
+
+    special_entry = {
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "added_tokens_decoder": {
+                str(i): {"content": t, **special_entry} for i, t in enumerate(SPECIAL_TOKENS)
+            },
+            "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],
+            "bos_token": None,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "unk_token": None,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 32768,
+            "split_special_tokens": False,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+        },
+    )
+
+
+_PROSE = """\
+The morning was cold, and the river moved slowly under a thin layer of fog.
+A farmer walked along the bank with two dogs, counting the boats that passed.
+She had lived in the valley for forty years and knew every bend of the water.
+When the sun finally rose above the hills, the fog lifted and the fields turned gold.
+In the city, people hurried to work, carrying coffee and checking their phones.
+The train was late again, so a teacher read a book about the history of maps.
+Old maps were drawn by hand, and many of them showed islands that never existed.
+Sailors believed those islands were real because the maps said so.
+Today we trust satellites, but a map is still a story about a place.
+A computer stores numbers in memory, and a program tells it what to do with them.
+Memory is fast but small; a disk is large but slow; a good program uses both well.
+When two computers work together, they must agree on what each one has seen.
+If one machine forgets something that the other remembers, the answer breaks.
+That is why careful engineers write down every decision and share it with every node.
+The kitchen smelled of bread, onions and fresh basil from the garden.
+To make a simple soup, cut the vegetables, warm some oil, and cook them gently.
+Add water or stock, a pinch of salt, and let it simmer for half an hour.
+Taste it before serving, because every pot of soup is a little different.
+The children asked why the sky is blue, and their grandfather smiled.
+Light from the sun is scattered by the air, and blue light scatters the most.
+At sunset the light travels through more air, so we see red and orange instead.
+A good question is often more valuable than a quick answer.
+The library opened at nine, and the first visitor wanted a book about stars.
+Stars are huge balls of hot gas, and some of them are older than the earth.
+Our sun is an ordinary star, neither the largest nor the smallest.
+The astronomer pointed the telescope at a faint cloud and waited patiently.
+Music filled the hall as the orchestra began to play a quiet piece.
+The violins carried the melody while the drums kept a steady rhythm.
+After the concert, everyone walked home through the quiet streets.
+Hello! How are you today? I am fine, thank you. What would you like to talk about?
+Can you help me plan a trip? Of course. Where would you like to go, and for how long?
+Please explain how a cache works. A cache keeps recent results so they can be reused.
+Why is my program slow? It may be doing the same work again and again.
+What is the capital of France? The capital of France is Paris.
+Write a short poem about the sea. The sea is wide, the sea is deep,
+it sings the sailors off to sleep.
+Tell me a story. Once upon a time, a small robot learned to paint the morning sky.
+Thank you for your help! You are welcome. Have a wonderful day.
+"""
+
+_SUBJECTS = (
+    "the engineer",
+    "a young student",
+    "my neighbor",
+    "the old captain",
+    "our team",
+    "the robot",
+    "a curious child",
+    "the doctor",
+    "every musician",
+    "the gardener",
+)
+_VERBS = (
+    "builds",
+    "remembers",
+    "explains",
+    "finds",
+    "repairs",
+    "draws",
+    "measures",
+    "describes",
+    "forgets",
+    "shares",
+)
+_OBJECTS = (
+    "a wooden bridge",
+    "the long answer",
+    "three small boxes",
+    "the red apple",
+    "a quiet song",
+    "the broken clock",
+    "an ancient map",
+    "the weather report",
+    "a secret garden",
+    "the first message",
+)
+_PLACES = (
+    "in the morning",
+    "near the station",
+    "after dinner",
+    "on a rainy day",
+    "by the window",
+    "during the meeting",
+    "under the bridge",
+    "at the market",
+)
+
+
+def corpus_lines() -> list[str]:
+    """The tokenizer's training text: fixed prose plus sentences built in a fixed order."""
+    lines = [line for line in _PROSE.splitlines() if line.strip()]
+    n_s, n_v, n_o, n_p = len(_SUBJECTS), len(_VERBS), len(_OBJECTS), len(_PLACES)
+    for i in range(2000):
+        # Fixed strides instead of a random generator, whose stream may change between
+        # Python versions and would change the tokenizer with it.
+        s = _SUBJECTS[i % n_s]
+        v = _VERBS[(i * 3 + i // n_s) % n_v]
+        o = _OBJECTS[(i * 7 + i // (n_s * n_v)) % n_o]
+        p = _PLACES[(i * 5) % n_p]
+        sentence = f"{s} {v} {o} {p}"
+        capital = sentence[0].upper() + sentence[1:]
+        if i % 4 == 0:
+            lines.append(f"Why does {s} {v.rstrip('s')} {o}? Because it matters {p}.")
+        elif i % 4 == 1:
+            lines.append(f"{capital}, and {i % 97} people watch.")
+        elif i % 4 == 2:
+            lines.append(f'"{capital}," she said at {i % 12 + 1}:{i % 60:02d}.')
+        else:
+            lines.append(f"- Item {i}: {o} ({p}) = {i * 13 % 1000} / {i % 7 + 2}; done.")
+    lines.extend(lines[: len(_PROSE.splitlines())] * 3)
+    return lines

@@ -1,0 +1,311 @@
+"""From a --model value to a model directory, a loaded model and a stable identity.
+
+A value is one of: ``builtin:tiny|small|base`` (generated on first use), a local
+directory, or a Hugging Face repo id that is already in the local cache. Nothing
+here downloads: exokv runs where there may be no network, and a missing model is
+a one-line error that says how to get it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from exokv.config import exokv_home
+from exokv.errors import ExokvError, UsageError
+from exokv.model import builtin
+
+BUILTIN_NAMES = ("tiny", "small", "base")
+BUILTIN_PREFIX = "builtin:"
+
+_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# What a usable snapshot holds; the same globs mlx-lm fetches for a model.
+_MODEL_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+_IDENTITY_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def _builtin_list() -> str:
+    return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)
+
+
+def _builtin_name(name: str) -> str | None:
+    """'builtin:tiny' -> 'tiny'; None if ``name`` is not a builtin reference."""
+    if not name.startswith(BUILTIN_PREFIX):
+        return None
+    short = name[len(BUILTIN_PREFIX) :]
+    if short not in BUILTIN_NAMES:
+        raise UsageError(f"unknown builtin model {name!r}: choose one of {_builtin_list()}")
+    return short
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment at call time."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _hf_snapshot(repo: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(
+            repo,
+            cache_dir=str(hf_cache_dir()),
+            local_files_only=True,
+            allow_patterns=_MODEL_PATTERNS,
+        )
+    except Exception:
+        # Not cached, partly cached or not a valid repo id: all mean "not here".
+        return None
+    return Path(path)
+
+
+def resolve_model(name: str) -> Path:
+    """The directory of model ``name``, generating a builtin on first use."""
+    name = name.strip()
+    if not name:
+        raise UsageError(f"empty model name: give a directory, a repo id or {_builtin_list()}")
+    short = _builtin_name(name)
+    if short is not None:
+        try:
+            return builtin.ensure_builtin(short)
+        except OSError as e:
+            raise ExokvError(
+                f"could not generate {name} under {builtin.builtin_dir(short).parent}: {e}; "
+                "check that EXOKV_HOME is writable and has free space"
+            ) from e
+
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ExokvError(
+                f"model directory '{local}' has no config.json: it is not an mlx-lm model "
+                "(convert one with `mlx_lm.convert`)"
+            )
+        return local
+    if local.exists():
+        raise ExokvError(f"model '{name}' is a file, not a model directory")
+
+    if not _HF_REPO.match(name):
+        raise ExokvError(
+            f"model '{name}' not found: no such directory; pass a model directory, a Hugging "
+            f"Face repo id (org/name) already downloaded, or one of {_builtin_list()}"
+        )
+    snapshot = _hf_snapshot(name)
+    if snapshot is None or not (snapshot / "config.json").is_file():
+        raise ExokvError(
+            f"model '{name}' not found: not a local directory and not in the Hugging Face "
+            f"cache ({hf_cache_dir()}); download it first with `hf download {name}` "
+            f"(or pass a local directory, or use {_builtin_list()})"
+        )
+    return snapshot
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) loaded by mlx-lm; any failure becomes a one-line ExokvError."""
+    path = resolve_model(name)
+    try:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(path), lazy=lazy)
+    except Exception as e:
+        raise ExokvError(f"could not load model '{name}' from {path}: {_one_line(e)}"[:400]) from e
+    return model, tokenizer
+
+
+def _files_digest(path: Path) -> str:
+    """Content of the small files plus the names and sizes of the weights.
+
+    Weights are not read: hashing gigabytes on every start would be too slow,
+    and a re-converted checkpoint changes its config or its file sizes.
+    """
+    digest = hashlib.sha256()
+    for fname in _IDENTITY_FILES:
+        f = path / fname
+        if f.is_file():
+            digest.update(fname.encode() + b"\0" + f.read_bytes() + b"\0")
+    for f in sorted(path.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}\0".encode())
+    return digest.hexdigest()
+
+
+def model_id(name: str) -> str:
+    """A stable identity for ``name``, stored with saved caches to check they match.
+
+    Builtins: ``builtin:tiny@<hash of the generated files>``; cached Hugging Face
+    repos: ``org/name@<commit>``; local dirs: ``<dir name>@<hash of its files>``.
+    """
+    path = resolve_model(name)
+    short = _builtin_name(name.strip())
+    if short is not None:
+        marker = builtin.read_marker(path)
+        if marker is None:
+            raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
+        return f"{BUILTIN_PREFIX}{short}@{marker['fingerprint'][:12]}"
+    if path.parent.name == "snapshots" and not Path(name).expanduser().is_dir():
+        return f"{name.strip()}@{path.name[:12]}"
+    return f"{path.resolve().name}@{_files_digest(path)[:12]}"
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for f in path.iterdir():
+        try:
+            if f.is_file():
+                total += f.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _safetensors_params(path: Path, config: dict[str, Any]) -> int | None:
+    """Parameter count from the safetensors headers, without loading any weight."""
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    total = 0
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return None
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError):
+            return None
+        for key, info in header.items():
+            if key == "__metadata__" or not isinstance(info, dict):
+                continue
+            count = 1
+            for dim in info.get("shape", []):
+                count *= dim
+            if bits and key.endswith((".scales", ".biases")) and info.get("dtype") != "F32":
+                # Quantization side tables are not parameters of the model.
+                continue
+            if bits and info.get("dtype") == "U32":
+                count = count * 32 // int(bits)
+            total += count
+    return total
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _mlx_supported(config: dict[str, Any]) -> bool:
+    import importlib.util
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        return False
+    try:
+        from mlx_lm.utils import MODEL_REMAPPING as remapping
+    except Exception:
+        remapping = {}
+    model_type = remapping.get(model_type, model_type)
+    try:
+        return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _local_entry(name: str, kind: str, path: Path) -> dict[str, Any] | None:
+    config = _read_config(path)
+    if config is None or not any(path.glob("*.safetensors")) or not _mlx_supported(config):
+        return None
+    return {
+        "name": name,
+        "kind": kind,
+        "path": str(path),
+        "generated": True,
+        "size_bytes": _dir_size(path),
+        "params": _safetensors_params(path, config),
+        "model_type": config.get("model_type"),
+    }
+
+
+def _hf_models() -> list[dict[str, Any]]:
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir(hf_cache_dir())
+    except Exception:
+        # No cache yet, or one this version cannot read: nothing to list.
+        return []
+    found = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        newest = max(repo.revisions, key=lambda r: r.last_modified)
+        entry = _local_entry(repo.repo_id, "huggingface", Path(newest.snapshot_path))
+        if entry is not None:
+            found.append(entry)
+    return found
+
+
+def list_models() -> list[dict[str, Any]]:
+    """The builtins, then local models: EXOKV_HOME/models/* and the Hugging Face cache.
+
+    Each entry: name (what --model takes), kind (builtin|local|huggingface), path,
+    generated (False only for a builtin not generated yet), size_bytes (on disk;
+    None until generated), params, model_type.
+    """
+    models: list[dict[str, Any]] = []
+    for short in BUILTIN_NAMES:
+        path = builtin.builtin_dir(short)
+        generated = builtin.read_marker(path) is not None
+        models.append(
+            {
+                "name": BUILTIN_PREFIX + short,
+                "kind": "builtin",
+                "path": str(path),
+                "generated": generated,
+                "size_bytes": _dir_size(path) if generated else None,
+                "params": builtin.builtin_params(short),
+                "model_type": "qwen2",
+            }
+        )
+    models_dir = exokv_home() / "models"
+    if models_dir.is_dir():
+        for path in sorted(models_dir.iterdir()):
+            if path.name.startswith(".") or path.name in BUILTIN_NAMES or not path.is_dir():
+                continue
+            entry = _local_entry(str(path), "local", path)
+            if entry is not None:
+                models.append(entry)
+    models.extend(_hf_models())
+    return models
