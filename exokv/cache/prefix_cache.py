@@ -170,9 +170,11 @@ class PrefixCache:
         added, was_split = self.tree.insert(tokens, snapshot, _split_snapshot, session=session)
         end_node = self.tree.match(tokens).path[-1]
         if end_node.payload is None:
-            # The tokens ended on an existing boundary that held no snapshot yet.
+            # The tokens ended on a boundary that held no snapshot yet (possibly the
+            # head this very insert cut off, which is already listed as added).
             end_node.payload = snapshot(0, len(tokens))
-            added.append(end_node)
+            if end_node not in added:
+                added.append(end_node)
         return added, was_split
 
     def _split_slices(self, payload: Payload, k: int) -> tuple[Payload, Payload]:
@@ -194,7 +196,11 @@ class PrefixCache:
         return freed
 
     def clear(self) -> None:
-        self.tree = RadixTree()
+        """Drop every entry. The same tree goes on, so its id counter does: a new
+        entry never reuses the id of a cleared one (ids key the run's entry log)."""
+        for node in list(self.tree.nodes()):
+            node.payload = None
+        self.tree.root.children.clear()
 
     @property
     def total_bytes(self) -> int:

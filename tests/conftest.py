@@ -1,0 +1,50 @@
+"""Shared fixtures for the test suite."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import qwen2
+
+# -- tiny in-memory models ----------------------------------------------------------
+
+
+def build_tiny_qwen(**overrides) -> qwen2.Model:
+    """A small random qwen2 built in memory (no files, no tokenizer), float32.
+
+    Every 2-D weight is multiplied by 3: at the default init scale the network is
+    close to a constant function of its input, and the cache tests need logits
+    that depend on every earlier token.
+    """
+    config = dict(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=300,
+        tie_word_embeddings=True,
+    )
+    config.update(overrides)
+    mx.random.seed(0)
+    model = qwen2.Model(qwen2.ModelArgs(**config))
+    scaled = [(k, v * 3 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(scaled))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen() -> qwen2.Model:
+    """hidden 64, 4 layers, 4 heads (head dim 16), 2 kv heads, vocab 300."""
+    return build_tiny_qwen()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_hd32() -> qwen2.Model:
+    """tiny_qwen with 2 heads, so head dim 32: mx.quantize needs groups of >= 32."""
+    return build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2)

@@ -1,0 +1,221 @@
+"""The eviction plan: a pure function of numbers every rank holds identically."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exokv.cache.policy import Entry, Eviction, RankLoad, plan
+
+MB = 1 << 20
+GB = 1 << 30
+
+
+def load(cache_bytes, budget=None, pressure=0.0, ram=16 * GB, headroom=0) -> RankLoad:
+    return RankLoad(
+        cache_bytes=cache_bytes, budget=budget, pressure=pressure, ram=ram, headroom=headroom
+    )
+
+
+def one_rank(entries, sizes, threshold=0.9, **kw):
+    """Plan for a single rank whose cache holds exactly the listed entries."""
+    return plan(entries, [sizes], [load(sum(sizes), **kw)], threshold)
+
+
+def ids(evictions):
+    return [e.entry for e in evictions]
+
+
+def flat(last_used):
+    """Root-level leaves (parent None) with the given last_used values, ids 1.."""
+    return [Entry(id=i + 1, parent=None, last_used=t) for i, t in enumerate(last_used)]
+
+
+def test_nothing_to_do_under_budget_and_threshold():
+    entries = flat([1, 2, 3])
+    assert one_rank(entries, [10, 10, 10], budget=30) == []
+    assert one_rank(entries, [10, 10, 10]) == []  # no budget, no pressure
+
+
+def test_lru_order_and_stops_once_under_budget():
+    entries = flat([30, 10, 20, 40])  # LRU order: 2, 3, 1, 4
+    assert ids(one_rank(entries, [10] * 4, budget=40)) == []
+    assert ids(one_rank(entries, [10] * 4, budget=39)) == [2]
+    assert ids(one_rank(entries, [10] * 4, budget=20)) == [2, 3]
+    assert ids(one_rank(entries, [10] * 4, budget=0)) == [2, 3, 1, 4]
+
+
+def test_reason_names_the_budget_rank():
+    out = one_rank(flat([1]), [10], budget=5)
+    assert out == [Eviction(entry=1, reason="budget rank 0")]
+
+
+def test_locked_entries_are_never_evicted():
+    entries = [
+        Entry(1, None, last_used=1, locked=True),
+        Entry(2, None, last_used=2),
+        Entry(3, None, last_used=3, locked=True),
+    ]
+    # Even with a budget of zero, only the unlocked one goes; then it gives up.
+    assert ids(one_rank(entries, [10, 10, 10], budget=0)) == [2]
+
+
+def test_parent_becomes_evictable_only_after_its_children():
+    # 1 is the oldest but has children 2 and 3; 3 has child 4.
+    entries = [
+        Entry(1, None, last_used=1),
+        Entry(2, 1, last_used=5),
+        Entry(3, 1, last_used=2),
+        Entry(4, 3, last_used=6),
+        Entry(5, None, last_used=4),
+    ]
+    out = ids(one_rank(entries, [1] * 5, budget=0))
+    assert out == [5, 2, 4, 3, 1]
+    for parent, child in [(1, 2), (1, 3), (3, 4)]:
+        assert out.index(child) < out.index(parent)
+
+
+def test_locked_child_pins_its_ancestors():
+    entries = [Entry(1, None, 1), Entry(2, 1, 2), Entry(3, 2, 3, locked=True), Entry(4, 1, 4)]
+    assert ids(one_rank(entries, [1] * 4, budget=0)) == [4]
+
+
+def test_entries_whose_parent_is_the_unlisted_root_count_as_roots():
+    entries = [Entry(1, 0, last_used=2), Entry(2, 0, last_used=1)]  # 0: the tree's root
+    assert ids(one_rank(entries, [1, 1], budget=0)) == [2, 1]
+
+
+def test_headroom_counts_against_the_budget():
+    entries = flat([1, 2, 3])
+    sizes = [10, 10, 10]
+    assert ids(one_rank(entries, sizes, budget=35)) == []
+    assert ids(one_rank(entries, sizes, budget=35, headroom=5)) == []  # 35 <= 35
+    assert ids(one_rank(entries, sizes, budget=35, headroom=6)) == [1]
+    assert ids(one_rank(entries, sizes, budget=35, headroom=25)) == [1, 2]
+    assert ids(one_rank(entries, sizes, budget=35, headroom=26)) == [1, 2, 3]
+    # Headroom that no eviction can make room for: evict all that is evictable, then stop.
+    assert ids(one_rank(entries, sizes, budget=35, headroom=100)) == [1, 2, 3]
+
+
+def test_per_rank_budgets_evict_until_every_rank_fits():
+    entries = flat([1, 2, 3, 4])
+    sizes = [[10, 10, 10, 10], [5, 30, 5, 5]]  # rank 1 holds entry 2 big (uneven sharding)
+    ranks = [load(40, budget=100), load(45, budget=20)]
+    out = plan(entries, sizes, ranks, threshold=0.9)
+    # Evicting 1 leaves rank 1 at 40 > 20; evicting 2 brings it to 10.
+    assert out == [Eviction(1, "budget rank 1"), Eviction(2, "budget rank 1")]
+
+
+def test_reason_names_the_worst_rank():
+    entries = flat([1, 2, 3])
+    sizes = [[1, 10, 10], [10, 1, 1]]
+    # Rank 0 is 40% over its budget, rank 1 140% over: the reason names rank 1.
+    # Evicting entry 1 fixes rank 1 but leaves rank 0 over: the reason moves to rank 0.
+    ranks = [load(21, budget=15), load(12, budget=5)]
+    out = plan(entries, sizes, ranks, threshold=0.9)
+    assert out == [Eviction(1, "budget rank 1"), Eviction(2, "budget rank 0")]
+
+
+def test_pressure_threshold_with_freed_bytes_relief():
+    entries = flat([1, 2, 3, 4])
+    ram = 1000 * MB
+    sizes = [[50 * MB] * 4]
+    # Pressure 0.97 over a 0.9 threshold: each freed 50MB relieves 0.05 of pressure,
+    # so two evictions bring it to 0.87.
+    out = plan(entries, sizes, [load(200 * MB, pressure=0.97, ram=ram)], threshold=0.9)
+    assert out == [Eviction(1, "pressure rank 0"), Eviction(2, "pressure rank 0")]
+    out = plan(entries, sizes, [load(200 * MB, pressure=0.93, ram=ram)], threshold=0.9)
+    assert ids(out) == [1]
+    assert plan(entries, sizes, [load(200 * MB, pressure=0.9, ram=ram)], threshold=0.9) == []
+    # Pressure the cache cannot relieve: everything evictable goes, then it stops.
+    out = plan(entries, sizes, [load(200 * MB, pressure=0.99 + 0.2, ram=ram)], threshold=0.9)
+    assert ids(out) == [1, 2, 3, 4]
+
+
+def test_pressure_on_one_rank_evicts_for_all():
+    entries = flat([1, 2])
+    sizes = [[MB, MB], [100 * MB, 100 * MB]]
+    ranks = [load(2 * MB, pressure=0.1, ram=GB), load(200 * MB, pressure=0.95, ram=GB)]
+    assert plan(entries, sizes, ranks, threshold=0.9) == [Eviction(1, "pressure rank 1")]
+
+
+def test_deterministic_tie_break_by_id():
+    entries = [Entry(7, None, 5), Entry(3, None, 5), Entry(5, None, 5)]
+    assert ids(one_rank(entries, [1, 1, 1], budget=1)) == [3, 5]
+
+
+def test_sizes_must_have_one_row_per_rank():
+    with pytest.raises(ValueError):
+        plan(flat([1]), [[1], [1]], [load(1, budget=0)], threshold=0.9)
+
+
+def test_gathered_numbers_evict_where_local_numbers_alone_would_not():
+    """THE divergence the design prevents (exo #1341).
+
+    Rank 0 has a big budget and is comfortably under it; rank 1 (a smaller
+    machine) holds the same entries but is over its budget. A plan from the
+    gathered numbers evicts on every rank for rank 1; a plan rank 0 computed
+    from its own numbers alone would keep everything, and the two ranks' caches
+    (and so their next prefill) would disagree.
+    """
+    entries = flat([3, 1, 2])
+    sizes = [[2 * MB, 2 * MB, 2 * MB], [900_000, 900_000, 900_000]]
+    rank0 = load(6 * MB, budget=8 * MB)  # 6MB of 8MB: fine
+    rank1 = load(2_700_000, budget=2 * MB)  # 2.7MB of 2MB: over
+    gathered = plan(entries, sizes, [rank0, rank1], threshold=0.9)
+    assert gathered == [Eviction(entry=2, reason="budget rank 1")]
+    assert plan(entries, sizes[:1], [rank0], threshold=0.9) == []
+    # And every rank computing from the gathered numbers computes the same plan.
+    assert plan(entries, sizes, [rank0, rank1], threshold=0.9) == gathered
+
+
+# -- determinism --------------------------------------------------------------------
+
+
+@st.composite
+def scenarios(draw):
+    n = draw(st.integers(0, 12))
+    entries = []
+    for i in range(n):
+        parent = draw(st.sampled_from([None, *range(1, i + 1)]))  # parents come first
+        entries.append(
+            Entry(
+                id=i + 1,
+                parent=parent,
+                last_used=draw(st.integers(0, 4)),  # few values: many ties
+                locked=draw(st.booleans()),
+            )
+        )
+    nranks = draw(st.integers(1, 3))
+    sizes = [[draw(st.integers(0, 100)) for _ in range(n)] for _ in range(nranks)]
+    ranks = [
+        RankLoad(
+            cache_bytes=sum(row),
+            budget=draw(st.one_of(st.none(), st.integers(0, 600))),
+            pressure=draw(st.floats(0, 1.2)),
+            ram=draw(st.integers(1, 2000)),
+            headroom=draw(st.integers(0, 100)),
+        )
+        for row in sizes
+    ]
+    order = draw(st.permutations(range(n)))
+    return entries, sizes, ranks, draw(st.floats(0.5, 1.0)), order
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_plan_is_a_function_of_its_inputs_not_their_order(scenario):
+    entries, sizes, ranks, threshold, order = scenario
+    out = plan(entries, sizes, ranks, threshold)
+    shuffled = plan(
+        [entries[i] for i in order], [[row[i] for i in order] for row in sizes], ranks, threshold
+    )
+    assert shuffled == out  # same evictions, same order, same reasons
+    # And what it plans is admissible: unlocked, each a leaf when it goes, no repeats.
+    by_id = {e.id: e for e in entries}
+    gone: set[int] = set()
+    for ev in out:
+        assert not by_id[ev.entry].locked and ev.entry not in gone
+        assert all(e.parent != ev.entry or e.id in gone for e in entries)
+        gone.add(ev.entry)
