@@ -9,7 +9,7 @@ import click
 import typer
 
 from exokv.config import debug_enabled
-from exokv.errors import ExokvError
+from exokv.errors import ExokvError, UsageError
 
 app = typer.Typer(
     name="exokv",
@@ -26,10 +26,10 @@ def chat(
         None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
     ),
     system: str = typer.Option(None, "--system", help="system prompt"),
-    max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="most tokens per reply"),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="sampling temperature"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="most tokens per reply"),
+    temp: float = typer.Option(0.0, "--temp", help="sampling temperature"),
     seed: int = typer.Option(None, "--seed", help="random seed"),
-    ranks: int = typer.Option(1, "--ranks", "-n", min=1, help="ranks on this machine"),
+    ranks: int = typer.Option(1, "--ranks", "-n", help="ranks on this machine"),
     hosts: str = typer.Option(None, "--hosts", help="a,b,... one rank per host"),
     hostfile: str = typer.Option(None, "--hostfile", help="mlx hostfile (JSON)"),
     backend: str = typer.Option("ring", "--backend", help="ring|jaccl|mpi"),
@@ -42,7 +42,7 @@ def chat(
         0.9, "--memory-threshold", help="RAM fraction that triggers eviction"
     ),
     max_kv_size: int = typer.Option(
-        None, "--max-kv-size", min=1, help="rotating KV cache of this many tokens"
+        None, "--max-kv-size", help="rotating KV cache of this many tokens"
     ),
     no_cache: bool = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn"),
     session: str = typer.Option(
@@ -56,9 +56,9 @@ def chat(
     from exokv.config import default_model
 
     if backend not in ("ring", "jaccl", "mpi"):
-        raise typer.BadParameter("use ring, jaccl or mpi", param_hint="--backend")
+        raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
     if parallel not in ("pipeline", "tensor"):
-        raise typer.BadParameter("use pipeline or tensor", param_hint="--parallel")
+        raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
     if model is None:
         model = default_model()
         print(
@@ -93,6 +93,9 @@ def _mount_subcommands() -> None:
     from exokv import inspect as inspect_cmds
 
     app.add_typer(inspect_cmds.cache_app, name="cache")
+    from exokv.bench_cli import bench
+
+    app.command()(bench)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ TURNS = [
     "What is the capital of France?",
     "Thank you, goodbye.",
 ]
-LONG_SYSTEM = " ".join(f"Rule {i}: answer kindly and briefly about topic {i}." for i in range(40))
+LONG_SYSTEM = " ".join(f"Rule {i}: answer kindly and briefly about topic {i}." for i in range(14))
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,7 +64,7 @@ def test_shared_system_prompt_held_once(tmp_path):
         script += [f"/new {name}", f"Question from {name}?"]
     turns = chat_json(script, tmp_path, "--system", LONG_SYSTEM, "--max-tokens", "4")
     assert turns[0]["prompt_tokens"] > 300
-    shared = turns[0]["prompt_tokens"] - 8  # the system prompt's tokens, give or take
+    shared = turns[0]["prompt_tokens"] - 12  # all but the user line that differs
     for t in turns[1:]:
         assert t["cached_tokens"] >= shared
     # Bytes held: one copy of the shared prefix plus four short suffixes, not four copies.
