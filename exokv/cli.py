@@ -88,6 +88,29 @@ def chat(
     raise typer.Exit(run_chat(opts))
 
 
+@app.command()
+def models(json_out: bool = typer.Option(False, "--json", help="one JSON document")) -> None:
+    """List the builtin models and the models found locally."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from exokv.config import format_size
+    from exokv.model.resolve import list_models
+
+    found = list_models()
+    if json_out:
+        print(json.dumps(found, indent=2))
+        return
+    table = Table("name", "kind", "params", "size", "path")
+    for m in found:
+        size = format_size(m["size_bytes"]) if m.get("size_bytes") else "not generated yet"
+        params = f"{m['params']:,}" if m.get("params") else "?"
+        table.add_row(m["name"], m["kind"], params, size, str(m.get("path") or ""))
+    Console().print(table)
+
+
 def _mount_subcommands() -> None:
     # Each command lives in its own module; importing them here keeps cli.py thin.
     from exokv import inspect as inspect_cmds
