@@ -12,8 +12,11 @@ _exokv_completion() {
             continue
         fi
         case "$path:$word" in
+            "exokv:bench") path="exokv bench" ;;
             "exokv:cache") path="exokv cache" ;;
             "exokv:chat") path="exokv chat" ;;
+            "exokv:models") path="exokv models" ;;
+            "exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot") skip=1 ;;
             "exokv cache:clear") path="exokv cache clear" ;;
             "exokv cache:entries") path="exokv cache entries" ;;
             "exokv cache:evictions") path="exokv cache evictions" ;;
@@ -29,6 +32,8 @@ _exokv_completion() {
     if ((skip)); then
         COMPREPLY=()
         case "$path:$prev" in
+            "exokv bench:--parallel") COMPREPLY=($(compgen -W "pipeline tensor" -- "$cur")) ;;
+            "exokv bench:--plot") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
             "exokv chat:--hostfile") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
             "exokv chat:--backend") COMPREPLY=($(compgen -W "ring jaccl mpi" -- "$cur")) ;;
             "exokv chat:--parallel") COMPREPLY=($(compgen -W "pipeline tensor" -- "$cur")) ;;
@@ -37,8 +42,10 @@ _exokv_completion() {
     fi
     local subs="" opts=""
     case "$path" in
-        "exokv") subs="cache chat"
+        "exokv") subs="bench cache chat models"
             opts="--help" ;;
+        "exokv bench") subs=""
+            opts="--model -m --ranks -n --parallel --turns --context --reply-tokens --scenario --repeat --seed --json --plot --help" ;;
         "exokv cache") subs="clear entries evictions pressure stats"
             opts="--help" ;;
         "exokv cache clear") subs=""
@@ -53,6 +60,8 @@ _exokv_completion() {
             opts="--json --help" ;;
         "exokv chat") subs=""
             opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --session --json --starting-port --help" ;;
+        "exokv models") subs=""
+            opts="--json --help" ;;
     esac
     if [[ $cur == -* || -z $subs ]]; then
         COMPREPLY=($(compgen -W "$opts" -- "$cur"))

@@ -10,10 +10,16 @@ function __exokv_path
             continue
         end
         switch "$p:$word"
+            case "exokv:bench"
+                set p "exokv bench"
             case "exokv:cache"
                 set p "exokv cache"
             case "exokv:chat"
                 set p "exokv chat"
+            case "exokv:models"
+                set p "exokv models"
+            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot"
+                set skip 1
             case "exokv cache:clear"
                 set p "exokv cache clear"
             case "exokv cache:entries"
@@ -42,9 +48,23 @@ function __exokv_at
 end
 
 complete -c exokv -f
+complete -c exokv -n '__exokv_at exokv' -a 'bench' -d 'Compare cold, carried, mlx-lm-lru and exokv on the same conversations'
 complete -c exokv -n '__exokv_at exokv' -a 'cache' -d 'Inspect the prefix cache: stats, entries, pressure, evictions'
 complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REPL on a terminal, script mode otherwise'
+complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the builtin models and the models found locally'
 complete -c exokv -n '__exokv_at exokv' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv bench' -l model -s m -x -d 'builtin:tiny|small|base, a path or a HF repo id'
+complete -c exokv -n '__exokv_at exokv bench' -l ranks -s n -x -d 'ranks on this machine (1 for now)'
+complete -c exokv -n '__exokv_at exokv bench' -l parallel -x -a 'pipeline tensor' -d 'pipeline|tensor'
+complete -c exokv -n '__exokv_at exokv bench' -l turns -x -d 'turns per conversation'
+complete -c exokv -n '__exokv_at exokv bench' -l context -x -d 'prompt tokens of the last turn'
+complete -c exokv -n '__exokv_at exokv bench' -l reply-tokens -x -d 'most tokens per reply'
+complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -d 'linear|switch|branch|shared-prefix|all (or a comma list)'
+complete -c exokv -n '__exokv_at exokv bench' -l repeat -x -d 'runs per scenario; medians are reported'
+complete -c exokv -n '__exokv_at exokv bench' -l seed -x -d 'seed of the generated conversations'
+complete -c exokv -n '__exokv_at exokv bench' -l json -d 'print one JSON document to stdout'
+complete -c exokv -n '__exokv_at exokv bench' -l plot -r -F -d 'write a PNG of TTFT per turn (matplotlib)'
+complete -c exokv -n '__exokv_at exokv bench' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache' -a 'clear' -d 'Forget cache entries, events, memory samples and saved KV caches; keep conversations'
 complete -c exokv -n '__exokv_at exokv cache' -a 'entries' -d 'One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used'
 complete -c exokv -n '__exokv_at exokv cache' -a 'evictions' -d 'The eviction log, newest first: what went, why, and every rank'\''s pressure then'
@@ -87,3 +107,5 @@ complete -c exokv -n '__exokv_at exokv chat' -l session -x -d 'name the conversa
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv models' -l json -d 'one JSON document'
+complete -c exokv -n '__exokv_at exokv models' -l help -d 'Show this message and exit'

@@ -13,8 +13,11 @@ _exokv() {
             continue
         fi
         case "$cmdpath:$word" in
+            "exokv:bench") cmdpath="exokv bench" ;;
             "exokv:cache") cmdpath="exokv cache" ;;
             "exokv:chat") cmdpath="exokv chat" ;;
+            "exokv:models") cmdpath="exokv models" ;;
+            ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot") skip=1 ;;
             "exokv cache:clear") cmdpath="exokv cache clear" ;;
             "exokv cache:entries") cmdpath="exokv cache entries" ;;
             "exokv cache:evictions") cmdpath="exokv cache evictions" ;;
@@ -29,6 +32,8 @@ _exokv() {
     ((CURRENT > 2)) && prev="${words[CURRENT - 1]}"
     if ((skip)); then
         case "$cmdpath:$prev" in
+            ("exokv bench:--parallel") compadd -- 'pipeline' 'tensor' ;;
+            ("exokv bench:--plot") _files ;;
             ("exokv chat:--hostfile") _files ;;
             ("exokv chat:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
             ("exokv chat:--parallel") compadd -- 'pipeline' 'tensor' ;;
@@ -38,8 +43,11 @@ _exokv() {
     local -a subs opts
     case "$cmdpath" in
         "exokv")
-            subs=('cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise')
+            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise' 'models:List the builtin models and the models found locally')
             opts=('--help:Show this message and exit') ;;
+        "exokv bench")
+            subs=()
+            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine (1 for now)' '-n:ranks on this machine (1 for now)' '--parallel:pipeline|tensor' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--help:Show this message and exit') ;;
         "exokv cache")
             subs=('clear:Forget cache entries, events, memory samples and saved KV caches; keep conversations' 'entries:One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used' 'evictions:The eviction log, newest first: what went, why, and every rank'\''s pressure then' 'pressure:Memory pressure per rank: the latest sample and a sparkline of recent ones' 'stats:Per rank and total: entries, cached tokens, bytes, budget, hits, misses, evictions')
             opts=('--help:Show this message and exit') ;;
@@ -61,6 +69,9 @@ _exokv() {
         "exokv chat")
             subs=()
             opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--system:system prompt' '--max-tokens:most tokens per reply' '--temp:sampling temperature' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--session:name the conversation; resumes it if it exists' '--json:script mode: one JSON object per turn' '--starting-port:first port for the ranks' '--help:Show this message and exit') ;;
+        "exokv models")
+            subs=()
+            opts=('--json:one JSON document' '--help:Show this message and exit') ;;
     esac
     if [[ $cur == -* || ${#subs} -eq 0 ]]; then
         _describe -t options option opts

@@ -85,7 +85,9 @@ def _table(*columns: str) -> Table:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    if n == 1:
+        return f"{n} {word}"
+    return f"{n} {word[:-1]}ies" if word.endswith("y") else f"{n} {word}s"
 
 
 def _when(stamp: str | None) -> str:
@@ -103,6 +105,10 @@ def _size(n: int | None) -> str:
 
 def _pct(value: float | None, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.0f}%"
+
+
+def _share(part: int | None, whole: int | None) -> str:
+    return "-" if part is None or not whole else f"{100 * part / whole:.0f}%"
 
 
 def _sparkline(values: list[float]) -> str:
@@ -163,7 +169,6 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
         "Bytes",
         "Budget",
         "Used",
-        "Pressure",
         "Hits",
         "Misses",
         "Hit rate",
@@ -171,7 +176,7 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
         "Evicted",
     )
 
-    def cells(row: dict[str, Any], label: str, pressure: str) -> list[str]:
+    def cells(row: dict[str, Any], label: str) -> list[str]:
         return [
             label,
             str(row["entries"]),
@@ -179,7 +184,6 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
             _size(row["bytes"]),
             _size(row["budget"]),
             _pct(row["budget_pct"]),
-            pressure,
             str(row["hits"]),
             str(row["misses"]),
             _pct(row["hit_rate"], 100),
@@ -189,19 +193,16 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
 
     for i, row in enumerate(doc["ranks"]):
         last = i == len(doc["ranks"]) - 1
-        table.add_row(
-            *cells(row, _rank_label(row, many), _pct(row["pressure"], 100)), end_section=last
-        )
-    table.add_row(*cells(doc["total"], "[bold]total[/]", ""))
+        table.add_row(*cells(row, _rank_label(row, many)), end_section=last)
+    table.add_row(*cells(doc["total"], "[bold]total[/]"))
     console = _console()
     for line in _run_lines(doc["runs"]):
         console.print(line)
     console.print(table)
     console.print(
-        f"{_plural(doc['total']['turns'], 'turn')} in this run, "
-        f"{_plural(doc['sessions'], 'session')} in all. Tokens: cached in live entries; "
-        "Saved: prompt tokens not prefilled thanks to a hit. "
-        "Every rank takes the same cache decisions, so hits and evictions match across ranks."
+        f"{_plural(doc['total']['turns'], 'turn')}, {_plural(doc['sessions'], 'session')}. "
+        "Saved: prompt tokens not prefilled thanks to hits. Ranks take the same cache "
+        "decisions, so their hits and evictions match."
     )
 
 
@@ -274,6 +275,7 @@ def pressure(
         "<",
         "Cache",
         "Budget",
+        "Used",
         "RSS",
         "MLX active",
         "RAM",
@@ -291,6 +293,7 @@ def pressure(
             bar,
             _size(r["cache_bytes"]),
             _size(r["budget"]),
+            _share(r["cache_bytes"], r["budget"]),
             _size(r["rss"]),
             _size(r["mlx_active"]),
             _size(r["ram_total"]),
@@ -397,8 +400,9 @@ def clear(
         _emit_json({"cleared": counts})
         return
     _console().print(
-        f"Cleared {counts['entries']} entries, {counts['events']} events, "
-        f"{counts['samples']} memory samples and {counts['saved_caches']} saved cache files. "
+        f"Cleared the records of {_plural(counts['entries'], 'cache entry')}, "
+        f"{_plural(counts['events'], 'event')}, {_plural(counts['samples'], 'memory sample')} "
+        f"and {_plural(counts['saved_caches'], 'saved cache file')}. "
         "Sessions and messages are kept."
     )
 

@@ -262,6 +262,8 @@ def evictions(
     """The eviction log of every run, newest first.
 
     ``freed`` is the bytes freed on ``rank`` when one is given, else on all ranks.
+    ``session`` is the evicted entry's; ``turn_session``/``turn`` name the turn that
+    decided it (None for decisions outside a turn).
     """
     if db is None:
         return []
@@ -274,7 +276,8 @@ def evictions(
         where.append("json_array_length(e.bytes) > ?")
         params.append(rank)
     rows = db.execute(
-        "SELECT e.*, t.turn AS turn FROM cache_events e LEFT JOIN turns t ON t.id = e.turn_id "
+        "SELECT e.*, t.turn AS turn, s.name AS turn_session FROM cache_events e "
+        "LEFT JOIN turns t ON t.id = e.turn_id LEFT JOIN sessions s ON s.id = t.session_id "
         f"WHERE {' AND '.join(where)} ORDER BY e.time DESC, e.id DESC LIMIT ?",
         (*params, limit),
     ).fetchall()
@@ -286,6 +289,7 @@ def evictions(
                 "id": e["id"],
                 "run": e["run_id"],
                 "turn": e["turn"],
+                "turn_session": e["turn_session"],
                 "time": iso(e["time"]),
                 "decision": e["decision"],
                 "entry": e["entry"],
