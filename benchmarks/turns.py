@@ -40,7 +40,9 @@ def main() -> None:
     cached = Engine(model, tokenizer, options=EngineOptions())
     cold = Engine(model, tokenizer, options=EngineOptions())
     per_turn_tokens = args.context // args.turns
-    words = max(4, per_turn_tokens - args.reply_tokens - 8)
+    sample = user_text(0, 200)
+    tokens_per_word = len(tokenizer.encode(sample)) / 200
+    words = max(4, int((per_turn_tokens - args.reply_tokens - 8) / tokens_per_word))
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
     rows = []
     for t in range(1, args.turns + 1):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
+MAX_REMEMBERED_REPLIES = 4096  # replies whose exact tokens render() reuses
 _DIGEST = 8  # index of the tree digest; per-entry sizes follow it in the gathered vector
 
 
@@ -52,6 +54,8 @@ class Engine:
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
         self.cache = PrefixCache(self._new_cache)
+        self._replies: OrderedDict[str, list[int]] = OrderedDict()
+        self._eos = set(tokenizer.eos_token_ids)
         self.decision = 0
         self.collectives = 0
         if self.options.seed is not None:
@@ -68,10 +72,53 @@ class Engine:
     # -- the turn ---------------------------------------------------------------
 
     def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+        """The prompt's tokens, with each earlier reply as the exact tokens generated.
+
+        Decoding a reply and encoding it again can give other tokens (BPE picks one
+        split of the text), which would end the cache match at the first reply. Like
+        `mlx_lm.chat`, which carries its cache, the model is shown what it produced.
+        Used with and without the cache alike, so replies stay the same either way.
+        """
+        messages = list(messages)
+        text = self._template(messages, generation_prompt=True)
+        tokens: list[int] = []
+        pos = 0
+        for i, message in enumerate(messages):
+            reply = (
+                self._replies.get(message["content"]) if message["role"] == "assistant" else None
+            )
+            if not reply:
+                continue
+            # Where the reply starts: right after the history before it and its header.
+            head = self._template(messages[:i], generation_prompt=True)
+            end = len(head) + len(message["content"])
+            if (
+                len(head) < pos
+                or not text.startswith(head)
+                or text[len(head) : end] != message["content"]
+            ):
+                continue
+            tokens += self._encode(text[pos : len(head)]) + reply
+            pos = end
+        return tokens + self._encode(text[pos:])
+
+    def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
         )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def _remember_reply(self, reply: str, generated: list[int]) -> None:
+        tokens = [t for t in generated if t not in self._eos]
+        if reply and tokens:
+            self._replies[reply] = tokens
+            self._replies.move_to_end(reply)
+            while len(self._replies) > MAX_REMEMBERED_REPLIES:
+                self._replies.popitem(last=False)
 
     def turn(
         self,
@@ -96,16 +143,24 @@ class Engine:
             new_tokens = len(tokens) - hit.length + request.max_tokens
             per_rank_bpt, stats = self._coordinate(new_tokens, request.session, events)
             overhead = time.perf_counter() - overhead
-            self._prefill(hit.cache, tokens[hit.length : -1], hit.length, len(tokens), on_progress)
-            if request.use_cache and self.cache.mode == "snapshots":
-                # Turn boundary: the next turn's prompt extends this one.
-                self.cache.insert(tokens[:-1], hit.cache, request.session)
-            generated, reply, finish, ttft, tps = self._decode(
-                tokens[-1:], hit.cache, request, start, on_text, should_stop
+            todo = tokens[hit.length : -1]
+            stopped = self._prefill(
+                hit.cache, todo, hit.length, len(tokens), on_progress, should_stop
             )
+            if stopped:
+                # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
+                generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
+            else:
+                if request.use_cache and self.cache.mode == "snapshots":
+                    # Turn boundary: the next turn's prompt extends this one.
+                    self.cache.insert(tokens[:-1], hit.cache, request.session)
+                generated, reply, finish, ttft, tps = self._decode(
+                    tokens[-1:], hit.cache, request, start, on_text, should_stop
+                )
         finally:
             if request.use_cache:
                 self.cache.release(hit)
+        self._remember_reply(reply, generated)
         tic = time.perf_counter()
         if request.use_cache:
             added, split = self.cache.insert(tokens + generated, hit.cache, request.session)
@@ -132,6 +187,33 @@ class Engine:
             rank_stats=stats,
             entries=self.entries(per_rank_bpt),
         )
+
+    # -- saving and loading a prefix (exokv.chat.kvsave) -------------------------
+
+    def export_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[Any]]:
+        """The longest cached prefix of `tokens` and a fresh cache holding exactly it.
+
+        For saving: the stored entries are not changed and get no hit (LRU is touched).
+        """
+        hit = self.cache.fetch([*tokens, -1])  # -1 is never a token: the whole match counts
+        try:
+            for node in hit.path:
+                node.hits -= 1
+            return list(tokens[: hit.length]), hit.cache
+        finally:
+            self.cache.release(hit)
+
+    def import_prefix(
+        self, tokens: Sequence[int], cache: list[Any], session: str
+    ) -> list[CacheEvent]:
+        """Insert a loaded cache holding `tokens`; every rank calls it alike (one gather)."""
+        per_rank_bpt = [float(row[0]) for row in self.group.gather([self.bytes_per_token])]
+        added, split = self.cache.insert(tokens, cache, session)
+        events = [self._event("update", n, per_rank_bpt, session) for n in split]
+        events += [self._event("add", n, per_rank_bpt, session) for n in added]
+        for e in events:
+            e.reason = "loaded from a saved cache"
+        return events
 
     # -- the one collective and the plan ---------------------------------------
 
@@ -243,16 +325,27 @@ class Engine:
         done: int,
         total: int,
         on_progress: Callable[[int, int], None] | None,
-    ) -> None:
-        """Run the model over the tokens not yet cached (all but the last one)."""
+        should_stop: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Run the model over the tokens not yet cached (all but the last one).
+
+        Returns True when stopped between chunks (every rank agrees, as in decode).
+        """
         if on_progress:
             on_progress(done, total)
         for i in range(0, len(tokens), PREFILL_STEP):
+            if should_stop is not None:
+                stop = should_stop()
+                if self.group.size > 1:
+                    stop = self.group.any(stop)
+                if stop:
+                    return True
             chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
             self.model(chunk, cache=cache)
             mx.eval([c.state for c in cache])
             if on_progress:
                 on_progress(done + i + chunk.shape[1], total)
+        return False
 
     def _decode(
         self,

@@ -25,8 +25,9 @@ def test_six_turns_same_replies_as_no_cache(tmp_path):
     assert len({t["reply"] for t in cached}) == len(TURNS), "replies must differ per prompt"
     assert all(t["cached_tokens"] == 0 for t in cold)
     for prev, turn in zip(cached, cached[1:], strict=False):
-        # The whole previous prompt was prefilled into the cache, so at least it is reused.
-        assert turn["cached_tokens"] >= prev["prompt_tokens"]
+        # The previous prompt and every token of its reply (rendered as the exact tokens
+        # generated, not re-encoded text) are served from the cache.
+        assert turn["cached_tokens"] >= prev["prompt_tokens"] + prev["generated_tokens"]
         assert turn["prefilled_tokens"] == turn["prompt_tokens"] - turn["cached_tokens"]
         assert turn["prefilled_tokens"] < turn["prompt_tokens"] - prev["prompt_tokens"] + 20
     assert [t["prompt_tokens"] for t in cached] == [t["prompt_tokens"] for t in cold]
