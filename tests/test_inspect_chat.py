@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,46 @@ def test_tables_render_after_the_chat(chat_run: tuple[Path, list[dict]]) -> None
     for command in ("stats", "entries", "pressure", "evictions"):
         proc = exokv(home, "cache", command)
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+
+
+def test_readers_see_whole_turns_while_a_chat_writes(tmp_path: Path) -> None:
+    topics = ["the sea", "bread", "trains", "owls", "glass", "rain", "chess", "copper"]
+    lines = [f"Tell me one fact about {topics[i % 8]}, number {i}." for i in range(20)]
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "EXOKV_HOME": str(tmp_path / "home")}
+    command = [sys.executable, "-c", "from exokv.cli import main; main()"]
+    chat_args = [*CHAT[:-1], "24"]  # longer replies: the chat writes for a few seconds
+    with (tmp_path / "in.txt").open() as stdin, (tmp_path / "out.txt").open("w") as stdout:
+        chat = subprocess.Popen(
+            [*command, *chat_args], stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, env=env
+        )
+        reads: list[dict] = []
+        failures: list[str] = []
+
+        def poll() -> None:
+            while chat.poll() is None:
+                proc = exokv(tmp_path / "home", "cache", "stats", "--json")
+                if proc.returncode != 0 or proc.stderr:
+                    failures.append(f"exit {proc.returncode}: {proc.stderr.strip()}")
+                    return
+                reads.append(json.loads(proc.stdout)["total"])
+
+        pollers = [threading.Thread(target=poll) for _ in range(2)]
+        for p in pollers:
+            p.start()
+        _, err = chat.communicate(timeout=600)
+        for p in pollers:
+            p.join(120)
+    assert chat.returncode == 0, err.decode()
+    assert not failures, failures[:3]
+    turns = [json.loads(line) for line in (tmp_path / "out.txt").read_text().splitlines()]
+    turns = [t for t in turns if "prompt_tokens" in t]
+    assert len(turns) == len(lines)
+    for total in reads:
+        n = total["turns"]
+        done = turns[:n]
+        assert total["tokens_saved"] == sum(t["cached_tokens"] for t in done), total
+        assert total["prompt_tokens"] == sum(t["prompt_tokens"] for t in done), total
+        assert total["evictions"] == sum(t["evictions"] for t in done), total
+        assert total["hits"] + total["misses"] == n
+    assert any(0 < r["turns"] < len(turns) for r in reads), "no read overlapped the chat"
