@@ -1,0 +1,15 @@
+"""`exokv bench`: the same conversations through four cache strategies, side by side.
+
+- ``scenarios``: deterministic conversations from a seed (linear, switch, branch,
+  shared-prefix), sized so the last turn reaches ``--context`` tokens.
+- ``strategies``: cold, carried, mlx-lm-lru and exokv, all decoding greedily with
+  the same code path on one loaded model.
+- ``runner``: interleaves the strategies turn by turn, repeats, checks that every
+  strategy gives the same reply, measures the limit and takes medians.
+- ``report``: the progress bar, the tables, the JSON document and the plot.
+"""
+
+from __future__ import annotations
+
+SCENARIOS = ("linear", "switch", "branch", "shared-prefix")
+STRATEGIES = ("cold", "carried", "mlx-lm-lru", "exokv")

@@ -1,0 +1,173 @@
+"""The bench's output: a rich progress bar, rich tables, the JSON document, the plot."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from exokv.bench import STRATEGIES
+from exokv.bench import runner as bench_runner
+from exokv.errors import ExokvError
+
+PLOT_HINT = "--plot needs matplotlib: pip install 'exokv[plot]' (or pip install matplotlib)"
+
+
+class RichProgress(bench_runner.Progress):
+    """A progress bar on stderr, shown only on a terminal (stdout may carry the JSON)."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.bar = Progress(
+            TextColumn("[bold]bench[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=self.console,
+            transient=True,
+            disable=not self.console.is_terminal,
+        )
+        self.task: Any = None
+
+    def __enter__(self) -> RichProgress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def start(self, total: int) -> None:
+        self.task = self.bar.add_task("warming up", total=total)
+        self._running = False
+
+    def advance(self, description: str) -> None:
+        # Called as a measurement starts: the bar counts the ones finished.
+        if self._running:
+            self.bar.advance(self.task)
+        self._running = True
+        self.bar.update(self.task, description=description)
+
+
+def to_json(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2)
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}s" if x < 10 else f"{x:.1f}s"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a file or a pipe: room for the whole table
+            console = Console(width=160)
+    console.print(
+        f"[bold]exokv bench[/] {doc['model']}: {doc['turns']} turns to {doc['context']} tokens, "
+        f"{doc['reply_tokens']}-token replies, median of {doc['repeat']} run(s), seed {doc['seed']}"
+    )
+    for name, s in doc["scenarios"].items():
+        table = Table(
+            title=f"{name} ({len(s['turns'])} turns, last prompt {s['last_prompt_tokens']} tokens)"
+        )
+        for col in (
+            "strategy",
+            "total TTFT",
+            "cached",
+            "peak cache",
+            "decode tok/s",
+            "exokv speedup",
+        ):
+            table.add_column(col, justify="left" if col == "strategy" else "right")
+        for strat in STRATEGIES:
+            e = s["strategies"][strat]
+            speed = s["speedup"].get(strat)
+            table.add_row(
+                strat,
+                _s(e["total_ttft_s"]),
+                f"{e['cached_fraction']:.3f}",
+                _bytes(e["peak_cache_bytes"][0]),
+                f"{e['median_decode_tps']:.0f}",
+                f"{speed:.2f}x" if speed is not None else "",
+            )
+        lim = s["limit"]
+        table.add_row(
+            "[dim]limit[/]",
+            _s(lim["total_ttft_s"]),
+            f"{lim['cached_fraction']:.3f} (ideal {lim['ideal_cached_fraction']:.3f})",
+            _bytes(s["ideal_cache_bytes"][0]),
+            "",
+            "",
+        )
+        console.print(table)
+    table = Table(title="targets")
+    for col in ("target", "value", "threshold", "met", "detail"):
+        table.add_column(col)
+    for t in doc["targets"]:
+        table.add_row(
+            t["target"],
+            f"{t['value']:.3f}",
+            f"{t['threshold']:g}",
+            "[green]met[/]" if t["met"] else "[red]missed[/]",
+            t["detail"],
+        )
+    console.print(table)
+    if not doc["replies_match"]:
+        console.print(f"[red]replies differ in {len(doc['mismatches'])} turn(s)[/]")
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ExokvError(PLOT_HINT) from None
+
+
+def write_plot(doc: dict[str, Any], path: str) -> None:
+    """A PNG of TTFT per turn per strategy (and the limit), one panel per scenario."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ExokvError(PLOT_HINT) from None
+    from matplotlib.ticker import MaxNLocator
+
+    names = list(doc["scenarios"])
+    cols = min(2, len(names))
+    rows = (len(names) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(names) :]:
+        ax.set_visible(False)
+    for ax, name in zip(flat, names, strict=False):
+        turns = doc["scenarios"][name]["turns"]
+        x = [t["turn"] for t in turns]
+        for strat in STRATEGIES:
+            ax.plot(x, [t["strategies"][strat]["ttft_s"] for t in turns], marker="o", label=strat)
+        ax.plot(x, [t["limit_ttft_s"] for t in turns], linestyle="--", color="gray", label="limit")
+        ax.set_title(name)
+        ax.set_xlabel("turn")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("TTFT (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    fig.suptitle(f"exokv bench: {doc['model']}, {doc['turns']} turns to {doc['context']} tokens")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise ExokvError(f"cannot write the plot to {path}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)

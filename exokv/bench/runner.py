@@ -1,0 +1,441 @@
+"""Run the scenarios through every strategy, interleaved, and summarise.
+
+For each scenario and each of ``--repeat`` runs, every strategy starts empty and
+the steps are played in order; at each step the four strategies and the limit
+measurement run one after the other (the order rotates from one run to the
+next, so drift and order effects hit all alike). The replies must be the same
+for every strategy; the history continues with the cold reply, and any
+difference is recorded as a mismatch (the CLI turns it into an error).
+
+Per-turn figures are medians over the runs; totals are the median of the runs'
+totals. Token counts and cache bytes are deterministic and taken from the first
+run (a run that differs is recorded in ``nondeterministic``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from exokv.bench import STRATEGIES, scenarios
+from exokv.bench.strategies import Cold, Oracle, Outcome, common_prefix, make, render
+
+OTHERS = tuple(s for s in STRATEGIES if s != "exokv")
+TIMINGS = ("ttft_s", "decode_tps", "overhead_s")
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    turns: int = 8
+    context: int = 2000
+    reply_tokens: int = 32
+    scenarios: list[str] = field(default_factory=lambda: list(scenarios.SCENARIOS))
+    repeat: int = 1
+    seed: int = 0
+    ranks: int = 1
+    parallel: str = "pipeline"
+
+
+class Progress:
+    """What the runner reports to: the number of measurements, then one call per measurement."""
+
+    def start(self, total: int) -> None:
+        pass
+
+    def advance(self, description: str) -> None:
+        pass
+
+
+def plan_lengths(config: BenchConfig, tokenizer: Any) -> dict[str, int]:
+    def r(messages: Sequence[dict[str, str]]) -> list[int]:
+        return render(tokenizer, messages)
+
+    return {
+        name: len(scenarios.build(name, config.turns, config.context, r, config.seed))
+        for name in config.scenarios
+    }
+
+
+def run(
+    config: BenchConfig, model: Any, tokenizer: Any, progress: Progress | None = None
+) -> dict[str, Any]:
+    progress = progress or Progress()
+    load_start = _loadavg()
+    lengths = plan_lengths(config, tokenizer)
+    progress.start(sum(lengths.values()) * config.repeat * (len(STRATEGIES) + 1))
+    _warm_up(model, tokenizer)
+    results: dict[str, Any] = {}
+    mismatches: list[dict[str, Any]] = []
+    for name in config.scenarios:
+        runs = []
+        for rep in range(config.repeat):
+            runs.append(_run_once(name, rep, config, model, tokenizer, progress, mismatches))
+            gc.collect()
+            mx.clear_cache()
+        results[name] = _summarise(runs)
+    doc: dict[str, Any] = {
+        "model": config.model,
+        "ranks": config.ranks,
+        "parallel": config.parallel,
+        "turns": config.turns,
+        "context": config.context,
+        "reply_tokens": config.reply_tokens,
+        "repeat": config.repeat,
+        "seed": config.seed,
+        "strategies": list(STRATEGIES),
+        "versions": _versions(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_start": load_start,  # other work on the machine skews every timing
+            "loadavg_end": _loadavg(),
+        },
+        "replies_match": not mismatches,
+        "mismatches": mismatches,
+        "scenarios": results,
+    }
+    doc["targets"] = targets(doc)
+    return doc
+
+
+# -- one run of one scenario ------------------------------------------------------------
+
+
+def _run_once(
+    name: str,
+    rep: int,
+    config: BenchConfig,
+    model: Any,
+    tokenizer: Any,
+    progress: Progress,
+    mismatches: list[dict[str, Any]],
+) -> dict[str, Any]:
+    # Every strategy, the scenario's sizing and the limits use the exokv engine's
+    # renderer: the same token sequences for all, whatever that renderer does.
+    exo = make("exokv", model, tokenizer)
+    r = exo.render
+    strategies = {s: exo if s == "exokv" else make(s, model, tokenizer, r) for s in STRATEGIES}
+    scen = scenarios.build(name, config.turns, config.context, r, config.seed)
+    oracle = Oracle(model)
+    order = list(STRATEGIES) + ["limit"]
+    shift = rep % len(order)
+    order = order[shift:] + order[:shift]
+    seen: list[list[int]] = []  # earlier conversations as rendered, replies included
+    # (a rendered reply may differ from the generated tokens: the ideal counts it all)
+    trie: dict[int, Any] = {}
+    distinct = 0
+    peak = {s: 0 for s in STRATEGIES}
+    rows = []
+    while (step := scen.next_step()) is not None:
+        tokens = r(step.messages)
+        outcomes: dict[str, Outcome] = {}
+        limit_cached, limit_ttft = 0, 0.0
+        for s in order:
+            where = f"{name} {rep + 1}/{config.repeat} turn {step.index}/{len(scen)}"
+            progress.advance(f"{where} {s}")
+            if s == "limit":
+                limit_cached, limit_ttft = oracle.limit(tokens)
+            else:
+                outcomes[s] = strategies[s].turn(
+                    step.conversation, step.messages, config.reply_tokens
+                )
+            mx.synchronize()  # work generate_step queued must not run into the next timing
+        ref = outcomes["cold"]
+        for s in STRATEGIES:
+            o = outcomes[s]
+            if (o.reply, o.generated_tokens, o.prompt_tokens) != (
+                ref.reply,
+                ref.generated_tokens,
+                ref.prompt_tokens,
+            ):
+                mismatches.append(
+                    {
+                        "scenario": name,
+                        "run": rep + 1,
+                        "turn": step.index,
+                        "strategy": s,
+                        "reply": o.reply,
+                        "cold_reply": ref.reply,
+                    }
+                )
+        cold: Cold = strategies["cold"]
+        held = (ref.tokens or []) + (ref.generated or [])
+        oracle.add(held, cold.last_cache)
+        distinct += _trie_add(trie, held)
+        ideal = max((common_prefix(tokens, h) for h in seen), default=0)
+        ideal = max(limit_cached, min(ideal, len(tokens) - 1))
+        seen.append(r([*step.messages, {"role": "assistant", "content": ref.reply}]))
+        scen.commit(step, ref.reply)
+        for s in STRATEGIES:
+            peak[s] = max(peak[s], outcomes[s].cache_bytes)
+        rows.append(
+            {
+                "turn": step.index,
+                "conversation": step.conversation,
+                "action": step.action,
+                "prompt_tokens": len(tokens),
+                "limit_cached_tokens": limit_cached,
+                "ideal_cached_tokens": ideal,
+                "limit_ttft_s": limit_ttft,
+                "strategies": {s: _row(outcomes[s]) for s in STRATEGIES},
+            }
+        )
+    return {
+        "turns": rows,
+        "peak_cache_bytes": peak,
+        "distinct_tokens": distinct,
+        "bytes_per_token": strategies["exokv"].bytes_per_token,
+        "carried_resets": dict(strategies["carried"].resets),
+    }
+
+
+def _row(o: Outcome) -> dict[str, Any]:
+    d = asdict(o)
+    for k in ("tokens", "generated"):
+        d.pop(k)
+    return d
+
+
+def _trie_add(trie: dict[int, Any], tokens: Sequence[int]) -> int:
+    """Insert into a token trie; returns how many new nodes (distinct tokens) it took."""
+    added = 0
+    node = trie
+    for t in tokens:
+        nxt = node.get(t)
+        if nxt is None:
+            nxt = node[t] = {}
+            added += 1
+        node = nxt
+    return added
+
+
+def _warm_up(model: Any, tokenizer: Any) -> None:
+    """One untimed turn, so the first timed turn pays no one-off start-up cost."""
+    messages = [{"role": "user", "content": "Warm up the model, please."}]
+    Cold(model, tokenizer).turn("warm-up", messages, 4)
+    mx.synchronize()
+
+
+# -- medians and totals ---------------------------------------------------------------
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    first = runs[0]
+    nondeterministic = []
+    turns = []
+    for i, row in enumerate(first["turns"]):
+        merged = {k: v for k, v in row.items() if k != "strategies"}
+        merged["limit_ttft_s"] = _median([run["turns"][i]["limit_ttft_s"] for run in runs])
+        merged["strategies"] = {}
+        for s in STRATEGIES:
+            cell = dict(row["strategies"][s])
+            for key in TIMINGS:
+                cell[key] = _median([run["turns"][i]["strategies"][s][key] for run in runs])
+            for run in runs[1:]:
+                other = run["turns"][i]["strategies"][s]
+                if any(other[k] != cell[k] for k in ("prompt_tokens", "cached_tokens")):
+                    nondeterministic.append({"turn": row["turn"], "strategy": s})
+            merged["strategies"][s] = cell
+        turns.append(merged)
+
+    prompt_total = sum(t["prompt_tokens"] for t in turns)
+    summary: dict[str, Any] = {"strategies": {}}
+    for s in STRATEGIES:
+        cells = [t["strategies"][s] for t in turns]
+        cached = sum(c["cached_tokens"] for c in cells)
+        entry = {
+            "total_ttft_s": _median(
+                [sum(t["strategies"][s]["ttft_s"] for t in r["turns"]) for r in runs]
+            ),
+            "cached_fraction": cached / prompt_total if prompt_total else 0.0,
+            "prompt_tokens": prompt_total,
+            "cached_tokens": cached,
+            "prefilled_tokens": sum(c["prefilled_tokens"] for c in cells),
+            "peak_cache_bytes": [first["peak_cache_bytes"][s]],  # one entry per rank
+            "median_decode_tps": _median([c["decode_tps"] for c in cells]),
+            "max_overhead_fraction": max(
+                (c["overhead_s"] / c["ttft_s"] for c in cells if c["ttft_s"] > 0), default=0.0
+            ),
+        }
+        if s == "carried":
+            entry["resets"] = first["carried_resets"]
+        summary["strategies"][s] = entry
+    exokv_total = summary["strategies"]["exokv"]["total_ttft_s"]
+    summary["speedup"] = {
+        s: summary["strategies"][s]["total_ttft_s"] / exokv_total if exokv_total else 0.0
+        for s in OTHERS
+    }
+    summary["limit"] = {
+        "total_ttft_s": _median([sum(t["limit_ttft_s"] for t in r["turns"]) for r in runs]),
+        "cached_fraction": sum(t["limit_cached_tokens"] for t in turns) / prompt_total,
+        "ideal_cached_fraction": sum(t["ideal_cached_tokens"] for t in turns) / prompt_total,
+    }
+    summary["distinct_tokens"] = first["distinct_tokens"]
+    summary["bytes_per_token"] = [first["bytes_per_token"]]
+    summary["ideal_cache_bytes"] = [first["distinct_tokens"] * first["bytes_per_token"]]
+    summary["last_prompt_tokens"] = turns[-1]["prompt_tokens"] if turns else 0
+    summary["max_prompt_tokens"] = max((t["prompt_tokens"] for t in turns), default=0)
+    summary["nondeterministic"] = nondeterministic
+    summary["turns"] = turns
+    return summary
+
+
+# -- the issue's targets --------------------------------------------------------------
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of the issue, measured: value, threshold, met, and the detail."""
+    scen = doc["scenarios"]
+    out: list[dict[str, Any]] = []
+
+    ratios = []
+    for name, s in scen.items():
+        for t in s["turns"]:
+            e = t["strategies"]["exokv"]
+            if e["cached_tokens"] > 0 and t["limit_ttft_s"] > 0:
+                ratios.append((e["ttft_s"] / t["limit_ttft_s"], name, t["turn"]))
+    if ratios:
+        worst = max(ratios)
+        over = [r for r in ratios if r[0] > 1.05]
+        out.append(
+            _target(
+                "ttft_vs_limit",
+                "every cached turn's TTFT within 5% of the limit",
+                worst[0],
+                1.05,
+                f"worst {worst[0]:.3f}x ({worst[1]} turn {worst[2]}); median "
+                f"{_median([r[0] for r in ratios]):.3f}x; {len(over)} of {len(ratios)} "
+                "cached turns over 1.05x",
+            )
+        )
+    if "linear" in scen:
+        lin = scen["linear"]
+        got = lin["strategies"]["exokv"]["cached_fraction"]
+        ideal = lin["limit"]["ideal_cached_fraction"]
+        limit = lin["limit"]["cached_fraction"]
+        out.append(
+            _target(
+                "linear_cached_fraction",
+                "cached fraction on linear within 0.02 of the limit (the whole earlier "
+                "conversation, replies included)",
+                ideal - got,
+                0.02,
+                f"exokv {got:.3f}, ideal {ideal:.3f}, reachable {limit:.3f} (a reply that "
+                f"retokenizes differently caps every prefix cache at the reachable one); "
+                f"gap to reachable {limit - got:.3f}",
+            )
+        )
+        cold = lin["strategies"]["cold"]["total_ttft_s"]
+        ex = lin["strategies"]["exokv"]["total_ttft_s"]
+        out.append(
+            _target(
+                "linear_vs_cold",
+                "exokv total TTFT <= 0.25 x cold on linear",
+                ex / cold if cold else 0.0,
+                0.25,
+                f"exokv {ex:.2f}s, cold {cold:.2f}s, limit {lin['limit']['total_ttft_s']:.2f}s "
+                f"({doc['turns']} turns to {lin['max_prompt_tokens']} tokens)",
+            )
+        )
+    for name, s in scen.items():
+        lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
+        ex = s["strategies"]["exokv"]["total_ttft_s"]
+        out.append(
+            _target(
+                f"{name}_vs_mlx_lm_lru",
+                f"exokv total TTFT <= 0.8 x mlx-lm-lru on {name}",
+                ex / lru if lru else 0.0,
+                0.8,
+                f"exokv {ex:.2f}s, mlx-lm-lru {lru:.2f}s, limit {s['limit']['total_ttft_s']:.2f}s; "
+                f"cached fraction exokv {s['strategies']['exokv']['cached_fraction']:.3f}, "
+                f"mlx-lm-lru {s['strategies']['mlx-lm-lru']['cached_fraction']:.3f}",
+            )
+        )
+    if "shared-prefix" in scen:
+        s = scen["shared-prefix"]
+        ideal = s["ideal_cache_bytes"][0]
+        got = s["strategies"]["exokv"]["peak_cache_bytes"][0]
+        lru = s["strategies"]["mlx-lm-lru"]["peak_cache_bytes"][0]
+        out.append(
+            _target(
+                "shared_prefix_bytes",
+                "shared-prefix: exokv peak cache bytes <= 1.3 x (shared prompt + distinct "
+                "suffixes)",
+                got / ideal if ideal else 0.0,
+                1.3,
+                f"exokv {_mb(got)}, ideal {_mb(ideal)} ({s['distinct_tokens']} distinct tokens), "
+                f"mlx-lm-lru {_mb(lru)} ({lru / ideal if ideal else 0:.2f}x)",
+            )
+        )
+    worst_overhead = (0.0, "", 0)
+    for name, s in scen.items():
+        for t in s["turns"]:
+            e = t["strategies"]["exokv"]
+            if e["ttft_s"] > 0:
+                worst_overhead = max(
+                    worst_overhead, (e["overhead_s"] / e["ttft_s"], name, t["turn"])
+                )
+    out.append(
+        _target(
+            "overhead",
+            "cache overhead <= 5% of TTFT on every turn",
+            worst_overhead[0],
+            0.05,
+            f"worst {100 * worst_overhead[0]:.1f}% ({worst_overhead[1]} turn {worst_overhead[2]})",
+        )
+    )
+    return out
+
+
+def _target(name: str, text: str, value: float, threshold: float, detail: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "target": text,
+        "value": value,
+        "threshold": threshold,
+        "met": value <= threshold,
+        "detail": detail,
+    }
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not on every platform
+        return []
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("exokv", "mlx", "mlx-lm"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "unknown"
+    return out
+
+
+def on_progress(fn: Callable[[str], None]) -> Progress:
+    """A Progress that calls `fn` with each description (for tests and scripts)."""
+
+    class _P(Progress):
+        def advance(self, description: str) -> None:
+            fn(description)
+
+    return _P()

@@ -1,0 +1,338 @@
+"""The four strategies, one turn each, on one shared model.
+
+Every strategy turns the messages into tokens with the same renderer (the exokv
+engine's own ``Engine.render``, shared by the runner, so the four see exactly the
+same token sequences whatever that renderer does), prefills the tokens its cache
+does not hold in chunks of ``exokv.engine.PREFILL_STEP`` and decodes
+greedily with mlx-lm's ``generate_step`` fed the last prompt token: the code path
+of ``exokv.engine.Engine``, which the ``exokv`` strategy runs itself. TTFT is
+measured the same way everywhere: from the start of the turn (before the prompt
+is tokenized and the cache is looked up) to the first generated token.
+
+- ``cold``: a fresh cache every turn.
+- ``carried``: one cache carried from turn to turn, as ``mlx_lm.chat`` does. If
+  the new prompt does not extend the carried tokens (another conversation, or a
+  history that differs from what was generated), it starts over with a fresh
+  cache; it never trims.
+- ``mlx-lm-lru``: ``mlx_lm.models.cache.LRUPromptCache`` used as ``mlx_lm.server``
+  serves one request: ``fetch_nearest_cache``, a fresh cache if none, prefill
+  the rest, generate, ``insert_cache`` of prompt + generated tokens. Its size
+  limit is the server's default (``--prompt-cache-size 10``, no byte limit).
+- ``exokv``: ``exokv.engine.Engine``, the prefix cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from exokv.cache.prefix_cache import cache_length
+from exokv.engine import PREFILL_STEP, Engine, EngineOptions
+from exokv.records import TurnRequest
+
+LRU_MAX_SIZE = 10  # mlx_lm.server --prompt-cache-size default
+MODEL_KEY = ("exokv-bench", None, None)  # stands for mlx_lm.server's model_key
+
+
+@dataclass
+class Outcome:
+    """One strategy's turn."""
+
+    reply: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    decode_tps: float
+    overhead_s: float  # cache lookup + insert (exokv: the engine's own overhead)
+    cache_bytes: int  # held by the strategy's cache after the turn
+    tokens: list[int] | None = None  # prompt tokens (not for exokv)
+    generated: list[int] | None = None  # generated token ids (not for exokv)
+    note: str = ""
+
+
+Render = Callable[[Sequence[dict[str, str]]], list[int]]
+
+
+def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
+    """The plain chat template as text, then the tokenizer (for warming up and sizing)."""
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prefill(model: Any, cache: list[Any], tokens: Sequence[int]) -> None:
+    """Exactly ``Engine._prefill``: run the model over `tokens` in chunks."""
+    for i in range(0, len(tokens), PREFILL_STEP):
+        chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def decode(
+    model: Any, tokenizer: Any, last: list[int], cache: list[Any], max_tokens: int, start: float
+) -> tuple[list[int], str, float, float]:
+    """Exactly ``Engine._decode`` at temperature 0: (generated, reply, ttft, tokens/s)."""
+    sampler = make_sampler(temp=0.0)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    eos = set(tokenizer.eos_token_ids)
+    generated: list[int] = []
+    ttft = 0.0
+    first = last_time = time.perf_counter()
+    steps = generate_step(
+        mx.array(last), model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler
+    )
+    for token, _ in steps:
+        token = int(token)
+        last_time = time.perf_counter()
+        if not generated:
+            ttft = last_time - start
+            first = last_time
+        generated.append(token)
+        if token in eos:
+            break
+        detok.add_token(token)
+        if len(generated) >= max_tokens:
+            break
+    detok.finalize()
+    tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
+    return generated, detok.text, ttft, tps
+
+
+def cache_nbytes(cache: Sequence[Any] | None) -> int:
+    return sum(c.nbytes for c in cache) if cache else 0
+
+
+class MlxStrategy:
+    """The common turn of cold, carried and mlx-lm-lru: lookup, prefill, decode, store."""
+
+    name = ""
+
+    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.render = render_fn or (lambda messages: render(tokenizer, messages))
+        self.last_cache: list[Any] | None = None  # the cache the last turn ended with
+
+    def turn(
+        self, conversation: str, messages: Sequence[dict[str, str]], max_tokens: int
+    ) -> Outcome:
+        start = time.perf_counter()
+        tokens = self.render(messages)
+        tic = time.perf_counter()
+        cache, cached, note = self.lookup(conversation, tokens)
+        overhead = time.perf_counter() - tic
+        if not 0 <= cached < len(tokens):
+            raise AssertionError(f"{self.name}: a lookup must leave a token to run")
+        prefill(self.model, cache, tokens[cached:-1])
+        generated, reply, ttft, tps = decode(
+            self.model, self.tokenizer, tokens[-1:], cache, max_tokens, start
+        )
+        tic = time.perf_counter()
+        # generate_step has run every token it yielded, so the cache holds them all.
+        held = tokens + generated
+        if cache_length(cache) != len(held):
+            raise AssertionError(f"{self.name}: the cache holds {cache_length(cache)} tokens")
+        self.store(conversation, held, cache)
+        overhead += time.perf_counter() - tic
+        self.last_cache = cache
+        return Outcome(
+            reply=reply,
+            prompt_tokens=len(tokens),
+            cached_tokens=cached,
+            prefilled_tokens=len(tokens) - cached,
+            generated_tokens=len(generated),
+            ttft_s=ttft,
+            decode_tps=tps,
+            overhead_s=overhead,
+            cache_bytes=self.cache_bytes(),
+            tokens=tokens,
+            generated=generated,
+            note=note,
+        )
+
+    def lookup(self, conversation: str, tokens: list[int]) -> tuple[list[Any], int, str]:
+        raise NotImplementedError
+
+    def store(self, conversation: str, held: list[int], cache: list[Any]) -> None:
+        pass
+
+    def cache_bytes(self) -> int:
+        return 0
+
+
+class Cold(MlxStrategy):
+    name = "cold"
+
+    def lookup(self, conversation: str, tokens: list[int]) -> tuple[list[Any], int, str]:
+        return make_prompt_cache(self.model), 0, ""
+
+
+class Carried(MlxStrategy):
+    """One cache for whatever conversation comes next, reset when it is not extended."""
+
+    name = "carried"
+
+    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
+        super().__init__(model, tokenizer, render_fn)
+        self.cache: list[Any] | None = None
+        self.held: list[int] = []
+        self.conversation: str | None = None
+        self.resets = {"switch": 0, "history": 0}
+
+    def lookup(self, conversation: str, tokens: list[int]) -> tuple[list[Any], int, str]:
+        n = len(self.held)
+        if self.cache is not None and n < len(tokens) and tokens[:n] == self.held:
+            return self.cache, n, ""
+        note = ""
+        if self.cache is not None:
+            note = "reset: switch" if conversation != self.conversation else "reset: history"
+            self.resets[note.split(": ")[1]] += 1
+        self.cache, self.held = None, []
+        return make_prompt_cache(self.model), 0, note
+
+    def store(self, conversation: str, held: list[int], cache: list[Any]) -> None:
+        self.cache, self.held, self.conversation = cache, held, conversation
+
+    def cache_bytes(self) -> int:
+        return cache_nbytes(self.cache)
+
+
+class MlxLmLru(MlxStrategy):
+    """mlx_lm.server's prompt cache, called as its single-request path calls it."""
+
+    name = "mlx-lm-lru"
+
+    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
+        super().__init__(model, tokenizer, render_fn)
+        self.lru = LRUPromptCache(max_size=LRU_MAX_SIZE)
+
+    def lookup(self, conversation: str, tokens: list[int]) -> tuple[list[Any], int, str]:
+        cache, rest = self.lru.fetch_nearest_cache(MODEL_KEY, list(tokens))
+        if cache is None:
+            cache = make_prompt_cache(self.model)
+        cached = len(tokens) - len(rest)
+        if cached == len(tokens):
+            # An exact hit: the last token must run again to give the first logits.
+            trim_prompt_cache(cache, 1)
+            cached -= 1
+        return cache, cached, ""
+
+    def store(self, conversation: str, held: list[int], cache: list[Any]) -> None:
+        self.lru.insert_cache(MODEL_KEY, list(held), cache)
+
+    def cache_bytes(self) -> int:
+        return int(self.lru.nbytes)
+
+
+class Exokv:
+    """The exokv engine with its prefix cache, called as the chat calls it."""
+
+    name = "exokv"
+
+    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
+        self.engine = Engine(model, tokenizer, options=EngineOptions())
+        self.render: Render = self.engine.render  # the renderer every strategy uses
+        self.last_cache = None
+
+    def turn(
+        self, conversation: str, messages: Sequence[dict[str, str]], max_tokens: int
+    ) -> Outcome:
+        result = self.engine.turn(
+            TurnRequest(session=conversation, messages=list(messages), max_tokens=max_tokens)
+        )
+        return Outcome(
+            reply=result.reply,
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            prefilled_tokens=result.prefilled_tokens,
+            generated_tokens=result.generated_tokens,
+            ttft_s=result.ttft_s,
+            decode_tps=result.decode_tps,
+            overhead_s=result.overhead_s,
+            cache_bytes=self.cache_bytes(),
+            note=f"{result.evictions} evicted" if result.evictions else "",
+        )
+
+    def cache_bytes(self) -> int:
+        return int(self.engine.cache.total_bytes)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(self.engine.bytes_per_token)
+
+
+def make(name: str, model: Any, tokenizer: Any, render_fn: Render | None = None) -> Any:
+    return {"cold": Cold, "carried": Carried, "mlx-lm-lru": MlxLmLru, "exokv": Exokv}[name](
+        model, tokenizer, render_fn
+    )
+
+
+# -- the limit ------------------------------------------------------------------------
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Oracle:
+    """Every sequence run so far with its full cache: the best any prefix cache could serve.
+
+    ``limit(tokens)`` measures the time to prefill only the tokens no earlier
+    sequence holds, onto a copy of the cache that holds the rest (the copy and
+    trim are not timed), and to produce the first token.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.entries: list[tuple[list[int], list[Any]]] = []
+
+    def add(self, held: list[int], cache: list[Any]) -> None:
+        # A sequence that the new one extends adds nothing: keep the longer one.
+        self.entries = [(seq, c) for seq, c in self.entries if common_prefix(seq, held) < len(seq)]
+        self.entries.append((held, cache))
+
+    def best(self, tokens: Sequence[int]) -> tuple[int, list[Any] | None]:
+        length, cache = 0, None
+        for seq, c in self.entries:
+            n = common_prefix(seq, tokens)
+            if n > length:
+                length, cache = n, c
+        return min(length, len(tokens) - 1), cache
+
+    def limit(self, tokens: list[int]) -> tuple[int, float]:
+        """(the cached tokens of the limit, its TTFT)."""
+        length, source = self.best(tokens)
+        if source is not None and length > 0:
+            cache = copy.deepcopy(source)
+            trim_prompt_cache(cache, cache_length(cache) - length)
+        else:
+            length, cache = 0, make_prompt_cache(self.model)
+        mx.eval([c.state for c in cache if c.keys is not None])
+        start = time.perf_counter()
+        prefill(self.model, cache, tokens[length:-1])
+        steps = generate_step(
+            mx.array(tokens[-1:]),
+            self.model,
+            prompt_cache=cache,
+            max_tokens=1,
+            sampler=make_sampler(temp=0.0),
+        )
+        for _ in steps:
+            break
+        elapsed = time.perf_counter() - start
+        mx.synchronize()  # the step generate_step queued after the first token
+        return length, elapsed
