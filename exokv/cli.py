@@ -126,23 +126,21 @@ def main() -> None:
     _mount_subcommands()
     try:
         code = app(standalone_mode=False)
-    except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
-    except (click.exceptions.Abort, EOFError):
-        print("exokv: aborted", file=sys.stderr)
-        sys.exit(1)
-    except click.exceptions.Exit as err:
-        sys.exit(err.exit_code)
     except ExokvError as err:
         if debug_enabled():
             traceback.print_exc()
         print(f"exokv: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort, click.exceptions.Abort, EOFError):
         print("exokv: interrupted", file=sys.stderr)
         sys.exit(130)
+    except (typer.Exit, click.exceptions.Exit) as err:
+        sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1
+        if hasattr(err, "show") and isinstance(getattr(err, "exit_code", None), int):
+            # A usage error from Typer's (vendored) click: its own message and exit code.
+            err.show()
+            sys.exit(err.exit_code)
         if debug_enabled():
             traceback.print_exc()
         print(f"exokv: error: {err} (set EXOKV_DEBUG=1 for the traceback)", file=sys.stderr)

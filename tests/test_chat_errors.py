@@ -66,3 +66,12 @@ def test_default_model_is_announced(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr.decode()
     assert "builtin:tiny" in proc.stderr.decode() and "--model" in proc.stderr.decode()
+
+
+@pytest.mark.parametrize(
+    "args", [["chat", "--bogus"], ["nope"], ["cache", "evictions", "--limit", "abc"]]
+)
+def test_usage_errors_exit_2_without_traceback(tmp_path, args):
+    proc = run_exokv(args, tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr.decode()
