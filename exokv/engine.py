@@ -190,6 +190,16 @@ class Engine:
 
     # -- saving and loading a prefix (exokv.chat.kvsave) -------------------------
 
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        """The exact tokens `render` uses for an earlier reply, if remembered."""
+        tokens = self._replies.get(reply)
+        return list(tokens) if tokens else None
+
+    def remember_replies(self, pairs: Sequence[tuple[str, Sequence[int]]]) -> None:
+        """Restore replies' exact tokens (a resumed session), so `render` is as before."""
+        for reply, tokens in pairs:
+            self._remember_reply(reply, list(tokens))
+
     def export_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[Any]]:
         """The longest cached prefix of `tokens` and a fresh cache holding exactly it.
 
@@ -359,6 +369,7 @@ class Engine:
         sampler = make_sampler(temp=request.temp)
         detok = self.tokenizer.detokenizer
         detok.reset()
+        streamed = 0  # characters of the reply passed to on_text
         eos = set(self.tokenizer.eos_token_ids)
         generated: list[int] = []
         ttft = 0.0
@@ -383,7 +394,9 @@ class Engine:
                 break
             detok.add_token(token)
             if on_text:
-                on_text(detok.last_segment)
+                piece = detok.last_segment
+                streamed += len(piece)
+                on_text(piece)
             stop = should_stop() if should_stop else False
             if self.group.size > 1:
                 stop = self.group.any(stop)
@@ -393,8 +406,10 @@ class Engine:
             if len(generated) >= request.max_tokens:
                 break
         detok.finalize()
-        if on_text and detok.last_segment:
-            on_text(detok.last_segment)
+        # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
+        # a cut UTF-8 sequence), and what was streamed must be the reply.
+        if on_text and len(detok.text) > streamed:
+            on_text(detok.text[streamed:])
         tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
         return generated, detok.text, finish, ttft, tps
 

@@ -153,8 +153,8 @@ class ChatController:
         if name == "/retry":
             if not conv.messages or conv.messages[-1]["role"] != "assistant":
                 return Outcome(name, "nothing to retry", error=True)
-            conv.messages.pop()
-            return self._run(on_text, on_progress, command=name)
+            previous = conv.messages.pop()
+            return self._run(on_text, on_progress, command=name, previous=previous)
         if name == "/stats":
             return Outcome(name, "", data=self.hooks.stats(self))
         if name == "/evictions":
@@ -173,7 +173,13 @@ class ChatController:
         on_text: Callable[[str], None] | None,
         on_progress: Callable[[int, int], None] | None,
         command: str | None = None,
+        previous: dict[str, str] | None = None,
     ) -> Outcome:
+        """Run a turn on the current conversation, which ends with the user's message.
+
+        A turn that fails, or is stopped (Ctrl-C) before any reply text, leaves the
+        conversation as it was: the user line is dropped, or /retry's reply restored.
+        """
         conv = self.current
         request = TurnRequest(
             session=conv.name,
@@ -186,14 +192,25 @@ class ChatController:
         try:
             result = self.client.turn(request, on_text=on_text, on_progress=on_progress)
         except BaseException:
-            # The user line stays only when a reply was produced; a failed turn leaves none.
-            if conv.messages and conv.messages[-1]["role"] == "user" and command is None:
-                conv.messages.pop()
+            self._undo_attempt(conv, command, previous)
             raise
+        if result.finish_reason == "interrupted" and not result.reply:
+            self._undo_attempt(conv, command, previous)
+            return Outcome(command, "stopped before the reply began; nothing kept")
         conv.messages.append({"role": "assistant", "content": result.reply})
         self.last_result = result
         self.hooks.turn_done(conv, result)
         return Outcome(command, result=result, turn=conv.turns)
+
+    @staticmethod
+    def _undo_attempt(
+        conv: Conversation, command: str | None, previous: dict[str, str] | None
+    ) -> None:
+        # The user line stays only when a reply was produced; /retry gets its old reply back.
+        if previous is not None:
+            conv.messages.append(previous)
+        elif conv.messages and conv.messages[-1]["role"] == "user" and command is None:
+            conv.messages.pop()
 
     def _open(self, name: str, system: str | None) -> Conversation:
         if name not in self.sessions:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable
 
+from exokv.chat import kvsave
+from exokv.chat.kvsave import CacheFileReport
 from exokv.engine import Engine, EngineOptions
 from exokv.records import TurnRequest, TurnResult
 
@@ -34,6 +37,33 @@ class LocalClient:
     @property
     def budgets(self) -> list[int | None]:
         return [self.engine.budget]
+
+    # -- replies' exact tokens (Engine.render shows the model what it generated) ------
+
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        return self.engine.reply_tokens(reply)
+
+    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
+        self.engine.remember_replies(pairs)
+
+    # -- saved KV caches (exokv.chat.kvsave): one shard per rank, here just rank 0 ------
+
+    def save_cache(
+        self, session: str, messages: list[dict[str, str]], model_id: str
+    ) -> CacheFileReport:
+        """Save the cached prefix of `messages` (system prompt included) for `session`."""
+        return kvsave.save_session(
+            self.engine, session, messages, model_id, save_id=uuid.uuid4().hex
+        )
+
+    def load_cache(
+        self, session: str, messages: list[dict[str, str]], model_id: str
+    ) -> CacheFileReport:
+        """Load `session`'s saved cache into the prefix cache if it verifies; else warn."""
+        loaded, report = kvsave.prepare_load(self.engine, session, messages, model_id)
+        if loaded is not None:
+            kvsave.commit_load(self.engine, loaded, session, report)
+        return report
 
     def close(self) -> None:
         pass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
 from exokv.config import parse_budgets
 from exokv.engine import EngineOptions
-from exokv.errors import UsageError
+from exokv.errors import ExokvError, UsageError
 
 
 @dataclass
@@ -47,6 +47,8 @@ def validate(opts: ChatOptions) -> None:
         raise UsageError("--memory-threshold must be a fraction in (0, 1]")
     if opts.ranks < 1:
         raise UsageError("--ranks must be at least 1")
+    if opts.max_kv_size is not None and opts.max_kv_size < 1:
+        raise UsageError("--max-kv-size must be at least 1")
     parse_budgets(opts.cache_budget, opts.rank_count())
 
 
@@ -69,23 +71,77 @@ def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClie
     return ClusterClient(opts, budgets)
 
 
-def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
-    validate(opts)
-    client = make_client(opts)
+def interactive(opts: ChatOptions) -> bool:
+    """The REPL needs a terminal to read from and one to draw the prompt on."""
+    if opts.json or not sys.stdin.isatty():
+        return False
+    return sys.stdout.isatty() or sys.stderr.isatty()
+
+
+def _model_id(name: str) -> str:
+    from exokv.model.resolve import model_id
+
     try:
-        settings = TurnSettings(
-            max_tokens=opts.max_tokens,
-            temp=opts.temp,
-            seed=opts.seed,
-            use_cache=not opts.no_cache,
-        )
-        chat = ChatController(client, settings, opts.session, opts.system, hooks)
-        if sys.stdin.isatty() and not opts.json:
-            from exokv.chat.repl import run_repl
+        return model_id(name)
+    except ExokvError:
+        # E.g. a model that exists only on the ranks' hosts: saved caches still name it.
+        return name
 
-            return run_repl(chat, client, opts)
-        from exokv.chat.script import run_script
 
-        return run_script(chat, opts.json)
+def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
+    """Open the store, start the ranks, run the REPL or script mode, save and close.
+
+    Every finished turn is written to the store as it ends; on /quit, Ctrl-D or the
+    end of standard input the current session's KV cache is saved too. An exception
+    or a third Ctrl-C skips that save (the conversation itself is already stored).
+    """
+    validate(opts)
+    from exokv.chat.hooks import StoreHooks, stderr_warning
+    from exokv.state import Store, register_chat
+
+    store = Store.open()  # before loading the model: a bad database fails fast
+    try:
+        client = make_client(opts)
+        run_id: int | None = None
+        try:
+            run_id = store.start_run(opts.model, client.ranks, list(client.budgets))
+            if hooks is None:
+                hooks = StoreHooks(
+                    store,
+                    run_id,
+                    opts.model,
+                    client=client,
+                    model_id=_model_id(opts.model),
+                    use_cache=not opts.no_cache,
+                )
+            settings = TurnSettings(
+                max_tokens=opts.max_tokens,
+                temp=opts.temp,
+                seed=opts.seed,
+                use_cache=not opts.no_cache,
+            )
+            with register_chat(
+                store.home, model=opts.model, ranks=client.ranks, run=run_id, session=opts.session
+            ):
+                chat = ChatController(client, settings, opts.session, opts.system, hooks)
+                if interactive(opts):
+                    from exokv.chat.repl import run_repl
+
+                    code = run_repl(chat, client, opts)
+                else:
+                    from exokv.chat.script import run_script
+
+                    if isinstance(hooks, StoreHooks):
+                        hooks.attach(warn=stderr_warning)
+                    code = run_script(chat, opts.json)
+                if isinstance(hooks, StoreHooks):
+                    hooks.finish(chat)
+            return code
+        finally:
+            try:
+                if run_id is not None:
+                    store.end_run(run_id)
+            finally:
+                client.close()
     finally:
-        client.close()
+        store.close()

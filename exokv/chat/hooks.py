@@ -1,0 +1,270 @@
+"""StoreHooks: the chat controller's conversations, kept in the SQLite store.
+
+Every finished turn is one `Store.record_turn` transaction (the messages after the
+turn, the turn's numbers, its cache events, entries and memory samples), so a crash
+loses at most the turn in progress. Sessions are loaded from the store when opened,
+and a resumed session also gets its saved KV cache back (`exokv.chat.kvsave`) when
+it verifies; `/save` and quitting save the current session's KV cache on every rank.
+
+Messages for the user go through `attach(warn, note)`: until a front end attaches,
+they are buffered, so a warning raised while the first session is opened is shown
+after the banner, not before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from exokv.chat.conversation import ChatController, ChatHooks, Conversation
+from exokv.chat.kvsave import CacheFileReport, session_slug
+from exokv.config import format_size
+from exokv.records import CacheEvent, TurnResult
+from exokv.state.store import Store
+
+_UNSET = object()
+
+
+def stderr_warning(text: str) -> None:
+    print(f"exokv: warning: {text}", file=sys.stderr, flush=True)
+
+
+class StoreHooks(ChatHooks):
+    def __init__(
+        self,
+        store: Store,
+        run_id: int,
+        model: str,
+        client: Any = None,
+        model_id: str | None = None,
+        use_cache: bool = True,
+    ) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.model = model
+        self.client = client
+        self.model_id = model_id or model
+        self.use_cache = use_cache
+        self._system: dict[str, Any] = {}  # the system prompt last written per session
+        self._dirty: set[str] = set()  # sessions changed since their cache was saved
+        self._buffer: list[tuple[str, str]] = []
+        self._warn: Callable[[str], None] | None = None
+        self._note: Callable[[str], None] | None = None
+        self.loaded: dict[str, CacheFileReport] = {}  # resumed sessions' cache loads
+        self._reply_tokens: dict[str, dict[str, list[int]]] = {}  # session -> reply -> tokens
+
+    # -- where messages for the user go ------------------------------------------------
+
+    def attach(
+        self, warn: Callable[[str], None] | None = None, note: Callable[[str], None] | None = None
+    ) -> None:
+        self._warn = warn or stderr_warning
+        self._note = note or (lambda _text: None)
+        pending, self._buffer = self._buffer, []
+        for kind, text in pending:
+            (self._warn if kind == "warn" else self._note)(text)
+
+    def warn(self, text: str) -> None:
+        if self._warn is None:
+            self._buffer.append(("warn", text))
+        else:
+            self._warn(text)
+
+    def note(self, text: str) -> None:
+        if self._note is None:
+            self._buffer.append(("note", text))
+        else:
+            self._note(text)
+
+    # -- conversations -------------------------------------------------------------------
+
+    def load(self, name: str) -> Conversation | None:
+        if name not in self.store.session_names():
+            return None
+        system = self.store.get_system(name) or None
+        conv = Conversation(name=name, system=system, messages=self.store.load_messages(name))
+        self._system[name] = system
+        self._restore_replies(conv)
+        return conv
+
+    def opened(self, conv: Conversation) -> None:
+        if conv.name not in self._system:
+            return  # new: written with its first turn (an empty session leaves no row)
+        self.store.ensure_session(conv.name, self.model)  # marks it used
+        if conv.messages:
+            self.note(f"resumed {conv.name!r}: {conv.turns} turns")
+            self._load_cache(conv)
+
+    def _load_cache(self, conv: Conversation) -> None:
+        load = getattr(self.client, "load_cache", None)
+        if not self.use_cache or load is None:
+            return
+        report = load(conv.name, conv.prompt(), self.model_id)
+        self.loaded[conv.name] = report
+        if report.warning:
+            self.warn(f"{report.warning}; ignored, the next turn recomputes it")
+        elif report.tokens:
+            self.note(f"loaded its KV cache: {report.tokens:,} tokens in {report.seconds:.2f} s")
+        if report.events:
+            self.store.record_events(self.run_id, [CacheEvent.from_dict(e) for e in report.events])
+
+    def stored_sessions(self) -> list[str]:
+        return self.store.session_names()
+
+    def _sync_system(self, conv: Conversation) -> None:
+        if self._system.get(conv.name, _UNSET) != conv.system:
+            self.store.ensure_session(conv.name, self.model, conv.system or "")
+            self._system[conv.name] = conv.system
+
+    def save_messages(self, conv: Conversation) -> None:
+        self._sync_system(conv)
+        self.store.set_messages(conv.name, conv.messages)
+        self._dirty.add(conv.name)
+
+    def turn_done(self, conv: Conversation, result: TurnResult) -> None:
+        self._keep_reply_tokens(conv, result.reply)
+        self._sync_system(conv)
+        self.store.record_turn(self.run_id, conv.name, conv.messages, result, self.model)
+        self._dirty.add(conv.name)
+
+    # -- replies' exact tokens ----------------------------------------------------------
+    #
+    # The engine shows the model each earlier reply as the tokens it generated (decoding
+    # and encoding again may give others), in memory. They are kept per session in
+    # EXOKV_HOME/replies/<session>.json, written before the turn's transaction, so a
+    # resumed session renders exactly as it did: same replies, same cache hits.
+
+    def _replies_path(self, session: str) -> Path:
+        return self.store.home / "replies" / f"{session_slug(session)}.json"
+
+    def _restore_replies(self, conv: Conversation) -> None:
+        remember = getattr(self.client, "remember_replies", None)
+        path = self._replies_path(conv.name)
+        if remember is None or not path.is_file():
+            return
+        try:
+            doc = json.loads(path.read_text())
+            table = doc["replies"]
+            valid = doc.get("session") == conv.name and all(
+                isinstance(k, str) and isinstance(v, list) and all(isinstance(t, int) for t in v)
+                for k, v in table.items()
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            valid = False
+        if not valid:
+            self.warn(f"{path} is unreadable; earlier replies are encoded again from their text")
+            return
+        pairs = [
+            (m["content"], table[m["content"]])
+            for m in conv.messages
+            if m["role"] == "assistant" and m["content"] in table
+        ]
+        remember(pairs)
+        self._reply_tokens[conv.name] = dict(pairs)
+
+    def _keep_reply_tokens(self, conv: Conversation, reply: str) -> None:
+        lookup = getattr(self.client, "reply_tokens", None)
+        if lookup is None:
+            return
+        known = self._reply_tokens.setdefault(conv.name, {})
+        tokens = lookup(reply)
+        if tokens:
+            known[reply] = list(tokens)
+        table = {
+            m["content"]: known[m["content"]]
+            for m in conv.messages
+            if m["role"] == "assistant" and m["content"] in known
+        }
+        self._reply_tokens[conv.name] = table
+        path = self._replies_path(conv.name)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"session": conv.name, "replies": table}))
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            self.warn(f"could not write {path}: {err.strerror or err}")
+
+    # -- the tables of /sessions, /stats, /evictions ---------------------------------------
+
+    def list_sessions(self, chat: ChatController) -> list[dict[str, Any]]:
+        rows = [
+            {
+                "name": r["name"],
+                "turns": r["turns"],
+                "tokens": r["tokens"],
+                "cached_tokens": r["cached_tokens"],
+                "last_used": r["last_used"],
+            }
+            for r in self.store.sessions()
+        ]
+        stored = {r["name"] for r in rows}
+        for conv in chat.sessions.values():
+            if conv.name not in stored:  # opened in this run, no turn yet
+                row = {"name": conv.name, "turns": 0, "tokens": 0, "cached_tokens": 0}
+                rows.insert(0, {**row, "last_used": None})
+        for row in rows:
+            row["current"] = row["name"] == chat.current.name
+        return rows
+
+    def stats(self, chat: ChatController) -> list[dict[str, Any]]:
+        rows = [r for r in self.store.stats()["ranks"] if r["run"] == self.run_id]
+        return rows or super().stats(chat)
+
+    def evictions(self, chat: ChatController) -> list[dict[str, Any]]:
+        return self.store.evictions(limit=10)
+
+    # -- saving the KV cache ---------------------------------------------------------------
+
+    def save(self, conv: Conversation) -> CacheFileReport | None:
+        """Save `conv`'s KV cache on every rank; None when this client cannot."""
+        save = getattr(self.client, "save_cache", None)
+        if save is None or not self.use_cache:
+            return None
+        try:
+            report = save(conv.name, conv.prompt(), self.model_id)
+        except OSError as err:
+            report = CacheFileReport(session=conv.name, warning=f"could not write it: {err}")
+        if report.tokens and not report.warning:
+            self._dirty.discard(conv.name)
+        return report
+
+    def save_cache(self, chat: ChatController) -> str:
+        conv = chat.current
+        if not self.use_cache:
+            return "nothing to save: with --no-cache there is no KV cache"
+        report = self.save(conv)
+        if report is None:
+            return "saving KV caches is not available with this client"
+        return describe_save(conv.name, report)
+
+    def finish(self, chat: ChatController) -> None:
+        """On quit: save the current session's KV cache if it changed since it was saved."""
+        conv = chat.current
+        if not conv.messages or conv.name not in self._dirty:
+            return
+        report = self.save(conv)
+        if report is None:
+            return
+        if report.warning:
+            self.warn(describe_save(conv.name, report))
+        elif report.tokens:
+            self.note(describe_save(conv.name, report))
+
+
+def describe_save(session: str, report: CacheFileReport) -> str:
+    if report.warning:
+        return f"KV cache of {session!r} not saved: {report.warning}"
+    if not report.tokens:
+        return f"KV cache of {session!r} not saved: {report.skipped or 'nothing cached'}"
+    where = report.paths[0] if len(report.paths) == 1 else f"{len(report.paths)} files"
+    size = format_size(sum(report.bytes))
+    return (
+        f"saved the KV cache of {session!r}: {report.tokens:,} tokens, {size}, "
+        f"{report.seconds:.2f} s ({where})"
+    )

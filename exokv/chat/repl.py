@@ -1,0 +1,219 @@
+"""The interactive chat: prompt-toolkit line editing, rich output.
+
+Keys (also in docs/chat.md and /help):
+- Enter sends the line. Esc then Enter (Meta+Enter, Option+Enter on a Mac set to use
+  Option as Meta) inserts a new line; so does Enter after a line ending in ``\\``
+  (the backslash is removed). Pasted text keeps its new lines.
+- Tab completes slash commands and, after ``/switch``, session names.
+- Up/Down walk the history, kept in ``EXOKV_HOME/history`` across runs.
+- Ctrl-C while a reply is generated stops it at the next token (or at the next
+  prefill chunk) and returns to the prompt. The part of the reply produced so far
+  is KEPT in the conversation (it is on screen, and it is in the KV cache): `/retry`
+  regenerates it in full, `/undo` drops the exchange. A reply stopped before its
+  first token leaves nothing. A second Ctrl-C says what is happening; a third
+  leaves exokv at once (the conversation is already saved, the KV cache is not).
+- Ctrl-C at the prompt clears the line; Ctrl-D on an empty line (or /quit) quits,
+  saving the current session's KV cache.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
+from prompt_toolkit.completion import Completer, Completion
+from prompt_toolkit.document import Document
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.input import Input
+from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
+from prompt_toolkit.output import Output
+from prompt_toolkit.styles import Style
+
+from exokv.chat.conversation import COMMANDS, ChatController
+from exokv.chat.render import BannerInfo, Renderer
+from exokv.config import exokv_home
+from exokv.errors import ExokvError
+
+HISTORY_FILE = "history"
+QUIT_AFTER_INTERRUPTS = 3
+
+STYLE = Style.from_dict({"session": "ansicyan", "arrow": "ansibrightblack"})
+
+
+class ChatCompleter(Completer):
+    """Slash commands at the start of the line; session names after /switch."""
+
+    def __init__(self, chat: ChatController) -> None:
+        self.chat = chat
+
+    def get_completions(self, document: Document, complete_event: Any) -> Iterator[Completion]:
+        text = document.text_before_cursor
+        if not text.startswith("/") or "\n" in text:
+            return
+        if " " not in text:
+            for name, meta in COMMANDS.items():
+                if name.startswith(text):
+                    yield Completion(name, start_position=-len(text), display_meta=meta)
+            return
+        command, _, arg = text.partition(" ")
+        if command != "/switch":
+            return
+        arg = arg.lstrip()
+        try:
+            names = sorted(self.chat.known_sessions())
+        except ExokvError:
+            return  # the database is busy: no completion rather than an error
+        for name in names:
+            if name.startswith(arg) and name != self.chat.current.name:
+                yield Completion(name, start_position=-len(arg))
+
+
+def key_bindings() -> KeyBindings:
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    @kb.add("c-j")
+    def _enter(event: KeyPressEvent) -> None:
+        buf = event.current_buffer
+        state = buf.complete_state
+        if state is not None and state.current_completion is not None:
+            buf.apply_completion(state.current_completion)
+            return
+        before = buf.document.text_before_cursor
+        if before.endswith("\\") and not buf.document.text_after_cursor.strip():
+            buf.delete_before_cursor(1)
+            buf.insert_text("\n")
+            return
+        buf.validate_and_handle()
+
+    @kb.add("escape", "enter")
+    def _newline(event: KeyPressEvent) -> None:
+        event.current_buffer.insert_text("\n")
+
+    return kb
+
+
+def _history() -> History:
+    home = exokv_home()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        path = home / HISTORY_FILE
+        path.touch(exist_ok=True)
+        return FileHistory(str(path))
+    except OSError:
+        return InMemoryHistory()
+
+
+class _Interrupts:
+    """SIGINT while a turn runs: stop the reply, then explain, then leave."""
+
+    def __init__(self, client: Any, renderer: Renderer) -> None:
+        self.client = client
+        self.renderer = renderer
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            stop = getattr(self.client, "stop", None)
+            if stop is not None:
+                stop()
+        elif self.count < QUIT_AFTER_INTERRUPTS:
+            self.renderer.note("\n(stopping at the next step; Ctrl-C once more leaves exokv now)")
+        else:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        self.count = 0
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only (e.g. an in-process test)
+            return
+        previous = signal.signal(signal.SIGINT, self)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def banner_info(chat: ChatController, client: Any, opts: Any) -> BannerInfo:
+    ranks = int(getattr(client, "ranks", 1) or 1)
+    return BannerInfo(
+        model=opts.model,
+        ranks=ranks,
+        parallel=getattr(opts, "parallel", None) if ranks > 1 else None,
+        split=getattr(opts, "split", None) if ranks > 1 else None,
+        budgets=list(getattr(client, "budgets", []) or []),
+        session=chat.current.name,
+        no_cache=bool(getattr(opts, "no_cache", False)),
+    )
+
+
+def run_repl(
+    chat: ChatController,
+    client: Any,
+    opts: Any,
+    *,
+    input: Input | None = None,
+    output: Output | None = None,
+    renderer: Renderer | None = None,
+) -> int:
+    """Read lines until /quit or Ctrl-D; returns the exit code."""
+    if output is None and not sys.stdout.isatty() and sys.stderr.isatty():
+        # Replies go to the redirected stdout; the prompt stays on the terminal.
+        from prompt_toolkit.output import create_output
+
+        output = create_output(stdout=sys.stderr)
+    renderer = renderer or Renderer()
+    renderer.banner(banner_info(chat, client, opts))
+    attach = getattr(chat.hooks, "attach", None)
+    if attach is not None:
+        attach(warn=renderer.warning, note=renderer.note)
+    session: PromptSession[str] = PromptSession(
+        history=_history() if input is None else InMemoryHistory(),
+        completer=ChatCompleter(chat),
+        complete_while_typing=True,
+        auto_suggest=AutoSuggestFromHistory(),
+        key_bindings=key_bindings(),
+        multiline=True,
+        prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ",
+        style=STYLE,
+        input=input,
+        output=output,
+        enable_open_in_editor=False,
+    )
+    interrupts = _Interrupts(client, renderer)
+    while True:
+        message = [("class:session", chat.current.name), ("class:arrow", " › ")]
+        try:
+            line = session.prompt(message)
+        except KeyboardInterrupt:
+            renderer.note("(Ctrl-D or /quit leaves; Ctrl-C while a reply streams stops it)")
+            continue
+        except EOFError:
+            break
+        if not line.strip():
+            continue
+        renderer.begin_turn()
+        try:
+            with interrupts.installed():
+                outcome = chat.handle(
+                    line, on_text=renderer.on_text, on_progress=renderer.on_progress
+                )
+        except ExokvError as err:
+            renderer.end_turn()
+            renderer.error(str(err))
+            continue
+        renderer.end_turn()
+        if outcome is None:
+            continue
+        renderer.outcome(outcome)
+        if outcome.quit:
+            break
+    return 0

@@ -1,0 +1,458 @@
+"""The interactive chat, driven as a person would: `exokv chat` in a pseudo-terminal.
+
+The pty tests start the real command with a real terminal (the child's controlling
+tty, so Ctrl-C is a SIGINT from the line discipline, as in a shell), type into it and
+read what it draws. The in-process tests drive `run_repl` with prompt-toolkit's pipe
+input and a fake client, for the keys and the rendering details.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prompt_toolkit.application import create_app_session
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+
+from exokv.chat.conversation import ChatController, TurnSettings
+from exokv.chat.render import Renderer, status_line, visible
+from exokv.chat.repl import ChatCompleter, run_repl
+from exokv.records import TurnRequest, TurnResult
+
+pytestmark = pytest.mark.timeout(120)
+
+ANSI = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]|\r"
+)
+STATUS = re.compile(
+    r"([\d,]+) prompt · ([\d,]+) cached \((\d+)%\) · ([\d,]+) prefilled · ([\d,]+) generated"
+    r"[^\n]*"
+)
+
+
+def _num(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+# -- a shared builtin:tiny, and homes that use it ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("models-home")
+    subprocess.run(
+        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
+        env={**os.environ, "EXOKV_HOME": str(home)},
+        check=True,
+        timeout=120,
+    )
+    return home / "models"
+
+
+def new_home(path: Path, models: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "models").symlink_to(models, target_is_directory=True)
+    return path
+
+
+def exokv_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("EXOKV_DEBUG", "NO_COLOR")}
+    return {**env, "EXOKV_HOME": str(home), **extra}
+
+
+def script_chat(home: Path, lines: list[str], *args: str) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json", *args],
+        input="\n".join(lines).encode() + b"\n",
+        capture_output=True,
+        env=exokv_env(home),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return [json.loads(x) for x in proc.stdout.decode().splitlines() if x.strip()]
+
+
+# -- a terminal ----------------------------------------------------------------------------
+
+
+def _take_terminal() -> None:  # runs in the child, after setsid: the pty becomes its tty
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Terminal:
+    """A pseudo-terminal running one command; `expect` reads its screen output as text."""
+
+    def __init__(self, args: list[str], env: dict[str, str], rows: int = 50, cols: int = 200):
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.proc = subprocess.Popen(
+            args,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env={**env, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"},
+            start_new_session=True,
+            preexec_fn=_take_terminal,
+            close_fds=True,
+        )
+        os.close(slave)
+        self.fd = master
+        self.raw = b""
+        self.pos = 0
+
+    def _read(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return True
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:  # the child closed the terminal
+            return False
+        self.raw += data
+        return bool(data)
+
+    @property
+    def text(self) -> str:
+        return ANSI.sub("", self.raw.decode("utf-8", "replace"))
+
+    def expect(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        """The next match of `pattern` after the previous one."""
+        rx = re.compile(pattern)
+        end = time.monotonic() + timeout
+        while True:
+            found = rx.search(self.text, self.pos)
+            if found:
+                self.pos = found.end()
+                return found
+            left = end - time.monotonic()
+            alive = self._read(min(max(left, 0), 0.05))
+            if left <= 0 or (not alive and self.proc.poll() is not None):
+                tail = self.text[self.pos :][-2000:]
+                raise AssertionError(f"no {pattern!r} on the terminal; it shows:\n{tail}")
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def close(self, timeout: float = 30.0) -> int:
+        end = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < end:
+            self._read(0.05)
+        while self._read(0.02) and select.select([self.fd], [], [], 0)[0]:
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        code = self.proc.wait(timeout=5)
+        os.close(self.fd)
+        return code
+
+
+def chat_terminal(home: Path, *args: str) -> Terminal:
+    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", *args]
+    return Terminal(cmd, exokv_env(home))
+
+
+def prompt(session: str) -> str:
+    return re.escape(session) + r" › "
+
+
+def say(term: Terminal, session: str, line: str) -> tuple[str, re.Match[str]]:
+    """Type a line at the prompt; returns what was streamed as the reply and the status."""
+    start = term.pos
+    term.type(line + "\r")
+    status = term.expect(STATUS.pattern)
+    # prompt-toolkit redraws the line as it is typed; the reply follows the last drawing.
+    echo = prompt(session) + re.escape(line) + "\n"
+    drawn = list(re.finditer(echo, term.text[start : status.start()]))
+    assert drawn, f"the line {line!r} was not echoed"
+    reply = term.text[start + drawn[-1].end() : status.start()]
+    term.expect(prompt(session))
+    return reply.rstrip("\n"), status
+
+
+def _db_messages(home: Path, session: str) -> list[dict[str, str]]:
+    from exokv.state import Store
+
+    with Store.open(home) as store:
+        return store.load_messages(session)
+
+
+# -- the Must-show REPL test ----------------------------------------------------------------
+
+
+def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> None:
+    home = new_home(tmp_path / "home", models)
+    lines = ["Hello, who are you?", "Tell me about the sea."]
+    term = chat_terminal(home, "--max-tokens", "12", "--session", "s1")
+    try:
+        term.expect(r"exokv · builtin:tiny · 1 rank · cache budget")
+        term.expect(r"Esc\+Enter")
+        term.expect(prompt("s1"))
+        reply1, st1 = say(term, "s1", lines[0])
+        reply2, st2 = say(term, "s1", lines[1])
+        retried, st3 = say(term, "s1", "/retry")
+        term.type("/new s2\r")
+        term.expect(r"new session 's2'")
+        term.expect(prompt("s2"))
+        other, st4 = say(term, "s2", "What is two plus two?")
+        term.type("/switch s1\r")
+        term.expect(r"switched to 's1' \(2 turns\)")
+        term.expect(prompt("s1"))
+        back, st5 = say(term, "s1", "And the rivers?")
+        term.type("/sessions\r")
+        term.expect(r"\* s1 +│ +\d+ │")
+        term.expect(prompt("s1"))
+        term.type("\x04")  # Ctrl-D: quit, saving s1's KV cache
+        term.expect(r"saved the KV cache of 's1'")
+    finally:
+        code = term.close()
+    assert code == 0, term.text[-2000:]
+
+    prompt_tokens = [_num(s.group(1)) for s in (st1, st2, st3, st4, st5)]
+    cached = [_num(s.group(2)) for s in (st1, st2, st3, st4, st5)]
+    assert cached[0] == 0
+    assert cached[1] >= prompt_tokens[0]  # turn 2 reuses turn 1's prompt and reply
+    assert cached[2] == prompt_tokens[2] - 1  # /retry: all but the last token is cached
+    assert cached[4] >= prompt_tokens[2]  # back in s1 after /switch: served from the cache
+    for status in (st1, st2, st3, st4, st5):
+        assert _num(status.group(4)) == _num(status.group(1)) - _num(status.group(2))
+
+    # The streamed replies are the conversation's replies, and the same as --no-cache.
+    script = [*lines, "/retry", "/new s2", "What is two plus two?", "/switch s1"]
+    script.append("And the rivers?")
+    cold_home = new_home(tmp_path / "cold", models)
+    cold = [d for d in script_chat(cold_home, script, "--session", "s1", "--max-tokens", "12",
+                                   "--no-cache") if "turn" in d]  # fmt: skip
+    streamed = [reply1, reply2, retried, other, back]
+    assert streamed == [visible(d["reply"]) for d in cold]
+    assert retried == reply2
+    stored = _db_messages(home, "s1")
+    assert [m["content"] for m in stored] == [lines[0], cold[0]["reply"], lines[1]] + [
+        cold[2]["reply"],
+        "And the rivers?",
+        cold[4]["reply"],
+    ]
+
+    # A new process resumes s1: its history, and its KV cache.
+    term = chat_terminal(home, "--max-tokens", "12", "--session", "s1")
+    try:
+        term.expect(r"resumed 's1': 3 turns")
+        loaded = term.expect(r"loaded its KV cache: ([\d,]+) tokens")
+        term.expect(prompt("s1"))
+        _, st6 = say(term, "s1", "One more thing.")
+        term.type("/quit\r")
+    finally:
+        code = term.close()
+    assert code == 0, term.text[-2000:]
+    assert _num(loaded.group(1)) >= prompt_tokens[4]
+    assert _num(st6.group(2)) == _num(loaded.group(1))  # the first turn prefills only new text
+
+
+def test_ctrl_c_stops_a_long_reply(tmp_path: Path, models: Path) -> None:
+    home = new_home(tmp_path / "home", models)
+    max_tokens = "400"
+    term = chat_terminal(home, "--max-tokens", max_tokens, "--session", "c")
+    try:
+        term.expect(prompt("c"))
+        term.type("Hello, who are you?\r")
+        term.expect(prompt("c") + r"Hello, who are you\?\s*\n")
+        term.expect(r"\S{20}")  # the reply is streaming
+        pressed = time.monotonic()
+        term.type("\x03")
+        status = term.expect(STATUS.pattern + r"interrupted")
+        term.expect(prompt("c"))
+        back_in = time.monotonic() - pressed
+        generated = _num(status.group(5))
+        _, status2 = say(term, "c", "Tell me about the sea.")
+        term.type("\x04")
+    finally:
+        code = term.close()
+    assert code == 0, term.text[-2000:]
+    assert back_in < 1.0, f"Ctrl-C took {back_in:.2f} s to return to the prompt"
+    assert 0 < generated < int(max_tokens)
+    # The partial reply is kept, and the next turn is what --no-cache gives for it.
+    messages = _db_messages(home, "c")
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1]["content"]
+    assert _num(status2.group(2)) > 0
+    cold = cold_reply(home, messages[:3], int(max_tokens))
+    assert messages[3]["content"] == cold
+
+
+def cold_reply(home: Path, messages: list[dict[str, str]], max_tokens: int) -> str:
+    """What --no-cache replies to `messages` in a fresh process resuming a copy of the chat.
+
+    The copy keeps the replies' exact tokens (EXOKV_HOME/replies), so the prompt is
+    rendered exactly as in the original process.
+    """
+    from exokv.state import Store
+
+    fresh = home.parent / "cold-home"
+    shutil.copytree(home, fresh, symlinks=True)
+    with Store.open(fresh) as store:
+        store.set_messages("c", messages[:-1])
+    turns = script_chat(
+        fresh, [messages[-1]["content"]], "--session", "c", "--no-cache",
+        "--max-tokens", str(max_tokens),
+    )  # fmt: skip
+    return turns[-1]["reply"]
+
+
+# -- in process: keys, completion, rendering ------------------------------------------------
+
+
+class FakeClient:
+    """Replies 'echo: <last user line>' in pieces, with plausible numbers."""
+
+    ranks = 1
+    budgets = [64_000_000]
+
+    def __init__(self) -> None:
+        self.requests: list[TurnRequest] = []
+
+    def turn(self, request: TurnRequest, on_text=None, on_progress=None) -> TurnResult:
+        self.requests.append(request)
+        text = "echo: " + request.messages[-1]["content"]
+        if on_progress:
+            on_progress(10, 40)
+            on_progress(39, 40)
+        for i in range(0, len(text), 4):
+            if on_text:
+                on_text(text[i : i + 4])
+        return TurnResult(
+            session=request.session,
+            reply=text,
+            prompt_tokens=40,
+            cached_tokens=10,
+            prefilled_tokens=30,
+            generated_tokens=5,
+            ttft_s=0.01,
+            decode_tps=100.0,
+            overhead_s=0.0,
+            ranks=1,
+        )
+
+    def stop(self) -> None:
+        pass
+
+
+class Opts:
+    model = "fake"
+    parallel = "pipeline"
+    split = None
+    no_cache = False
+
+
+def drive(keys: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[FakeClient, str]:
+    monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
+    client = FakeClient()
+    chat = ChatController(client, TurnSettings(), "main")
+    out = io.StringIO()
+    renderer = Renderer(Console(file=out, width=120), Console(file=out, width=120))
+    with create_pipe_input() as pipe, create_app_session(input=pipe, output=DummyOutput()):
+        pipe.send_text(keys)
+        code = run_repl(chat, client, Opts(), input=pipe, output=DummyOutput(), renderer=renderer)
+    assert code == 0
+    return client, out.getvalue()
+
+
+def test_multiline_keys_and_ctrl_d(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = "first line\x1b\rsecond line\r" + "third \\\rfourth\r" + "\x04"
+    client, out = drive(keys, tmp_path, monkeypatch)
+    users = [r.messages[-1]["content"] for r in client.requests]
+    assert users == ["first line\nsecond line", "third \nfourth"]
+    assert "echo: first line\nsecond line" in out
+    assert "\x1b[" not in out  # not a terminal: no colours, no cursor movement
+    assert "40 prompt · 10 cached (25%) · 30 prefilled" in out
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line(tmp_path, monkeypatch) -> None:
+    client, out = drive("half a thought\x03/quit\r", tmp_path, monkeypatch)
+    assert client.requests == []
+    assert "Ctrl-D or /quit leaves" in out
+
+
+def test_history_is_kept_in_exokv_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from exokv.chat.repl import _history
+
+    monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
+    history = _history()
+    history.append_string("remember me")
+    assert "remember me" in (tmp_path / "history").read_text()
+    assert list(_history().load_history_strings()) == ["remember me"]
+
+
+def test_completion_of_commands_and_sessions() -> None:
+    from prompt_toolkit.document import Document
+
+    client = FakeClient()
+    chat = ChatController(client, TurnSettings(), "main")
+    chat.command("/new alpha")
+    chat.command("/new beta")
+
+    def complete(text: str) -> list[str]:
+        return [c.text for c in ChatCompleter(chat).get_completions(Document(text), None)]
+
+    assert complete("/s") == ["/switch", "/sessions", "/system", "/stats", "/save"]
+    assert complete("/switch ") == ["alpha", "main"]  # not the current one (beta)
+    assert complete("/switch al") == ["alpha"]
+    assert complete("hello /s") == []
+
+
+def test_progress_bar_shows_the_cached_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    import exokv.chat.render as render
+
+    monkeypatch.setattr(render, "BAR_MIN_TOKENS", 10)
+    out = io.StringIO()
+    r = Renderer(Console(file=out, force_terminal=True, width=120, color_system="truecolor"))
+    r.begin_turn()
+    r.on_progress(1000, 3000)
+    r.on_progress(1512, 3000)
+    assert r._progress is not None
+    r._progress.refresh()
+    r.on_text("hi")
+    assert r._progress is None  # the bar goes when the first token comes
+    r.end_turn()
+    text = ANSI.sub("", out.getvalue())
+    assert "1,512/3,000 tokens" in text and "(1,000 cached)" in text
+    # cached part first (cyan), then the prefilled part (green)
+    assert "\x1b[36m━" in out.getvalue() and "\x1b[32m━" in out.getvalue()
+
+
+def test_no_color_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NO_COLOR", "1")
+    out, err = io.StringIO(), io.StringIO()
+    r = Renderer(
+        Console(file=out, force_terminal=True, width=120),
+        Console(file=err, force_terminal=True, width=120),
+    )
+    r.warning("careful")
+    r.message("oops", error=True)
+    r.status(TurnResult("s", "x", 10, 5, 5, 1, 0.1, 1.0, 0.0, 1))
+    assert "exokv: warning: careful" in err.getvalue() and "oops" in err.getvalue()
+    for text in (out.getvalue(), err.getvalue()):
+        assert not re.search(r"\x1b\[[0-9;]*(3[0-9]|9[0-7])m", text), "a colour despite NO_COLOR"
+
+
+def test_status_line_and_control_characters() -> None:
+    result = TurnResult("s", "x", 200, 150, 50, 7, 0.25, 42.0, 0.0, 1, finish_reason="stop")
+    result.events = []
+    line = status_line(result)
+    assert line.startswith("200 prompt · 150 cached (75%) · 50 prefilled · 7 generated")
+    assert "TTFT 250 ms" in line and "42.0 tok/s" in line
+    assert visible("a\x1b[2Jb\nc\td") == "a\ufffd[2Jb\nc\td"

@@ -1,0 +1,351 @@
+"""Save and resume: every turn in the store, the KV cache saved on quit and verified on load.
+
+Chats run as a user runs them (`python -m exokv chat` in a subprocess, script mode with
+--json, EXOKV_HOME in a temporary directory); the saved-cache checks also run in process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from exokv.chat import kvsave
+from exokv.chat.kvsave import SavedCacheError
+
+pytestmark = pytest.mark.timeout(180)
+
+TURNS = ["Hello, who are you?", "Tell me about the sea.", "Why is the sky blue?"]
+NEXT = "And what about the mountains?"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("models-home")
+    subprocess.run(
+        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
+        env={**os.environ, "EXOKV_HOME": str(home)},
+        check=True,
+        timeout=120,
+    )
+    return home / "models"
+
+
+def new_home(path: Path, models: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "models").symlink_to(models, target_is_directory=True)
+    return path
+
+
+def chat(
+    home: Path, lines: list[str], *args: str, max_tokens: int = 12
+) -> tuple[list[dict[str, Any]], str]:
+    """Script mode with --json: (the turn objects, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "EXOKV_DEBUG"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
+        + ["--max-tokens", str(max_tokens), *args],
+        input=("\n".join(lines) + "\n").encode(),
+        capture_output=True,
+        env={**env, "EXOKV_HOME": str(home)},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    docs = [json.loads(x) for x in proc.stdout.decode().splitlines() if x.strip()]
+    return [d for d in docs if "turn" in d], proc.stderr.decode()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, models: Path) -> dict[str, Any]:
+    """The four turns in one process, with the cache and with --no-cache."""
+    warm, _ = chat(
+        new_home(tmp_path_factory.mktemp("warm"), models), [*TURNS, NEXT], "--session", "demo"
+    )
+    cold, _ = chat(
+        new_home(tmp_path_factory.mktemp("cold"), models),
+        [*TURNS, NEXT],
+        "--session",
+        "demo",
+        "--no-cache",
+    )
+    assert [t["reply"] for t in warm] == [t["reply"] for t in cold]
+    return {"warm": warm, "cold": cold}
+
+
+@pytest.fixture(scope="module")
+def three_turns(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Path:
+    """A home where `--session demo` ran three turns and quit (its KV cache saved)."""
+    home = new_home(tmp_path_factory.mktemp("three"), models)
+    turns, err = chat(home, TURNS, "--session", "demo")
+    assert len(turns) == 3 and "warning" not in err
+    assert kvsave.shard_path("demo", 0, home).is_file()
+    return home
+
+
+def copy_home(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def test_resume_with_the_saved_cache(three_turns: Path, reference, tmp_path: Path) -> None:
+    home = copy_home(three_turns, tmp_path / "home")
+    (turn,), err = chat(home, [NEXT], "--session", "demo")
+    assert "warning" not in err
+    warm4 = reference["warm"][3]
+    third = reference["warm"][2]
+    # The history is there: the prompt is the whole conversation, rendered as before.
+    assert turn["turn"] == 4
+    assert turn["prompt_tokens"] == warm4["prompt_tokens"]
+    assert turn["reply"] == reference["cold"][3]["reply"]
+    # ...and the saved cache covers all of it: as if the chat had never stopped.
+    assert turn["cached_tokens"] == warm4["cached_tokens"]
+    assert turn["cached_tokens"] >= third["prompt_tokens"] + third["generated_tokens"] - 1
+    assert turn["prefilled_tokens"] == turn["prompt_tokens"] - turn["cached_tokens"]
+    with sqlite3.connect(home / "exokv.db") as db:
+        roles = db.execute(
+            "SELECT m.role FROM messages m JOIN sessions s ON s.id = m.session_id "
+            "WHERE s.name = 'demo' ORDER BY m.position"
+        ).fetchall()
+    assert [r[0] for r in roles] == ["user", "assistant"] * 4
+
+
+def _flip_data_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    mid = 8 + header + (len(data) - 8 - header) // 2
+    for i in range(mid, mid + 16):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(os.urandom(4096))
+
+
+def _other_model(path: Path) -> None:
+    """A well-formed file, checksum and all, that says it belongs to another model."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    cache, meta = load_prompt_cache(str(path), return_metadata=True)
+    tokens = json.loads(meta["tokens"])
+    keep = {k: meta[k] for k in ("layout", "rank", "session", "save_id", "created")}
+    kvsave.save_shard(path, tokens, cache, {**keep, "model": "builtin:tiny@000000000000"})
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (_flip_data_bytes, "damaged (checksum mismatch)"),
+        (_truncate, "unreadable"),
+        (_garbage, "unreadable"),
+        (_other_model, "was saved for model 'builtin:tiny@000000000000'"),
+    ],
+    ids=["flipped-bytes", "truncated", "garbage", "other-model"],
+)
+def test_a_bad_saved_cache_is_reported_and_ignored(
+    three_turns: Path, reference, tmp_path: Path, damage, why: str
+) -> None:
+    home = copy_home(three_turns, tmp_path / "home")
+    path = kvsave.shard_path("demo", 0, home)
+    damage(path)
+    (turn,), err = chat(home, [NEXT], "--session", "demo")
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1, err
+    assert why in warnings[0] and str(path) in warnings[0] and "recomputes" in warnings[0]
+    assert "Traceback" not in err
+    # A correct cold turn: nothing came from the bad file.
+    assert turn["cached_tokens"] == 0
+    assert turn["prompt_tokens"] == reference["cold"][3]["prompt_tokens"]
+    assert turn["reply"] == reference["cold"][3]["reply"]
+    # Quitting saved a good cache over the bad one.
+    tokens, _, meta = kvsave.load_shard(path, {})
+    assert (
+        meta["model"].startswith("builtin:tiny@") and meta["model"] != "builtin:tiny@000000000000"
+    )
+    assert len(tokens) >= turn["prompt_tokens"]
+
+
+def test_sigkill_after_turn_two_keeps_turns_one_and_two(
+    models: Path, tmp_path: Path, reference
+) -> None:
+    home = new_home(tmp_path / "home", models)
+    env = {k: v for k, v in os.environ.items() if k != "EXOKV_DEBUG"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
+        + ["--max-tokens", "12", "--session", "demo"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, "EXOKV_HOME": str(home)},
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    done = []
+    try:
+        for line in TURNS[:2]:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+            done.append(json.loads(proc.stdout.readline()))
+        # Turn 3 starts (a long line: seconds of prefill) and the process dies mid-turn.
+        long_line = " ".join(f"pebble {i} lantern" for i in range(800))
+        proc.stdin.write(long_line.encode() + b"\n")
+        proc.stdin.flush()
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert [d["reply"] for d in done] == [t["reply"] for t in reference["cold"][:2]]
+
+    with sqlite3.connect(home / "exokv.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    from exokv.state import Store
+
+    with Store.open(home) as store:
+        messages = store.load_messages("demo")
+        row = next(s for s in store.sessions() if s["name"] == "demo")
+    assert messages == [
+        {"role": "user", "content": TURNS[0]},
+        {"role": "assistant", "content": done[0]["reply"]},
+        {"role": "user", "content": TURNS[1]},
+        {"role": "assistant", "content": done[1]["reply"]},
+    ]
+    assert row["turns"] == 2
+
+    # The conversation goes on where it stopped, as if the process had never died.
+    (turn3,), err = chat(home, [TURNS[2]], "--session", "demo")
+    assert "warning" not in err
+    assert turn3["turn"] == 3
+    assert turn3["prompt_tokens"] == reference["cold"][2]["prompt_tokens"]
+    assert turn3["reply"] == reference["cold"][2]["reply"]
+
+
+# -- in process: the engine's stop during prefill, kvsave's checks ----------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(models: Path):
+    from exokv.engine import Engine
+    from exokv.model.resolve import load_model
+
+    old = os.environ.get("EXOKV_HOME")
+    os.environ["EXOKV_HOME"] = str(models.parent)
+    try:
+        model, tokenizer = load_model("builtin:tiny")
+    finally:
+        if old is None:
+            del os.environ["EXOKV_HOME"]
+        else:
+            os.environ["EXOKV_HOME"] = old
+    return lambda: Engine(model, tokenizer)
+
+
+def _long_prompt() -> list[dict[str, str]]:
+    text = " ".join(f"stone {i} river light" for i in range(300))
+    return [{"role": "user", "content": text}]
+
+
+def test_stop_during_prefill_keeps_the_cache_consistent(engine) -> None:
+    from exokv.engine import PREFILL_STEP
+    from exokv.records import TurnRequest
+
+    warm, cold = engine(), engine()
+    messages = _long_prompt()
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        calls.append(done)
+
+    request = TurnRequest("s", messages, max_tokens=8)
+    stopped = warm.turn(request, on_progress=progress, should_stop=lambda: len(calls) >= 2)
+    assert stopped.finish_reason == "interrupted"
+    assert stopped.reply == "" and stopped.generated_tokens == 0
+    assert stopped.prompt_tokens > 2 * PREFILL_STEP
+    # The chunk prefilled before the stop is kept and serves the next attempt.
+    again = warm.turn(request)
+    assert again.cached_tokens == PREFILL_STEP
+    base = cold.turn(TurnRequest("s", messages, max_tokens=8, use_cache=False))
+    assert again.reply == base.reply
+
+
+def test_controller_drops_an_exchange_stopped_before_its_first_token(engine) -> None:
+    from exokv.chat.conversation import ChatController, TurnSettings
+
+    class Client:
+        def __init__(self) -> None:
+            self.engine = engine()
+            self.stop_now = False
+
+        def turn(self, request, on_text=None, on_progress=None):
+            return self.engine.turn(request, on_text, on_progress, lambda: self.stop_now)
+
+    client = Client()
+    chat = ChatController(client, TurnSettings(max_tokens=6), "s")
+    first = chat.handle("Hello, who are you?")
+    assert first is not None and first.result is not None
+    client.stop_now = True
+    stopped = chat.handle(_long_prompt()[0]["content"])
+    assert stopped is not None and stopped.result is None and "nothing kept" in stopped.message
+    assert len(chat.current.messages) == 2
+    # A /retry that fails (say a rank died) gives the reply it was replacing back.
+    client.engine = None
+    with pytest.raises(AttributeError):
+        chat.handle("/retry")
+    assert chat.current.messages[1]["content"] == first.result.reply
+    assert len(chat.current.messages) == 2
+
+
+def test_saved_cache_roundtrip_and_checks(engine, tmp_path: Path) -> None:
+    from exokv.records import TurnRequest
+
+    e = engine()
+    conv = [{"role": "user", "content": "Hello, who are you?"}]
+    result = e.turn(TurnRequest("s", conv, max_tokens=10))
+    conv += [{"role": "assistant", "content": result.reply}]
+    report = kvsave.save_session(e, "s", conv, "m@1", home=tmp_path)
+    assert report.tokens == result.prompt_tokens + result.generated_tokens
+    path = kvsave.shard_path("s", 0, tmp_path)
+    assert path.is_file() and not list(path.parent.glob(".*tmp*"))
+
+    fresh = engine()
+    fresh.remember_replies([(result.reply, e.reply_tokens(result.reply))])
+    nxt = conv + [{"role": "user", "content": "More."}]
+    loaded, rep = kvsave.prepare_load(fresh, "s", nxt, "m@1", home=tmp_path)
+    assert loaded is not None and rep.warning is None and rep.tokens == report.tokens
+    kvsave.commit_load(fresh, loaded, "s", rep)
+    assert rep.events and all(ev["kind"] == "add" for ev in rep.events)
+    turn = fresh.turn(TurnRequest("s", nxt, max_tokens=10))
+    assert turn.cached_tokens == report.tokens
+    cold = engine()
+    cold.remember_replies([(result.reply, e.reply_tokens(result.reply))])
+    assert turn.reply == cold.turn(TurnRequest("s", nxt, max_tokens=10, use_cache=False)).reply
+
+    # A conversation that changed after the save (/undo, a new first line): only the part
+    # it still shares is used, and nothing at all when it shares nothing but the template.
+    other = engine()
+    edited = [conv[0], {"role": "assistant", "content": "something else"}]
+    loaded, rep = kvsave.prepare_load(other, "s", edited, "m@1", home=tmp_path)
+    assert loaded is not None and 0 < rep.tokens < report.tokens
+    loaded, rep = kvsave.prepare_load(engine(), "s", nxt, "m@2", home=tmp_path)
+    assert loaded is None and "was saved for model 'm@1'" in (rep.warning or "")
+    loaded, rep = kvsave.prepare_load(
+        engine(), "s", nxt, "m@1", layout="2:pipeline:-", home=tmp_path
+    )
+    assert loaded is None and "rank layout" in (rep.warning or "")
+
+    with pytest.raises(SavedCacheError, match="checksum"):
+        _flip_data_bytes(path)
+        kvsave.load_shard(path, {})
+    missing, rep = kvsave.prepare_load(engine(), "nobody", nxt, "m@1", home=tmp_path)
+    assert missing is None and rep.warning is None and rep.skipped
