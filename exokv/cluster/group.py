@@ -10,6 +10,7 @@ import json
 from typing import Any, Protocol
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 
 class Group(Protocol):
@@ -44,7 +45,14 @@ class LocalGroup:
 
 
 class MlxGroup:
-    """Collectives over mx.distributed, on the CPU stream so they never wait on the GPU."""
+    """Collectives over mx.distributed, on mlx-lm's generation stream.
+
+    Collectives must run in the same order on every rank. generate_step queues the
+    next token's forward pass (itself full of send/recv/all_gather or all_sum) on
+    that stream before yielding; a collective on any other stream could overtake
+    it on one rank and not on another, pairing the wrong messages across ranks.
+    On the same stream, each collective waits its turn behind the queued model.
+    """
 
     def __init__(self, group: mx.distributed.Group) -> None:
         self.group = group
@@ -53,20 +61,24 @@ class MlxGroup:
 
     def gather(self, values: list[int]) -> list[list[int]]:
         local = mx.array(values, dtype=mx.int64)
-        out = mx.distributed.all_gather(local, group=self.group, stream=mx.cpu)
+        out = mx.distributed.all_gather(local, group=self.group, stream=generation_stream)
         return out.reshape(self.size, len(values)).tolist()
 
     def any(self, flag: bool) -> bool:
-        total = mx.distributed.all_sum(mx.array([int(flag)]), group=self.group, stream=mx.cpu)
+        total = mx.distributed.all_sum(
+            mx.array([int(flag)]), group=self.group, stream=generation_stream
+        )
         return bool(total.item())
 
     def broadcast(self, obj: Any) -> Any:
         data = json.dumps(obj).encode() if self.rank == 0 else b""
         n = int(
-            mx.distributed.all_sum(mx.array([len(data)]), group=self.group, stream=mx.cpu).item()
+            mx.distributed.all_sum(
+                mx.array([len(data)]), group=self.group, stream=generation_stream
+            ).item()
         )
         buf = mx.array(list(data), dtype=mx.uint8) if self.rank == 0 else mx.zeros(n, mx.uint8)
         if n == 0:
             return json.loads(data or b"null") if self.rank == 0 else None
-        out = mx.distributed.all_sum(buf, group=self.group, stream=mx.cpu)
+        out = mx.distributed.all_sum(buf, group=self.group, stream=generation_stream)
         return json.loads(bytes(out.tolist()).decode())

@@ -1,0 +1,407 @@
+"""ClusterClient: the front end's handle on ranks started by mlx.launch.
+
+It starts the launcher in its own process group (so Ctrl-C in the terminal
+reaches only the front end, and close() can end every rank at once), opens the
+channel, hands rank 0 the address and token through the launcher's stdin, and
+then speaks JSON with rank 0: a turn request out; text, progress and the
+result back; a stop when the user presses Ctrl-C.
+
+Failure detection, each ending in one ExokvError that names the rank and cause:
+the launcher exiting, the channel closing, or rank 0 going quiet (it sends a
+heartbeat every few seconds even while the model computes).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from exokv.cluster import channel
+from exokv.cluster.launch import LaunchPlan, plan_launch, rank_command
+from exokv.cluster.rank import ERROR_MARK
+from exokv.config import parse_budgets
+from exokv.errors import ExokvError, UsageError
+from exokv.records import TurnRequest, TurnResult
+
+CONNECT_TIMEOUT = 120.0  # launcher start + distributed init + rank 0 dialling back
+HEARTBEAT_TIMEOUT = 10.0  # rank 0 beats every 2 s; this stays inside the 15 s promise
+SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
+_POLL_S = 0.25
+_NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# How a rank reports that another rank went away (a consequence, not the cause).
+_PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
+
+
+class ClusterClient:
+    """Runs turns on ranks started by mlx.launch; the same interface as LocalClient."""
+
+    def __init__(self, opts: Any, budgets: list[int] | None = None) -> None:
+        self.opts = opts
+        self._closed = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._server: channel.ChannelServer | None = None
+        self._link: channel.Connection | None = None
+        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._last_seen = time.monotonic()
+        self._tails: dict[str, collections.deque[str]] = {
+            "stdout": collections.deque(maxlen=200),
+            "stderr": collections.deque(maxlen=200),
+        }
+        self._drains: list[threading.Thread] = []
+        self._budgets: list[int | None] = []
+        split = parse_split(opts.split)
+        if split is not None and opts.parallel == "tensor":
+            raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
+        seed = opts.seed if opts.seed is not None else random.randrange(2**31)
+        self.plan = plan_launch(
+            rank_command(),
+            ranks=opts.ranks,
+            hosts=opts.hosts,
+            hostfile=opts.hostfile,
+            backend=opts.backend,
+            starting_port=opts.starting_port,
+        )
+        self.ranks = self.plan.ranks
+        if split is not None and len(split) != self.ranks:
+            raise UsageError(f"--split has {len(split)} values for {self.ranks} ranks")
+        if opts.cache_budget is not None:
+            budgets = parse_budgets(opts.cache_budget, self.ranks)
+        if self.plan.local:
+            self._prepare_model(opts.model, split)
+        command = self._rank_args(opts, seed, split, budgets)
+        self.plan.argv += command
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the client interface ---------------------------------------------------
+
+    @property
+    def budgets(self) -> list[int | None]:
+        return list(self._budgets)
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        self._send({"type": "turn", "request": request.to_dict()})
+        interrupted = False
+        while True:
+            try:
+                message = self._next()
+            except KeyboardInterrupt:
+                if interrupted:
+                    self.close()  # a second Ctrl-C: give up on the ranks
+                    raise
+                # Stop the reply on every rank, then wait for the ranks to finish the turn
+                # so the channel stays in step and the caches stay the same everywhere.
+                interrupted = True
+                self.stop()
+                continue
+            kind = message["type"]
+            if kind == "text" and on_text is not None:
+                on_text(str(message.get("text", "")))
+            elif kind == "progress" and on_progress is not None:
+                on_progress(int(message["done"]), int(message["total"]))
+            elif kind == "result":
+                result = TurnResult.from_dict(message["result"])
+                if interrupted:
+                    raise KeyboardInterrupt
+                return result
+
+    def stop(self) -> None:
+        """Ask the reply being generated to end at the next token, on every rank."""
+        try:
+            self._send({"type": "stop"})
+        except ExokvError:
+            pass
+
+    def close(self) -> None:
+        """End the ranks: a clean shutdown first, then the whole process group."""
+        if self._closed:
+            return
+        self._closed = True
+        proc = self._proc
+        if self._link is not None:
+            try:
+                self._link.send({"type": "shutdown"})
+            except ExokvError:
+                pass
+        if proc is not None:
+            _wait(proc, 5.0 if self._link is not None else 0.0)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)  # the launcher and every local rank it started
+                except (ProcessLookupError, PermissionError):
+                    break
+                if _wait(proc, 3.0) and sig == signal.SIGTERM:
+                    # The launcher is gone; its ranks may still be exiting.
+                    time.sleep(0.2)
+            _wait(proc, 1.0)
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+        if self._link is not None:
+            self._link.close()
+        if self._server is not None:
+            self._server.close()
+        for t in self._drains:
+            t.join(timeout=1.0)
+
+    @property
+    def refused(self) -> list[str]:
+        """Why each stray connection to the channel was refused."""
+        return list(self._server.refused) if self._server else []
+
+    # -- starting ---------------------------------------------------------------
+
+    def _prepare_model(self, name: str, split: list[int] | None) -> None:
+        """Resolve (and for builtins, generate) the model once, before the ranks race to."""
+        from exokv.model.resolve import resolve_model
+
+        path = resolve_model(name)
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return
+        layers = config.get("num_hidden_layers")
+        if split is not None and isinstance(layers, int) and sum(split) != layers:
+            raise UsageError(f"--split adds up to {sum(split)} layers; the model has {layers}")
+
+    def _rank_args(
+        self, opts: Any, seed: int, split: list[int] | None, budgets: list[int] | None
+    ) -> list[str]:
+        args = [
+            "--model",
+            opts.model,
+            "--backend",
+            self.plan.backend,
+            "--parallel",
+            opts.parallel,
+            "--memory-threshold",
+            str(opts.memory_threshold),
+            "--seed",
+            str(seed),
+        ]
+        if split is not None:
+            args += ["--split", ",".join(map(str, split))]
+        if budgets is not None:
+            args += ["--budgets", ",".join(map(str, budgets))]
+        if opts.max_kv_size is not None:
+            args += ["--max-kv-size", str(opts.max_kv_size)]
+        return args
+
+    def _start(self) -> None:
+        plan: LaunchPlan = self.plan
+        self._server = channel.ChannelServer(plan.bind_host)
+        from exokv.cluster.launch import channel_addresses
+
+        boot = {
+            "addresses": channel_addresses(plan, self._server.port),
+            "token": self._server.token,
+        }
+        self._proc = subprocess.Popen(
+            plan.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: no stray Ctrl-C, one kill ends all
+        )
+        for name, stream in (("stdout", self._proc.stdout), ("stderr", self._proc.stderr)):
+            assert stream is not None
+            t = threading.Thread(target=self._drain, args=(name, stream), daemon=True)
+            t.start()
+            self._drains.append(t)
+        # The launcher forwards its stdin to every rank; rank 0 reads this one line.
+        # The pipe stays open: at end of file mlx.launch would spin on its stdin.
+        assert self._proc.stdin is not None
+        self._proc.stdin.write((json.dumps(boot) + "\n").encode())
+        self._proc.stdin.flush()
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while self._link is None:
+            self._link = self._server.wait(_POLL_S)
+            if self._link is None and self._proc.poll() is not None:
+                self._fail("the ranks stopped before rank 0 connected")
+            if time.monotonic() > deadline:
+                self._fail(f"rank 0 did not connect within {CONNECT_TIMEOUT:.0f} s")
+        self._last_seen = time.monotonic()
+        threading.Thread(target=self._read_link, daemon=True).start()
+        while True:
+            message = self._next()
+            if message["type"] == "ready":
+                self._budgets = list(message.get("budgets") or [])
+                self._nudge_launcher()  # every rank is past release_stdin by now
+                return
+
+    def _nudge_launcher(self) -> None:
+        """One byte for every rank's stdin: each has closed it, so mlx.launch drops the pipe.
+
+        Without this, mlx.launch's per-rank I/O threads spin on an always-writable
+        stdin for the whole chat (see rank.release_stdin).
+        """
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(b"\n")
+            self._proc.stdin.flush()
+        except OSError:
+            pass
+
+    # -- receiving and failure detection -----------------------------------------
+
+    def _read_link(self) -> None:
+        assert self._link is not None
+        while True:
+            try:
+                message = self._link.recv()
+            except channel.ChannelError:
+                message = None
+            self._last_seen = time.monotonic()
+            self._inbox.put(message)
+            if message is None:
+                return
+
+    def _next(self) -> dict[str, Any]:
+        """The next meaningful message from rank 0, or an ExokvError when the ranks fail."""
+        while True:
+            try:
+                message = self._inbox.get(timeout=_POLL_S)
+            except queue.Empty:
+                message = {"type": "idle"}
+            if message is None:
+                self._fail("rank 0 closed the channel")
+            kind = message["type"]
+            if kind == "error":
+                rank = message.get("rank", 0)
+                self._fail(f"rank {rank}: {message.get('message', 'failed')}")
+            if kind not in ("idle", "heartbeat", "status"):
+                return message
+            if self._proc is not None and self._proc.poll() is not None:
+                self._fail("the ranks stopped")
+            if time.monotonic() - self._last_seen > HEARTBEAT_TIMEOUT:
+                self._fail(
+                    f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)"
+                )
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._link is None or self._closed:
+            raise ExokvError("the ranks are not running")
+        try:
+            self._link.send(message)
+        except channel.ChannelError:
+            self._fail("the channel to rank 0 broke")
+
+    def _fail(self, cause: str) -> None:
+        """Find out which rank died and why, end everything, raise one line."""
+        proc = self._proc
+        if proc is not None:
+            _wait(proc, SETTLE_S)  # the launcher notices a dead rank and reports it
+            for t in self._drains:
+                t.join(timeout=1.0)  # ... and its last words reach the tails
+        message = diagnose(list(self._tails["stderr"]), cause)
+        self.close()
+        raise ExokvError(message)
+
+    def _drain(self, name: str, stream: IO[bytes]) -> None:
+        tail = self._tails[name]
+        token = self._server.token if self._server else ""
+        for raw in iter(stream.readline, b""):
+            line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+            if token:
+                line = line.replace(token, "***")  # a pty may echo the bootstrap line
+            tail.append(line)
+            if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
+                print(f"[ranks {name}] {line}", file=sys.stderr)
+        stream.close()
+
+
+def diagnose(stderr_lines: list[str], cause: str) -> str:
+    """One line naming the rank that failed first and why, from the launcher's output.
+
+    When one rank dies, the others fail in turn (a collective loses its peer) and
+    the launcher terminates whatever is left, so the first cause is picked in this
+    order: a rank killed by a signal, a rank's own error, a rank that exited with
+    an error code, and only then a rank that merely lost its peers.
+    """
+    errors: dict[int, str] = {}
+    exits: list[tuple[int, str]] = []
+    for line in stderr_lines:
+        if ERROR_MARK in line:
+            try:
+                data = json.loads(line.split(ERROR_MARK, 1)[1])
+                errors.setdefault(int(data["rank"]), str(data["message"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        match = _NODE_EXIT.search(line)
+        if match:
+            exits.append((int(match.group(1)), _exit_cause(match.group(2))))
+    for rank, why in exits:
+        if why.startswith("was killed"):
+            return f"rank {rank} {why}; the chat cannot go on"
+    own = {r: m for r, m in errors.items() if not _PEER_LOST.search(m)}
+    for rank, _ in exits:
+        if rank in own:
+            return f"rank {rank} failed: {own[rank]}"
+    if own:
+        rank = min(own)
+        return f"rank {rank} failed: {own[rank]}"
+    for rank, why in exits:
+        if why.startswith("exited") and rank not in errors:
+            return f"rank {rank} {why}; the chat cannot go on"
+    if errors:
+        rank = min(errors)
+        return f"rank {rank} failed: {errors[rank]} (another rank stopped answering)"
+    last = next((x for x in reversed(stderr_lines) if x.strip()), "")
+    return f"{cause}" + (f": {last}" if last else "")
+
+
+def _exit_cause(code: str | None) -> str:
+    if code is None:
+        return "terminated"
+    n = int(code)
+    if n == -signal.SIGTERM:
+        return "terminated"
+    if n < 0:
+        try:
+            return f"was killed by {signal.Signals(-n).name}"
+        except ValueError:
+            return f"was killed by signal {-n}"
+    return f"exited with code {n}"
+
+
+def parse_split(text: str | None) -> list[int] | None:
+    """'3,1' -> [3, 1]: layers per rank, rank 0 first."""
+    if text is None:
+        return None
+    try:
+        split = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise UsageError(f"invalid --split {text!r}: use whole numbers like 3,1") from None
+    if any(s < 1 for s in split):
+        raise UsageError(f"invalid --split {text!r}: every rank needs at least one layer")
+    return split
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return True

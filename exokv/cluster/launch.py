@@ -1,0 +1,225 @@
+"""Building the `mlx.launch` command line, and checking what it is given first.
+
+The ranks are always started by mlx's own launcher. This module only decides
+its arguments: `-n` for ranks on this machine, `--hosts` or `--hostfile` for
+several machines, the backend and the first port. A hostfile is checked here so
+a bad one is a one-line error before anything is started.
+
+The channel's token never appears on a command line or in an environment
+variable (both can be read by other users through `ps`): the front end writes
+one bootstrap line to the launcher's standard input, which the launcher
+forwards to the ranks, and only rank 0 reads it (see `exokv.cluster.rank`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exokv.errors import ExokvError, UsageError
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
+# Settings a rank on another machine should see as this one does (never secrets).
+FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG")
+
+
+@dataclass
+class Host:
+    ssh: str
+    ips: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LaunchPlan:
+    """What to start: the launcher's argv and where the channel must listen."""
+
+    argv: list[str]
+    ranks: int
+    hosts: list[Host]
+    backend: str
+    local: bool  # every rank on this machine: the channel binds to loopback only
+    bind_host: str
+    starting_port: int
+
+
+def parse_hosts(text: str) -> list[Host]:
+    names = [h.strip() for h in text.split(",")]
+    if not all(names):
+        raise UsageError(f"invalid --hosts {text!r}: an empty name between commas")
+    return [Host(ssh=h, ips=[h] if _is_ip(h) else []) for h in names]
+
+
+def read_hostfile(path: str | os.PathLike[str]) -> tuple[list[Host], str]:
+    """The hosts and backend of an mlx hostfile; a bad file is a one-line UsageError.
+
+    Accepts mlx's format: a JSON list of hosts, or an object with "hosts" (and
+    optionally "backend" and "envs"); each host has "ssh" and optionally "ips".
+    """
+    p = Path(path).expanduser()
+    where = f"hostfile {str(p)!r}"
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{where} does not exist") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read {where}: {err}") from None
+    except ValueError as err:
+        raise UsageError(f"{where} is not valid JSON ({err})") from None
+    backend = ""
+    if isinstance(data, dict):
+        backend = data.get("backend", "") or ""
+        entries = data.get("hosts")
+        if not isinstance(backend, str):
+            raise UsageError(f'{where}: "backend" must be a string')
+        envs = data.get("envs", [])
+        if not isinstance(envs, list) or not all(isinstance(e, str) for e in envs):
+            raise UsageError(f'{where}: "envs" must be a list of strings')
+    else:
+        entries = data
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(f'{where}: expected a non-empty list of hosts (or {{"hosts": [...]}})')
+    hosts = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("ssh"), str) or not entry["ssh"]:
+            raise UsageError(f'{where}: host {i} needs an "ssh" name')
+        ips = entry.get("ips", [])
+        if not isinstance(ips, list) or not all(isinstance(a, str) and _is_ip(a) for a in ips):
+            raise UsageError(f'{where}: host {i} ("{entry["ssh"]}") has "ips" that are not IPs')
+        hosts.append(Host(ssh=entry["ssh"], ips=list(ips)))
+    return hosts, backend
+
+
+def plan_launch(
+    command: list[str],
+    ranks: int = 1,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    backend: str = "ring",
+    starting_port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> LaunchPlan:
+    """The mlx.launch invocation that runs `command` (a python argv) on every rank."""
+    if (hosts or hostfile) and ranks > 1:
+        raise UsageError("use -n for ranks on this machine, or --hosts/--hostfile, not both")
+    if hosts and hostfile:
+        raise UsageError("use --hosts or --hostfile, not both")
+    args = [launcher()]
+    if hostfile:
+        host_list, file_backend = read_hostfile(hostfile)
+        if file_backend and backend == "ring":
+            # --backend defaults to ring; a hostfile that names its backend wins over the default.
+            backend = file_backend
+        args += ["--hostfile", str(Path(hostfile).expanduser())]
+    elif hosts:
+        host_list = parse_hosts(hosts)
+        args += ["--hosts", ",".join(h.ssh for h in host_list)]
+    else:
+        host_list = [Host(LOOPBACK, [LOOPBACK]) for _ in range(ranks)]
+        args += ["-n", str(ranks)]
+    if backend == "ring" and any(not h.ips for h in host_list):
+        bad = next(h.ssh for h in host_list if not h.ips)
+        raise UsageError(
+            f"the ring backend needs IP addresses, but host {bad!r} has none: "
+            'use --hostfile with "ips" for each host'
+        )
+    local = all(h.ssh == LOOPBACK for h in host_list)
+    if starting_port is None:
+        starting_port = free_ports(len(host_list)) if local else DEFAULT_STARTING_PORT
+    if not 0 < starting_port < 65536 - len(host_list):
+        raise UsageError(f"--starting-port {starting_port} is not a usable port")
+    args += ["--backend", backend, "--starting-port", str(starting_port)]
+    if not local:
+        # Local ranks inherit this environment; remote ones only get what is forwarded.
+        for name in FORWARDED_ENV:
+            value = (env if env is not None else os.environ).get(name)
+            if value is not None:
+                args += ["--env", f"{name}={value}"]
+    args += ["--", *command]
+    return LaunchPlan(
+        argv=args,
+        ranks=len(host_list),
+        hosts=host_list,
+        backend=backend,
+        local=local,
+        bind_host=LOOPBACK if local else "0.0.0.0",
+        starting_port=starting_port,
+    )
+
+
+def launcher() -> str:
+    """mlx.launch from the same environment as this python, else from PATH."""
+    beside = Path(sys.executable).parent / "mlx.launch"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mlx.launch")
+    if found is None:
+        raise ExokvError("mlx.launch not found: install mlx in this environment (pip install mlx)")
+    return found
+
+
+def rank_command(python: str | None = None) -> list[str]:
+    """The argv that starts one rank (the launcher runs it once per rank)."""
+    return [python or sys.executable, "-m", "exokv.cluster.rank"]
+
+
+def channel_addresses(plan: LaunchPlan, port: int) -> list[str]:
+    """Where rank 0 can reach the front end's channel, most likely first."""
+    if plan.local:
+        return [f"{LOOPBACK}:{port}"]
+    found: list[str] = []
+    first = plan.hosts[0]
+    targets = first.ips or [first.ssh]
+    for target in targets:
+        try:
+            # A UDP "connect" sends nothing; it asks the kernel which local address routes there.
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))
+                found.append(s.getsockname()[0])
+        except OSError:
+            continue
+    try:
+        found += socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        pass
+    found.append(LOOPBACK)  # rank 0 may be on this very machine
+    unique = list(dict.fromkeys(found))
+    return [f"{a}:{port}" for a in unique]
+
+
+def free_ports(count: int, start: int = 20000, end: int = 60000) -> int:
+    """The first of `count` consecutive ports that are free on loopback now.
+
+    Starting from a random offset keeps two chats on one machine apart.
+    """
+    import random
+
+    base = random.randrange(start, end - count)
+    for offset in range(0, end - start, count + 1):
+        first = start + (base - start + offset) % (end - start - count)
+        if all(_port_free(first + i) for i in range(count)):
+            return first
+    raise ExokvError("no free ports on this machine for the ranks; pass --starting-port")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

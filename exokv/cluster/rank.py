@@ -1,0 +1,323 @@
+"""One rank of a distributed chat: `python -m exokv.cluster.rank ...`, started by mlx.launch.
+
+Every rank loads its shard of the model and runs the same Engine. Rank 0 alone
+talks to the front end over the channel: it reads one request, broadcasts it to
+the other ranks (one broadcast per turn), and streams the reply back. A stop
+request is noted by a reader thread on rank 0 and agreed by all ranks through
+the engine's per-token `group.any`, so every rank stops at the same token and
+the caches stay identical.
+
+Ranks never read the user's input. The launcher's standard input is a pipe from
+the front end, and rank 0 reads exactly one bootstrap line from it (the channel
+address and token), so the token is never on a command line or in the
+environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import select
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from exokv.cluster import channel
+from exokv.cluster.group import Group, MlxGroup
+from exokv.errors import ExokvError
+
+HEARTBEAT_S = 2.0
+BOOTSTRAP_TIMEOUT = 60.0
+ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
+
+
+class CountingGroup:
+    """A Group that counts each kind of collective, for the per-rank log and the tests."""
+
+    def __init__(self, inner: Group) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+        self.size = inner.size
+        self.counts = {"gather": 0, "any": 0, "broadcast": 0}
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        self.counts["gather"] += 1
+        return self.inner.gather(values)
+
+    def any(self, flag: bool) -> bool:
+        self.counts["any"] += 1
+        return self.inner.any(flag)
+
+    def broadcast(self, obj: Any) -> Any:
+        self.counts["broadcast"] += 1
+        return self.inner.broadcast(obj)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="exokv.cluster.rank")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", default="ring")
+    p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
+    p.add_argument("--split", default=None, help="layers per rank, rank 0 first")
+    p.add_argument("--budgets", default=None, help="bytes per rank, comma separated")
+    p.add_argument("--memory-threshold", type=float, default=0.9)
+    p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--seed", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    link: channel.Connection | None = None
+    try:
+        world = mx.distributed.init(backend=args.backend, strict=True)
+        rank = world.rank()
+        boot = read_bootstrap(BOOTSTRAP_TIMEOUT) if rank == 0 else None
+        release_stdin()
+        if boot is not None:
+            link = channel.connect(boot["addresses"], boot["token"], {"ranks": world.size()})
+        return Rank(args, world, link).run()
+    except Exception as err:  # noqa: BLE001 - every failure becomes one line for the front end
+        report_error(rank, err, link)
+        return 1
+
+
+def release_stdin() -> None:
+    """Close our end of the launcher's stdin pipe (nothing more is read from it).
+
+    mlx.launch select()s each rank's stdin for writing, which is always ready, so
+    its I/O threads spin (about a third of a core). Once the read end is closed,
+    its next write fails with EPIPE and it stops watching that pipe; the front
+    end sends one more byte once the ranks are ready to trigger exactly that.
+    """
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def report_error(rank: int, err: BaseException, link: channel.Connection | None) -> None:
+    message = describe(err)
+    if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
+    print(ERROR_MARK + json.dumps({"rank": rank, "message": message}), file=sys.stderr, flush=True)
+    if link is not None:
+        try:
+            link.send({"type": "error", "rank": rank, "message": message})
+        except ExokvError:
+            pass
+
+
+def describe(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "Couldn't bind socket" in text and "98" in text:
+        return "port in use: pass another --starting-port"
+    if isinstance(err, ExokvError):
+        return text
+    return f"{type(err).__name__}: {text}"
+
+
+def read_bootstrap(timeout: float) -> dict[str, Any]:
+    """The one line the front end wrote to the launcher's stdin: addresses and token."""
+    fd = sys.stdin.fileno()
+    data = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise ExokvError("rank 0 got no channel address from the front end")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise ExokvError("rank 0's standard input closed before the channel address came")
+        data += chunk
+    line = data.split(b"\n", 1)[0].strip()
+    boot = json.loads(line)
+    if not isinstance(boot, dict) or "token" not in boot or "addresses" not in boot:
+        raise ExokvError("rank 0 got a malformed bootstrap line")
+    return boot
+
+
+def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: list[int] | None):
+    """This rank's shard of the model and the tokenizer, through mlx-lm's own pieces."""
+    from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+
+    from exokv.model.resolve import resolve_model
+
+    path = Path(resolve_model(name))
+    config = json.loads((path / "config.json").read_text())
+    if parallel == "tensor":
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 0)
+        if heads % world.size():
+            raise ExokvError(
+                f"--parallel tensor splits attention heads: {heads} KV heads do not divide "
+                f"among {world.size()} ranks; use --parallel pipeline or another -n"
+            )
+        return sharded_load(str(path), None, world)
+    if split is None:
+        return sharded_load(str(path), world, None)
+    # sharded_load has no split; do its steps with the split given to pipeline().
+    # All files are local here (resolve_model fetched them), so nothing to download.
+    model, config = load_model(path, lazy=True, strict=False)
+    layers = len(model.model.layers)
+    if sum(split) != layers:
+        raise ExokvError(f"--split {_fmt(split)} has {sum(split)} layers; the model has {layers}")
+    model.model.pipeline(world, split)
+    tokenizer = load_tokenizer(
+        path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None)
+    )
+    mx.eval(model.parameters())  # lazy loading: only this rank's layers are read
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=world, stream=mx.cpu))
+    return model, tokenizer
+
+
+def _fmt(split: list[int]) -> str:
+    return ",".join(map(str, split))
+
+
+class Rank:
+    def __init__(
+        self, args: argparse.Namespace, world: mx.distributed.Group, link: channel.Connection | None
+    ) -> None:
+        self.args = args
+        self.world = world
+        self.rank = world.rank()
+        self.link = link
+        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.stop = threading.Event()
+        self.log_path: Path | None = None
+        if os.environ.get("EXOKV_RANK_LOG", "") not in ("", "0"):
+            from exokv.config import exokv_home
+
+            self.log_path = exokv_home() / "ranks" / f"rank-{self.rank}.jsonl"
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def run(self) -> int:
+        from exokv.engine import Engine, EngineOptions
+
+        if self.link is not None:
+            # Liveness and commands flow while the model loads, so a slow load is not a hang.
+            threading.Thread(target=self._heartbeat, daemon=True).start()
+            threading.Thread(target=self._read_channel, daemon=True).start()
+            self.link.send({"type": "status", "message": "loading the model"})
+        args = self.args
+        split = [int(s) for s in args.split.split(",")] if args.split else None
+        model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
+        budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
+        group = CountingGroup(MlxGroup(self.world))
+        engine = Engine(
+            model,
+            tokenizer,
+            group=group,
+            options=EngineOptions(
+                budget=budgets[self.rank] if budgets else None,
+                memory_threshold=args.memory_threshold,
+                max_kv_size=args.max_kv_size,
+                seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0
+            ),
+        )
+        # Startup only, not per turn: every rank's effective budget for the front end.
+        all_budgets = [
+            row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
+        ]
+        if self.link is not None:
+            self.link.send(
+                {
+                    "type": "ready",
+                    "ranks": self.world.size(),
+                    "budgets": [None if b < 0 else b for b in all_budgets],
+                }
+            )
+        turn = 0
+        while True:
+            before = dict(group.counts)
+            message = self._next_message() if self.rank == 0 else None
+            message = group.broadcast(message)
+            if message is None or message.get("type") != "turn":
+                return 0  # shutdown, or the front end went away
+            turn += 1
+            from exokv.records import TurnRequest
+
+            request = TurnRequest.from_dict(message["request"])
+            result = engine.turn(
+                request,
+                on_text=self._send_text if self.link else None,
+                on_progress=self._send_progress if self.link else None,
+                # Every rank passes a should_stop (never set off rank 0): the engine
+                # agrees on it with a collective, which all ranks must call alike.
+                should_stop=self.stop.is_set,
+            )
+            if self.link is not None:
+                self.link.send({"type": "result", "result": result.to_dict()})
+            if self.log_path is not None:
+                counts = {k: v - before[k] for k, v in group.counts.items()}
+                self._log(turn, result, counts)
+
+    # -- rank 0 and the channel -------------------------------------------------
+
+    def _next_message(self) -> dict[str, Any]:
+        message = self.inbox.get()
+        if message.get("type") == "turn":
+            # A stop pressed before this turn began belongs to the previous reply.
+            self.stop.clear()
+        return message
+
+    def _read_channel(self) -> None:
+        assert self.link is not None
+        while True:
+            try:
+                message = self.link.recv()
+            except channel.ChannelError:
+                message = None
+            if message is None:
+                # The front end is gone: end any reply and leave the loop on every rank.
+                self.stop.set()
+                self.inbox.put({"type": "shutdown"})
+                return
+            kind = message["type"]
+            if kind == "stop":
+                self.stop.set()
+            elif kind in ("turn", "shutdown"):
+                self.inbox.put(message)
+
+    def _heartbeat(self) -> None:
+        assert self.link is not None
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                self.link.send({"type": "heartbeat"})
+            except ExokvError:
+                return
+
+    def _send_text(self, text: str) -> None:
+        if text and self.link is not None:
+            self.link.send({"type": "text", "text": text})
+
+    def _send_progress(self, done: int, total: int) -> None:
+        if self.link is not None:
+            self.link.send({"type": "progress", "done": done, "total": total})
+
+    def _log(self, turn: int, result: Any, counts: dict[str, int]) -> None:
+        """This rank's own record of the turn: the evidence that ranks decided alike."""
+        assert self.log_path is not None
+        line = {
+            "rank": self.rank,
+            "turn": turn,
+            "decision": result.decision,
+            "session": result.session,
+            "collectives": counts,
+            "events": [e.to_dict() for e in result.events],
+            "rank_stats": [s.to_dict() for s in result.rank_stats],
+        }
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The front end <-> rank 0 channel: JSON only, a size limit, a token first."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from exokv.chat.run import ChatOptions
+from exokv.cluster import channel
+from exokv.cluster.client import ClusterClient
+from exokv.records import TurnRequest
+
+
+def pair(limit: int = channel.MAX_MESSAGE) -> tuple[channel.Connection, channel.Connection]:
+    a, b = socket.socketpair()
+    return channel.Connection(a, limit), channel.Connection(b, limit)
+
+
+def raw_connect(server: channel.ChannelServer) -> socket.socket:
+    return socket.create_connection((server.host, server.port), timeout=10)
+
+
+def read_reply(sock: socket.socket) -> dict | None:
+    """The server's answer to a stray connection, or None if it just closed."""
+    try:
+        return channel.Connection(sock).recv()
+    except channel.ChannelError:
+        return None
+
+
+# -- framing ---------------------------------------------------------------------------
+
+
+def test_round_trip_and_clean_end_of_stream() -> None:
+    a, b = pair()
+    a.send({"type": "text", "text": "héllo"})
+    assert b.recv() == {"type": "text", "text": "héllo"}
+    a.close()
+    assert b.recv() is None
+
+
+def test_oversize_message_refused_on_both_sides() -> None:
+    a, b = pair(limit=100)
+    with pytest.raises(channel.ChannelError, match="limit"):
+        a.send({"type": "text", "text": "x" * 200})  # refused before anything is sent
+    # A peer that claims a huge body is refused from the header alone, unread.
+    a.sock.sendall(struct.pack(">I", 1 << 30))
+    with pytest.raises(channel.ChannelError, match="limit"):
+        b.recv()
+
+
+def test_only_json_objects_with_a_type() -> None:
+    for body in (b"\x80\x81 not utf-8", b"[1, 2]", b'{"no": "type"}', b"{bad json"):
+        a, b = pair()
+        a.sock.sendall(struct.pack(">I", len(body)) + body)
+        with pytest.raises(channel.ChannelError):
+            b.recv()
+
+
+# -- the server: a token first, one rank 0 ---------------------------------------------
+
+
+def test_server_refuses_strays_and_accepts_the_token() -> None:
+    server = channel.ChannelServer()
+    try:
+        assert server.host == "127.0.0.1"
+        no_token = raw_connect(server)
+        channel.Connection(no_token).send({"type": "hello"})
+        assert read_reply(no_token) == {
+            "type": "refused",
+            "reason": "the first message was not a hello with a token",
+        }
+        wrong = raw_connect(server)
+        channel.Connection(wrong).send({"type": "hello", "token": "0" * 64})
+        assert read_reply(wrong)["reason"] == "wrong token"
+        huge = raw_connect(server)
+        huge.sendall(struct.pack(">I", 50_000_000))
+        assert read_reply(huge)["type"] == "refused"
+
+        rank0 = channel.connect([f"{server.host}:{server.port}"], server.token)
+        peer = server.wait(5)
+        assert peer is not None
+        rank0.send({"type": "heartbeat"})
+        assert peer.recv() == {"type": "heartbeat"}
+        with pytest.raises(channel.ChannelError, match="already connected"):
+            channel.connect([f"{server.host}:{server.port}"], server.token)
+        assert len(server.refused) == 4
+    finally:
+        server.close()
+
+
+# -- strays during a real two-rank chat -------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("EXOKV_HOME", str(home))
+    monkeypatch.delenv("EXOKV_DEBUG", raising=False)
+    opts = ChatOptions(model="builtin:tiny", ranks=2, max_tokens=8, starting_port=45160)
+    client = ClusterClient(opts, None)
+    kids = psutil.Process().children(recursive=True)
+    try:
+        messages = [{"role": "user", "content": "Hello, who are you?"}]
+        first = client.turn(TurnRequest("s", messages, max_tokens=8))
+        server = client._server
+        assert server is not None and server.host == "127.0.0.1"
+        # The token reached rank 0 through the launcher's stdin: no command line or
+        # environment (both visible to other users through ps) carries it.
+        for p in kids:
+            assert server.token not in " ".join(p.cmdline())
+            assert server.token not in " ".join(p.environ().values())
+
+        # A stranger without the token, one with a 50 MB message, and one that says nothing.
+        no_token = raw_connect(server)
+        channel.Connection(no_token).send({"type": "turn", "request": {"messages": []}})
+        huge = raw_connect(server)
+        huge.sendall(struct.pack(">I", 50_000_000) + b"x" * 1000)
+        silent = raw_connect(server)
+        assert read_reply(no_token)["type"] == "refused"
+        assert read_reply(huge)["type"] == "refused"
+
+        # The chat goes on, served from the cache as before.
+        messages += [
+            {"role": "assistant", "content": first.reply},
+            {"role": "user", "content": "Tell me about the sea."},
+        ]
+        second = client.turn(TurnRequest("s", messages, max_tokens=8))
+        assert second.cached_tokens > 0 and second.ranks == 2
+        silent.close()
+
+        # Ctrl-C: the reply stops on every rank at the same token; the next turn works
+        # (ranks compare their cache trees in every turn's collective).
+        pieces: list[str] = []
+
+        def on_text(text: str) -> None:
+            pieces.append(text)
+            if len(pieces) == 2:
+                client.stop()
+
+        messages += [
+            {"role": "assistant", "content": second.reply},
+            {"role": "user", "content": "Why is the sky blue?"},
+        ]
+        stopped = client.turn(TurnRequest("s", messages, max_tokens=200), on_text=on_text)
+        assert stopped.finish_reason == "interrupted"
+        assert stopped.generated_tokens < 200
+        messages += [
+            {"role": "assistant", "content": stopped.reply},
+            {"role": "user", "content": "Thanks."},
+        ]
+        assert client.turn(TurnRequest("s", messages, max_tokens=8)).cached_tokens > 0
+        assert len(client.refused) >= 2
+    finally:
+        client.close()
+    time.sleep(0.5)
+    assert [p.pid for p in kids if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []

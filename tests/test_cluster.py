@@ -1,0 +1,344 @@
+"""Distributed chat on localhost: ranks started by mlx.launch, cache decisions that agree.
+
+The chats run `exokv chat` as a user would, on builtin:tiny with short replies.
+Each multi-rank test has its own --starting-port so tests never share a ring.
+EXOKV_RANK_LOG=1 makes every rank write its own record of each turn (its cache
+events and the collectives it took part in) to EXOKV_HOME/ranks/rank-<R>.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from exokv.cluster.client import diagnose, parse_split
+from exokv.cluster.launch import FORWARDED_ENV, plan_launch, read_hostfile
+from exokv.errors import UsageError
+
+SCRIPT = [
+    "Hello, who are you?",
+    "Tell me about the sea.",
+    "Why is the sky blue?",
+    "Write a short poem about winter.",
+    "What is the capital of France?",
+    "Thank you, goodbye.",
+]
+# Three sessions, so entries pile up and the small budget on rank 1 must evict.
+SESSIONS_SCRIPT = [
+    "Hello there",
+    "Tell me about cats",
+    "/new b",
+    "Why is the sky blue",
+    "And the sea?",
+    "/new c",
+    "A poem about winter",
+    "Shorter please",
+    "/switch b",
+    "Thanks",
+]
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny generated once; each test's EXOKV_HOME gets a copy."""
+    home = tmp_path_factory.mktemp("models-home")
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from exokv.model.resolve import resolve_model as r; r('builtin:tiny')",
+        ],
+        env={**os.environ, "EXOKV_HOME": str(home)},
+        check=True,
+        timeout=120,
+    )
+    return home / "models"
+
+
+def make_home(path: Path, models: Path) -> Path:
+    path.mkdir(parents=True)
+    shutil.copytree(models, path / "models")
+    return path
+
+
+class Chat:
+    """`exokv chat --json` in a subprocess, fed one line at a time."""
+
+    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        full_env = {**os.environ, "EXOKV_HOME": str(home), **(env or {})}
+        full_env.pop("EXOKV_DEBUG", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
+            + ["--max-tokens", "8", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full_env,
+        )
+        self.seen: dict[int, psutil.Process] = {}
+
+    def send(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write((line + "\n").encode())
+        self.proc.stdin.flush()
+        out = self.proc.stdout.readline()
+        assert out, self.finish()[1]
+        self.note_descendants()
+        return json.loads(out)
+
+    def note_descendants(self) -> None:
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            self.seen.setdefault(p.pid, p)
+
+    def rank(self, r: int) -> psutil.Process:
+        for p in self.seen.values():
+            if p.is_running() and p.environ().get("MLX_RANK") == str(r):
+                return p
+        raise AssertionError(f"no rank {r} among {list(self.seen)}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        finally:
+            self.proc.kill()
+        assert self.proc.stderr is not None
+        return self.proc.returncode, self.proc.stderr.read().decode()
+
+    def leftovers(self) -> list[int]:
+        """Processes this chat started that are still alive (there must be none)."""
+        deadline = time.monotonic() + 5
+        while True:
+            alive = [
+                pid
+                for pid, p in self.seen.items()
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+            ]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+
+def run_script(home: Path, lines: list[str], *args: str, **kw: Any) -> list[dict[str, Any]]:
+    chat = Chat(home, *args, **kw)
+    docs = [chat.send(line) for line in lines]
+    code, err = chat.finish()
+    assert code == 0, err
+    assert chat.leftovers() == []
+    return [d for d in docs if "turn" in d]
+
+
+def rank_log(home: Path, rank: int) -> list[dict[str, Any]]:
+    path = home / "ranks" / f"rank-{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def replies(turns: list[dict[str, Any]]) -> list[str]:
+    return [t["reply"] for t in turns]
+
+
+# -- launching: command lines and bad input (no ranks started) ----------------------
+
+
+def test_plan_local_ranks_use_mlx_launch_on_loopback() -> None:
+    plan = plan_launch(["python", "-m", "exokv.cluster.rank"], ranks=3, starting_port=45000)
+    argv = plan.argv
+    assert Path(argv[0]).name == "mlx.launch"
+    assert argv[argv.index("-n") + 1] == "3"
+    assert argv[argv.index("--starting-port") + 1] == "45000"
+    assert argv[argv.index("--") + 1 :] == ["python", "-m", "exokv.cluster.rank"]
+    assert plan.local and plan.bind_host == "127.0.0.1" and plan.ranks == 3
+    assert not any("--env" == a for a in argv), "local ranks inherit the environment"
+
+
+def test_plan_remote_hosts_forward_settings_not_secrets(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(
+        json.dumps(
+            {"hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]}
+        )
+    )
+    plan = plan_launch(["py"], hostfile=str(hostfile), env={"EXOKV_FAKE_PRESSURE": "0.5", "X": "1"})
+    assert plan.ranks == 2 and not plan.local and plan.bind_host == "0.0.0.0"
+    assert "EXOKV_FAKE_PRESSURE=0.5" in plan.argv
+    assert not any("X=1" == a or "TOKEN" in a for a in plan.argv)
+    assert set(FORWARDED_ENV) >= {"EXOKV_FAKE_PRESSURE"}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not valid JSON"),
+        ("[]", "non-empty list of hosts"),
+        ('{"hosts": [{"ips": ["10.0.0.1"]}]}', 'needs an "ssh" name'),
+        ('[{"ssh": "a", "ips": ["not-an-ip"]}]', "not IPs"),
+    ],
+)
+def test_bad_hostfile_is_one_line_usage_error(tmp_path: Path, content: str, message: str) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(content)
+    with pytest.raises(UsageError, match=message) as err:
+        read_hostfile(hostfile)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_launch_options_fail_before_launching(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="does not exist"):
+        plan_launch(["py"], hostfile=str(tmp_path / "missing.json"))
+    with pytest.raises(UsageError, match="needs IP addresses"):
+        plan_launch(["py"], hosts="mac1,mac2", backend="ring")
+    with pytest.raises(UsageError, match="not both"):
+        plan_launch(["py"], ranks=2, hosts="10.0.0.1,10.0.0.2")
+    with pytest.raises(UsageError):
+        parse_split("3,x")
+    with pytest.raises(UsageError):
+        parse_split("4,0")
+    assert parse_split("3,1") == [3, 1]
+
+
+def test_bad_hostfile_from_the_cli(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text("{oops")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "exokv",
+            "chat",
+            "--model",
+            "builtin:tiny",
+            "--hostfile",
+            str(hostfile),
+        ],
+        input=b"hi\n",
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "EXOKV_HOME": str(tmp_path / "home")},
+    )
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "hostfile" in lines[0]
+
+
+def test_diagnose_names_the_rank_that_died_first() -> None:
+    lines = [
+        "[WARN] Node with rank 1 exited with code -9",
+        "[WARN] Node with rank 0 exited with code -15",
+    ]
+    assert diagnose(lines, "rank 0 closed the channel").startswith("rank 1 was killed by SIGKILL")
+    failed = ['exokv-rank-error {"rank": 1, "message": "model not found"}', *lines[1:]]
+    failed.append("[WARN] Node with rank 1 exited with code 1")
+    assert diagnose(failed, "x") == "rank 1 failed: model not found"
+
+
+# -- chats on two ranks ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(150)
+def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path) -> None:
+    home = make_home(tmp_path / "two", models_dir)
+    two = run_script(
+        home, SCRIPT, "-n", "2", "--starting-port", "45110", env={"EXOKV_RANK_LOG": "1"}
+    )
+    one = run_script(make_home(tmp_path / "one", models_dir), SCRIPT)
+    cold = run_script(make_home(tmp_path / "cold", models_dir), SCRIPT, "--no-cache")
+    assert replies(two) == replies(one) == replies(cold)
+    assert len(set(replies(two))) == len(SCRIPT), "replies must depend on the prompt"
+    assert all(t["ranks"] == 2 for t in two)
+    assert two[0]["cached_tokens"] == 0
+    assert all(t["cached_tokens"] > 0 for t in two[1:])
+    assert [t["cached_tokens"] for t in two] == [t["cached_tokens"] for t in one]
+
+    # One collective per turn for the cache decision, counted by wrapping the group
+    # (exokv.cluster.rank.CountingGroup) on each rank; one broadcast carries the request.
+    for rank in (0, 1):
+        log = rank_log(home, rank)
+        assert len(log) == len(SCRIPT)
+        assert all(t["collectives"]["gather"] == 1 for t in log), log
+        assert all(t["collectives"]["broadcast"] == 1 for t in log)
+    assert [t["events"] for t in rank_log(home, 0)] == [t["events"] for t in rank_log(home, 1)]
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path) -> None:
+    args = ("-n", "2", "--parallel", "tensor")
+    cached = run_script(
+        make_home(tmp_path / "a", models_dir), SCRIPT, *args, "--starting-port", "45120"
+    )
+    cold = run_script(
+        make_home(tmp_path / "b", models_dir),
+        SCRIPT,
+        *args,
+        "--no-cache",
+        "--starting-port",
+        "45130",
+    )
+    assert replies(cached) == replies(cold)
+    assert all(t["cached_tokens"] > 0 for t in cached[1:])
+    assert all(t["ranks"] == 2 for t in cached)
+
+
+@pytest.mark.timeout(120)
+def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_dir: Path) -> None:
+    # Both ranks hold the same bytes per token (2 of 4 layers each); rank 1 may hold
+    # 40 KB of cache, rank 0 1 MB, so rank 1 alone is over budget and drives every
+    # eviction, and rank 0 must evict the same entries although it has room.
+    home = make_home(tmp_path / "two", models_dir)
+    env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
+    budget = ("--cache-budget", "1MB,40KB")
+    two = run_script(home, SESSIONS_SCRIPT, "-n", "2", *budget, "--starting-port", "45140", env=env)
+    cold = run_script(make_home(tmp_path / "cold", models_dir), SESSIONS_SCRIPT, "--no-cache")
+    assert replies(two) == replies(cold)
+
+    logs = [rank_log(home, 0), rank_log(home, 1)]
+    evictions = [
+        [
+            (t["decision"], e["entry"], e["reason"])
+            for t in log
+            for e in t["events"]
+            if e["kind"] == "evict"
+        ]
+        for log in logs
+    ]
+    assert len(evictions[0]) >= 3
+    assert evictions[0] == evictions[1], "same entries, same order, same decision ids"
+    assert {reason for _, _, reason in evictions[0]} == {"budget rank 1"}
+    # Every event, not just the evictions, is the same on both ranks.
+    assert [t["events"] for t in logs[0]] == [t["events"] for t in logs[1]]
+    # Rank 0 had room to spare: it evicted only because rank 1 needed it.
+    assert all(s["cache_bytes"] < 1_000_000 for t in logs[0] for s in t["rank_stats"][:1])
+    assert sum(t["evictions"] for t in two) == len(evictions[0])
+
+
+@pytest.mark.timeout(90)
+def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
+    chat = Chat(make_home(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45150")
+    assert chat.send(SCRIPT[0])["turn"] == 1
+    assert chat.send(SCRIPT[1])["turn"] == 2
+    chat.rank(1).kill()
+    killed = time.monotonic()
+    assert chat.proc.stdin is not None
+    chat.proc.stdin.write((SCRIPT[2] + "\n").encode())
+    chat.proc.stdin.flush()
+    code, err = chat.finish(timeout=30)
+    elapsed = time.monotonic() - killed
+    lines = err.strip().splitlines()
+    assert code == 1, err
+    assert elapsed < 15
+    assert len(lines) == 1 and "rank 1" in lines[0] and "killed" in lines[0], err
+    assert chat.leftovers() == []
