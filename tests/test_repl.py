@@ -265,7 +265,7 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
 
 def test_ctrl_c_stops_a_long_reply(tmp_path: Path, models: Path) -> None:
     home = new_home(tmp_path / "home", models)
-    max_tokens = "400"
+    max_tokens = "250"
     term = chat_terminal(home, "--max-tokens", max_tokens, "--session", "c")
     try:
         term.expect(prompt("c"))

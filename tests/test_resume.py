@@ -252,7 +252,7 @@ def engine(models: Path):
 
 
 def _long_prompt() -> list[dict[str, str]]:
-    text = " ".join(f"stone {i} river light" for i in range(300))
+    text = " ".join(f"stone {i} river light" for i in range(130))  # ~1,100 tokens
     return [{"role": "user", "content": text}]
 
 

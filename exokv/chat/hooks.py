@@ -193,10 +193,12 @@ class StoreHooks(ChatHooks):
     # -- the tables of /sessions, /stats, /evictions ---------------------------------------
 
     def list_sessions(self, chat: ChatController) -> list[dict[str, Any]]:
+        # turns: exchanges in the conversation now (the store's count also has the
+        # replies that /retry replaced and /undo dropped); tokens: at its last turn.
         rows = [
             {
                 "name": r["name"],
-                "turns": r["turns"],
+                "turns": r["messages"] // 2,
                 "tokens": r["tokens"],
                 "cached_tokens": r["cached_tokens"],
                 "last_used": r["last_used"],
@@ -204,9 +206,12 @@ class StoreHooks(ChatHooks):
             for r in self.store.sessions()
         ]
         stored = {r["name"] for r in rows}
+        for row in rows:
+            if row["name"] in chat.sessions:
+                row["turns"] = chat.sessions[row["name"]].turns
         for conv in chat.sessions.values():
             if conv.name not in stored:  # opened in this run, no turn yet
-                row = {"name": conv.name, "turns": 0, "tokens": 0, "cached_tokens": 0}
+                row = {"name": conv.name, "turns": conv.turns, "tokens": 0, "cached_tokens": 0}
                 rows.insert(0, {**row, "last_used": None})
         for row in rows:
             row["current"] = row["name"] == chat.current.name
@@ -238,6 +243,8 @@ class StoreHooks(ChatHooks):
         conv = chat.current
         if not self.use_cache:
             return "nothing to save: with --no-cache there is no KV cache"
+        if not conv.messages:
+            return f"nothing to save: {conv.name!r} has no messages yet"
         report = self.save(conv)
         if report is None:
             return "saving KV caches is not available with this client"
