@@ -30,11 +30,15 @@ class ChannelError(ExokvError):
     """The channel broke or a peer broke the protocol."""
 
 
+class MessageTooLarge(ChannelError):
+    """A message over the size limit, refused before any of it was sent or read."""
+
+
 def encode(message: dict[str, Any], limit: int = MAX_MESSAGE) -> bytes:
     """One framed message; refuses (raises) rather than sending more than `limit` bytes."""
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     if len(body) > limit:
-        raise ChannelError(f"message of {len(body)} bytes is over the {limit}-byte limit")
+        raise MessageTooLarge(f"message of {len(body)} bytes is over the {limit}-byte limit")
     return _HEADER.pack(len(body)) + body
 
 
@@ -67,7 +71,7 @@ class Connection:
             return None
         (size,) = _HEADER.unpack(header)
         if size > limit:
-            raise ChannelError(f"message of {size} bytes is over the {limit}-byte limit")
+            raise MessageTooLarge(f"message of {size} bytes is over the {limit}-byte limit")
         body = self._read(size, eof_ok=False)
         assert body is not None
         try:

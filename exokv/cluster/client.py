@@ -31,6 +31,7 @@ from exokv.cluster import channel
 from exokv.cluster.launch import LaunchPlan, plan_launch, rank_command
 from exokv.cluster.rank import ERROR_MARK
 from exokv.config import parse_budgets
+from exokv.engine import MAX_REMEMBERED_REPLIES
 from exokv.errors import ExokvError, UsageError
 from exokv.records import TurnRequest, TurnResult
 
@@ -61,6 +62,7 @@ class ClusterClient:
         }
         self._drains: list[threading.Thread] = []
         self._budgets: list[int | None] = []
+        self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         split = parse_split(opts.split)
         if split is not None and opts.parallel == "tensor":
             raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
@@ -121,16 +123,47 @@ class ClusterClient:
                 on_progress(int(message["done"]), int(message["total"]))
             elif kind == "result":
                 result = TurnResult.from_dict(message["result"])
+                if message.get("tokens"):
+                    self._keep_reply(result.reply, message["tokens"])
                 if interrupted:
                     raise KeyboardInterrupt
                 return result
 
     def stop(self) -> None:
-        """Ask the reply being generated to end at the next token, on every rank."""
-        try:
-            self._send({"type": "stop"})
-        except ExokvError:
-            pass
+        """Ask the reply being generated to end at the next token, on every rank.
+
+        Sent from a thread of its own: this is called from SIGINT handlers, which may
+        interrupt this very thread in the middle of sending (and holding the lock).
+        """
+
+        def send() -> None:
+            try:
+                self._send({"type": "stop"}, fail=False)
+            except ExokvError:
+                pass
+
+        threading.Thread(target=send, daemon=True).start()
+
+    # -- replies' exact tokens (the engine renders earlier replies as generated) --------
+
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        tokens = self._replies.get(reply)
+        return list(tokens) if tokens else None
+
+    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
+        """Restore a resumed session's reply tokens on every rank (rank 0 broadcasts them)."""
+        pairs = [(r, list(t)) for r, t in pairs]
+        if not pairs:
+            return
+        self._send({"type": "remember", "pairs": pairs})
+        for reply, tokens in pairs:
+            self._keep_reply(reply, tokens)
+
+    def _keep_reply(self, reply: str, tokens: list[int]) -> None:
+        self._replies[reply] = [int(t) for t in tokens]
+        self._replies.move_to_end(reply)
+        while len(self._replies) > MAX_REMEMBERED_REPLIES:
+            self._replies.popitem(last=False)
 
     def close(self) -> None:
         """End the ranks: a clean shutdown first, then the whole process group."""
@@ -300,13 +333,18 @@ class ClusterClient:
                     f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)"
                 )
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: dict[str, Any], fail: bool = True) -> None:
         if self._link is None or self._closed:
             raise ExokvError("the ranks are not running")
         try:
             self._link.send(message)
+        except channel.MessageTooLarge as err:
+            # Refused before a byte was sent: the ranks never saw it, the chat goes on.
+            raise ExokvError(f"not sent to the ranks: {err}") from None
         except channel.ChannelError:
-            self._fail("the channel to rank 0 broke")
+            if fail:
+                self._fail("the channel to rank 0 broke")
+            raise
 
     def _fail(self, cause: str) -> None:
         """Find out which rank died and why, end everything, raise one line."""

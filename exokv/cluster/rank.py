@@ -32,6 +32,7 @@ import mlx.core as mx
 from exokv.cluster import channel
 from exokv.cluster.group import Group, MlxGroup
 from exokv.errors import ExokvError
+from exokv.records import TurnRequest
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
@@ -239,11 +240,15 @@ class Rank:
             before = dict(group.counts)
             message = self._next_message() if self.rank == 0 else None
             message = group.broadcast(message)
-            if message is None or message.get("type") != "turn":
+            kind = message.get("type") if isinstance(message, dict) else None
+            if kind == "remember":
+                # A resumed session's replies as the exact tokens once generated: every
+                # rank must render them alike, so this travels like a turn.
+                engine.remember_replies([(r, t) for r, t in message["pairs"]])
+                continue
+            if kind != "turn":
                 return 0  # shutdown, or the front end went away
             turn += 1
-            from exokv.records import TurnRequest
-
             request = TurnRequest.from_dict(message["request"])
             result = engine.turn(
                 request,
@@ -254,7 +259,8 @@ class Rank:
                 should_stop=self.stop.is_set,
             )
             if self.link is not None:
-                self.link.send({"type": "result", "result": result.to_dict()})
+                tokens = engine.reply_tokens(result.reply)
+                self.link.send({"type": "result", "result": result.to_dict(), "tokens": tokens})
             if self.log_path is not None:
                 counts = {k: v - before[k] for k, v in group.counts.items()}
                 self._log(turn, result, counts)
@@ -283,7 +289,7 @@ class Rank:
             kind = message["type"]
             if kind == "stop":
                 self.stop.set()
-            elif kind in ("turn", "shutdown"):
+            elif kind in ("turn", "remember", "shutdown"):
                 self.inbox.put(message)
 
     def _heartbeat(self) -> None:
