@@ -342,3 +342,15 @@ def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) 
     assert elapsed < 15
     assert len(lines) == 1 and "rank 1" in lines[0] and "killed" in lines[0], err
     assert chat.leftovers() == []
+
+
+@pytest.mark.timeout(90)
+def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) -> None:
+    home = make_home(tmp_path / "h", models_dir)
+    args = ("-n", "2", "--session", "s")
+    first = run_script(home, SCRIPT[:2], *args, "--starting-port", "45180")
+    shards = sorted(p.name for p in (home / "caches").glob("*/rank*.safetensors"))
+    assert shards == ["rank0.safetensors", "rank1.safetensors"]  # saved on quit, per rank
+    resumed = run_script(home, SCRIPT[2:3], *args, "--starting-port", "45190")
+    # The whole earlier conversation comes back from the two shards, not recomputed.
+    assert resumed[0]["cached_tokens"] >= first[-1]["prompt_tokens"]

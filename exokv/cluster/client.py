@@ -159,6 +159,37 @@ class ClusterClient:
         for reply, tokens in pairs:
             self._keep_reply(reply, tokens)
 
+    # -- saved KV caches (exokv.chat.kvsave): every rank saves and loads its own shard --
+
+    def save_cache(self, session: str, messages: list[dict[str, str]], model_id: str) -> Any:
+        """Save the cached prefix of `messages` for `session`, one shard per rank."""
+        import uuid
+
+        return self._report(
+            {
+                "type": "save",
+                "session": session,
+                "messages": messages,
+                "model_id": model_id,
+                "save_id": uuid.uuid4().hex,
+            }
+        )
+
+    def load_cache(self, session: str, messages: list[dict[str, str]], model_id: str) -> Any:
+        """Load `session`'s saved shards if every rank's verifies (else none is used)."""
+        return self._report(
+            {"type": "load", "session": session, "messages": messages, "model_id": model_id}
+        )
+
+    def _report(self, message: dict[str, Any]) -> Any:
+        from exokv.chat.kvsave import CacheFileReport
+
+        self._send(message)
+        while True:
+            reply = self._next()
+            if reply["type"] == "report":
+                return CacheFileReport.from_dict(reply["report"])
+
     def _keep_reply(self, reply: str, tokens: list[int]) -> None:
         self._replies[reply] = [int(t) for t in tokens]
         self._replies.move_to_end(reply)

@@ -246,6 +246,12 @@ class Rank:
                 # rank must render them alike, so this travels like a turn.
                 engine.remember_replies([(r, t) for r, t in message["pairs"]])
                 continue
+            if kind in ("save", "load"):
+                save_or_load = self._save if kind == "save" else self._load
+                report = save_or_load(engine, group, message)
+                if self.link is not None:
+                    self.link.send({"type": "report", "report": report.to_dict()})
+                continue
             if kind != "turn":
                 return 0  # shutdown, or the front end went away
             turn += 1
@@ -264,6 +270,79 @@ class Rank:
             if self.log_path is not None:
                 counts = {k: v - before[k] for k, v in group.counts.items()}
                 self._log(turn, result, counts)
+
+    # -- saved KV caches: one shard per rank, all or nothing ---------------------
+
+    def _layout(self) -> str:
+        """What a shard depends on besides the model: how the layers are spread."""
+        split = self.args.split or "even"
+        return f"{self.args.parallel}:{self.world.size()}:{split}"
+
+    def _save(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
+        from exokv.chat import kvsave
+
+        session = message["session"]
+        error = ""
+        try:
+            report = kvsave.save_session(
+                engine,
+                session,
+                message["messages"],
+                message["model_id"],
+                rank=self.rank,
+                layout=self._layout(),
+                save_id=message["save_id"],
+            )
+        except OSError as err:
+            report = kvsave.CacheFileReport(session=session)
+            error = str(err)
+        size = report.bytes[0] if report.bytes else 0
+        rows = group.gather([0 if error else 1, report.tokens, size])
+        report.bytes = [row[2] for row in rows]
+        report.paths = [str(kvsave.shard_path(session, r)) for r in range(len(rows))]
+        failed = [r for r, row in enumerate(rows) if not row[0]]
+        if failed:
+            why = error if failed[0] == self.rank else "could not write its shard"
+            report.warning = f"rank {failed[0]}: {why}"
+        return report
+
+    def _load(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
+        """Every rank verifies its own shard; the cache is used only if all of them agree."""
+        import zlib
+
+        from exokv.chat import kvsave
+
+        session = message["session"]
+        loaded, report = kvsave.prepare_load(
+            engine,
+            session,
+            message["messages"],
+            message["model_id"],
+            rank=self.rank,
+            layout=self._layout(),
+        )
+        status = 1 if loaded is not None else (2 if report.warning else 0)  # ok, none, bad
+        same = zlib.crc32(loaded.save_id.encode()) if loaded else 0
+        size = report.bytes[0] if report.bytes else 0
+        rows = group.gather([status, len(loaded.tokens) if loaded else 0, same, size])
+        statuses = [row[0] for row in rows]
+        if all(st == 1 for st in statuses) and len({(row[1], row[2]) for row in rows}) == 1:
+            assert loaded is not None
+            kvsave.commit_load(engine, loaded, session, report)  # one gather, on every rank
+            report.bytes = [row[3] for row in rows]
+            report.paths = [str(kvsave.shard_path(session, r)) for r in range(len(rows))]
+            return report
+        if all(st == 0 for st in statuses) or status == 2:
+            return report  # nothing saved anywhere, or this rank's own reason
+        if 2 in statuses:
+            why = f"rank {statuses.index(2)}'s shard does not verify"
+        elif 0 in statuses:
+            why = f"rank {statuses.index(0)} has no shard"
+        else:
+            why = "the ranks' shards come from different saves"
+        return kvsave.CacheFileReport(
+            session=session, warning=f"saved KV cache of session {session!r}: {why}"
+        )
 
     # -- rank 0 and the channel -------------------------------------------------
 
@@ -289,7 +368,7 @@ class Rank:
             kind = message["type"]
             if kind == "stop":
                 self.stop.set()
-            elif kind in ("turn", "remember", "shutdown"):
+            elif kind in ("turn", "remember", "save", "load", "shutdown"):
                 self.inbox.put(message)
 
     def _heartbeat(self) -> None:
