@@ -58,12 +58,12 @@ def exokv(*args: str) -> list[str]:
 
 def build_history(home: Path, model: str, target: int, reply_tokens: int) -> dict[str, Any]:
     """Script-mode turns until the conversation holds `target` tokens; returns the last turn."""
-    lines, last = [], None
+    last = None
     env = {**os.environ, "EXOKV_HOME": str(home)}
     turn = 0
     while last is None or last["prompt_tokens"] + last["generated_tokens"] < target:
         turn += 1
-        lines = [user_text(turn, 180)]
+        lines = [user_text(turn, 180)]  # one turn per process: each resumes the last
         proc = subprocess.run(
             exokv("chat", "--model", model, "--json", "--session", "demo")
             + ["--max-tokens", str(reply_tokens)],
@@ -75,6 +75,8 @@ def build_history(home: Path, model: str, target: int, reply_tokens: int) -> dic
         if proc.returncode != 0:
             raise SystemExit(proc.stderr.decode())
         last = json.loads(proc.stdout.decode().splitlines()[-1])
+        total = last["prompt_tokens"] + last["generated_tokens"]
+        print(f"  history: turn {turn}, {total:,} tokens", file=sys.stderr)
     return last
 
 

@@ -209,8 +209,23 @@ def _check_shape(engine: Any, cache: list[Any], tokens: list[int]) -> int:
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
     fresh = make_prompt_cache(engine.model, max_kv_size=engine.options.max_kv_size)
-    if [type(c).__name__ for c in cache] != [type(c).__name__ for c in fresh]:
-        raise SavedCacheError("does not fit this model's layers")
+    saved_types = [type(c).__name__ for c in cache]
+    types = [type(c).__name__ for c in fresh]
+    if len(saved_types) != len(types):
+        raise SavedCacheError(f"has {len(saved_types)} layers, this model {len(types)}")
+    if saved_types != types:
+        theirs, ours = sorted(set(saved_types) - set(types)), sorted(set(types) - set(saved_types))
+        raise SavedCacheError(
+            f"holds {', '.join(theirs) or 'other'} layers where this model uses "
+            f"{', '.join(ours) or 'others'} (saved with another --max-kv-size?)"
+        )
+    for saved, now in zip(cache, fresh, strict=True):
+        for attr in ("max_size", "keep"):  # a rotating window must be the same window
+            if getattr(saved, attr, None) != getattr(now, attr, None):
+                raise SavedCacheError(
+                    f"has a {attr} of {getattr(saved, attr, None)}, this chat "
+                    f"{getattr(now, attr, None)} (saved with another --max-kv-size?)"
+                )
     if _cache_length(cache) != len(tokens):
         raise SavedCacheError("holds a different number of tokens than its metadata says")
     if all(type(c) in (KVCache, QuantizedKVCache) for c in cache) and tokens:
