@@ -20,9 +20,11 @@ from typing import Any
 import psutil
 import pytest
 
-from exokv.cluster.client import diagnose, parse_split
+from exokv.chat.run import ChatOptions
+from exokv.cluster.client import ClusterClient, diagnose, parse_split
 from exokv.cluster.launch import FORWARDED_ENV, plan_launch, read_hostfile
 from exokv.errors import UsageError
+from exokv.records import TurnRequest
 
 SCRIPT = [
     "Hello, who are you?",
@@ -275,22 +277,30 @@ def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path
 
 
 @pytest.mark.timeout(120)
-def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path) -> None:
-    args = ("-n", "2", "--parallel", "tensor")
-    cached = run_script(
-        make_home(tmp_path / "a", models_dir), SCRIPT, *args, "--starting-port", "45120"
+def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monkeypatch) -> None:
+    # In this process, so each turn runs cached and then without the cache on the same ranks.
+    monkeypatch.setenv("EXOKV_HOME", str(make_home(tmp_path / "h", models_dir)))
+    monkeypatch.delenv("EXOKV_DEBUG", raising=False)
+    opts = ChatOptions(
+        model="builtin:tiny", ranks=2, parallel="tensor", max_tokens=8, starting_port=45120
     )
-    cold = run_script(
-        make_home(tmp_path / "b", models_dir),
-        SCRIPT,
-        *args,
-        "--no-cache",
-        "--starting-port",
-        "45130",
-    )
-    assert replies(cached) == replies(cold)
-    assert all(t["cached_tokens"] > 0 for t in cached[1:])
-    assert all(t["ranks"] == 2 for t in cached)
+    before = set(p.pid for p in psutil.Process().children(recursive=True))
+    client = ClusterClient(opts, None)
+    kids = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    messages: list[dict[str, str]] = []
+    try:
+        for i, line in enumerate(SCRIPT):
+            messages.append({"role": "user", "content": line})
+            request = TurnRequest("s", list(messages), max_tokens=8)
+            hot = client.turn(request)
+            cold = client.turn(TurnRequest(**{**request.to_dict(), "use_cache": False}))
+            assert hot.reply == cold.reply, f"turn {i + 1}"
+            assert cold.cached_tokens == 0 and hot.ranks == 2
+            assert (hot.cached_tokens > 0) == (i > 0)
+            messages.append({"role": "assistant", "content": hot.reply})
+    finally:
+        client.close()
+    assert [p.pid for p in kids if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
 
 
 @pytest.mark.timeout(120)
@@ -354,3 +364,21 @@ def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) 
     resumed = run_script(home, SCRIPT[2:3], *args, "--starting-port", "45190")
     # The whole earlier conversation comes back from the two shards, not recomputed.
     assert resumed[0]["cached_tokens"] >= first[-1]["prompt_tokens"]
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
+    # A stopped rank 1 (as a Mac gone to sleep) leaves rank 0 blocked in a collective
+    # but alive: only rank 1's own missing heartbeat can name it.
+    chat = Chat(make_home(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45200")
+    assert chat.send(SCRIPT[0])["turn"] == 1
+    chat.rank(1).suspend()
+    stopped = time.monotonic()
+    assert chat.proc.stdin is not None
+    chat.proc.stdin.write((SCRIPT[1] + "\n").encode())
+    chat.proc.stdin.flush()
+    code, err = chat.finish(timeout=30)
+    lines = err.strip().splitlines()
+    assert code == 1 and time.monotonic() - stopped < 15, err
+    assert len(lines) == 1 and "rank 1 stopped responding" in lines[0], err
+    assert chat.leftovers() == []

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from exokv.cluster import channel
 from exokv.cluster.launch import LaunchPlan, plan_launch, rank_command
-from exokv.cluster.rank import ERROR_MARK
+from exokv.cluster.rank import BEAT_MARK, ERROR_MARK
 from exokv.config import parse_budgets
 from exokv.engine import MAX_REMEMBERED_REPLIES
 from exokv.errors import ExokvError, UsageError
@@ -41,6 +41,7 @@ SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which ra
 _POLL_S = 0.25
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
 # How a rank reports that another rank went away (a consequence, not the cause).
 _PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
 
@@ -62,6 +63,7 @@ class ClusterClient:
         }
         self._drains: list[threading.Thread] = []
         self._budgets: list[int | None] = []
+        self._beats: dict[int, float] = {}  # rank -> when its last stdout beat came
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         split = parse_split(opts.split)
         if split is not None and opts.parallel == "tensor":
@@ -196,19 +198,20 @@ class ClusterClient:
         while len(self._replies) > MAX_REMEMBERED_REPLIES:
             self._replies.popitem(last=False)
 
-    def close(self) -> None:
-        """End the ranks: a clean shutdown first, then the whole process group."""
+    def close(self, graceful: bool = True) -> None:
+        """End the ranks: a clean shutdown first (if `graceful`), then the whole process group."""
         if self._closed:
             return
         self._closed = True
         proc = self._proc
-        if self._link is not None:
+        graceful = graceful and self._link is not None
+        if graceful:
             try:
-                self._link.send({"type": "shutdown"})
+                self._link.send({"type": "shutdown"})  # type: ignore[union-attr]
             except ExokvError:
-                pass
+                graceful = False
         if proc is not None:
-            _wait(proc, 5.0 if self._link is not None else 0.0)
+            _wait(proc, 5.0 if graceful else 0.0)
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(proc.pid, sig)  # the launcher and every local rank it started
@@ -312,6 +315,8 @@ class ClusterClient:
             message = self._next()
             if message["type"] == "ready":
                 self._budgets = list(message.get("budgets") or [])
+                now = time.monotonic()
+                self._beats = {r: max(self._beats.get(r, now), now) for r in range(self.ranks)}
                 self._nudge_launcher()  # every rank is past release_stdin by now
                 return
 
@@ -359,9 +364,19 @@ class ClusterClient:
                 return message
             if self._proc is not None and self._proc.poll() is not None:
                 self._fail("the ranks stopped")
-            if time.monotonic() - self._last_seen > HEARTBEAT_TIMEOUT:
+            now = time.monotonic()
+            silent = [r for r, t in sorted(self._beats.items()) if now - t > HEARTBEAT_TIMEOUT]
+            if silent:
                 self._fail(
-                    f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)"
+                    settle=False,
+                    cause=f"rank {silent[0]} stopped responding "
+                    f"(no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s; a stopped process or a "
+                    "sleeping or unreachable host)",
+                )
+            if now - self._last_seen > HEARTBEAT_TIMEOUT:
+                self._fail(
+                    settle=False,
+                    cause=f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)",
                 )
 
     def _send(self, message: dict[str, Any], fail: bool = True) -> None:
@@ -377,15 +392,18 @@ class ClusterClient:
                 self._fail("the channel to rank 0 broke")
             raise
 
-    def _fail(self, cause: str) -> None:
-        """Find out which rank died and why, end everything, raise one line."""
+    def _fail(self, cause: str, settle: bool = True) -> None:
+        """Find out which rank died and why, end everything, raise one line.
+
+        `settle`: give the launcher a moment to notice the dead rank and say which
+        it was; pointless when rank 0 hangs (nothing will exit by itself).
+        """
         proc = self._proc
-        if proc is not None:
-            _wait(proc, SETTLE_S)  # the launcher notices a dead rank and reports it
+        if proc is not None and settle and _wait(proc, SETTLE_S):
             for t in self._drains:
-                t.join(timeout=1.0)  # ... and its last words reach the tails
-        message = diagnose(list(self._tails["stderr"]), cause)
-        self.close()
+                t.join(timeout=1.0)  # the launcher's last words reach the tails
+        message = diagnose(list(self._tails["stderr"]), cause) if settle else cause
+        self.close(graceful=False)
         raise ExokvError(message)
 
     def _drain(self, name: str, stream: IO[bytes]) -> None:
@@ -393,6 +411,10 @@ class ClusterClient:
         token = self._server.token if self._server else ""
         for raw in iter(stream.readline, b""):
             line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+            beat = _BEAT.search(line)
+            if beat:
+                self._beats[int(beat.group(1))] = time.monotonic()
+                continue
             if token:
                 line = line.replace(token, "***")  # a pty may echo the bootstrap line
             tail.append(line)

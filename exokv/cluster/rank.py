@@ -37,6 +37,7 @@ from exokv.records import TurnRequest
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
+BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
 
 
 class CountingGroup:
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = mx.distributed.init(backend=args.backend, strict=True)
         rank = world.rank()
+        threading.Thread(target=beat, args=(rank,), daemon=True).start()
         boot = read_bootstrap(BOOTSTRAP_TIMEOUT) if rank == 0 else None
         release_stdin()
         if boot is not None:
@@ -89,6 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - every failure becomes one line for the front end
         report_error(rank, err, link)
         return 1
+
+
+def beat(rank: int) -> None:
+    """Say "alive" on stdout every few seconds, which the launcher relays to the front end.
+
+    Every rank does this, not just rank 0: a rank that hangs (a stopped process, a
+    Mac gone to sleep) leaves the others blocked in a collective, still alive and
+    beating on the channel; only its own silence names it. The beat comes from a
+    thread, and MLX releases the GIL while it computes, so a long prefill beats on.
+    """
+    line = f"{BEAT_MARK}{rank}\n".encode()
+    while True:
+        try:
+            os.write(1, line)  # one small write: never split from, or into, other lines
+        except OSError:
+            return
+        time.sleep(HEARTBEAT_S)
 
 
 def release_stdin() -> None:

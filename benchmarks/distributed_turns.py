@@ -1,0 +1,127 @@
+"""TTFT per turn on -n 2 --parallel pipeline with and without the cache, and the
+per-turn coordination overhead (the one collective and the eviction plan) on
+-n 2 against one rank.
+
+    python benchmarks/distributed_turns.py --model builtin:base --turns 8 --context 2000
+
+The ranks are started once (mlx.launch, on this machine); each turn runs cached
+and then the same turn with the cache off, on the same ranks, so machine noise
+hits both alike, and the replies must match. The one-rank engine then replays the
+same conversation in this process for the overhead comparison. Prints a table,
+or with --json one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+from exokv.chat.run import ChatOptions
+from exokv.cluster.client import ClusterClient
+from exokv.engine import Engine, EngineOptions
+from exokv.model.resolve import load_model
+from exokv.records import TurnRequest
+
+WORDS = (
+    "river stone light window garden paper music winter orange signal harbor "
+    "forest bridge candle thunder silver meadow lantern compass feather"
+).split()
+
+
+def user_text(turn: int, words: int) -> str:
+    return " ".join(WORDS[(turn * 7 + i * 3) % len(WORDS)] for i in range(words))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model, tokenizer = load_model(args.model)
+    local = Engine(model, tokenizer, options=EngineOptions())
+    per_turn = args.context // args.turns
+    tokens_per_word = len(tokenizer.encode(user_text(0, 200))) / 200
+    words = max(4, int((per_turn - args.reply_tokens - 8) / tokens_per_word))
+
+    opts = ChatOptions(
+        model=args.model,
+        ranks=args.ranks,
+        parallel=args.parallel,
+        max_tokens=args.reply_tokens,
+        starting_port=args.starting_port,
+        seed=0,
+    )
+    client = ClusterClient(opts, None)
+    rows = []
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
+    try:
+        for t in range(1, args.turns + 1):
+            messages.append({"role": "user", "content": user_text(t, words)})
+            req = TurnRequest("bench", list(messages), max_tokens=args.reply_tokens)
+            hot = client.turn(req)
+            cold = client.turn(TurnRequest(**{**req.to_dict(), "use_cache": False}))
+            one = local.turn(req)
+            if not hot.reply == cold.reply == one.reply:
+                raise SystemExit(f"turn {t}: replies differ (cached, no cache, one rank)")
+            messages.append({"role": "assistant", "content": hot.reply})
+            rows.append(
+                {
+                    "turn": t,
+                    "prompt_tokens": hot.prompt_tokens,
+                    "cached_tokens": hot.cached_tokens,
+                    "ttft_cached_s": hot.ttft_s,
+                    "ttft_cold_s": cold.ttft_s,
+                    "speedup": cold.ttft_s / hot.ttft_s,
+                    "overhead_ranks_s": hot.overhead_s,
+                    "overhead_one_rank_s": one.overhead_s,
+                    "ttft_one_rank_s": one.ttft_s,
+                }
+            )
+    finally:
+        client.close()
+    return {
+        "model": args.model,
+        "ranks": args.ranks,
+        "parallel": args.parallel,
+        "turns": rows,
+        "total_ttft_cached_s": sum(r["ttft_cached_s"] for r in rows),
+        "total_ttft_cold_s": sum(r["ttft_cold_s"] for r in rows),
+        "median_overhead_ranks_s": statistics.median(r["overhead_ranks_s"] for r in rows),
+        "median_overhead_one_rank_s": statistics.median(r["overhead_one_rank_s"] for r in rows),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:base")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--parallel", default="pipeline", choices=("pipeline", "tensor"))
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--context", type=int, default=2000)
+    ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--starting-port", type=int, default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    summary = run(args)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return
+    n = args.ranks
+    print(
+        f"{'turn':>4} {'prompt':>6} {'cached':>6} {f'ttft -n {n}':>11} {'no cache':>9} "
+        f"{'speedup':>7} {f'overhead -n {n}':>14} {'one rank':>9}"
+    )
+    for r in summary["turns"]:
+        print(
+            f"{r['turn']:>4} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} "
+            f"{r['ttft_cached_s']:>10.3f}s {r['ttft_cold_s']:>8.3f}s {r['speedup']:>6.2f}x "
+            f"{r['overhead_ranks_s'] * 1000:>11.2f} ms {r['overhead_one_rank_s'] * 1000:>6.2f} ms"
+        )
+    print(
+        f"total TTFT on -n {n}: cached {summary['total_ttft_cached_s']:.2f}s, "
+        f"no cache {summary['total_ttft_cold_s']:.2f}s; median coordination overhead "
+        f"{summary['median_overhead_ranks_s'] * 1000:.2f} ms on -n {n}, "
+        f"{summary['median_overhead_one_rank_s'] * 1000:.2f} ms on one rank"
+    )
+
+
+if __name__ == "__main__":
+    main()
