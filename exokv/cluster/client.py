@@ -64,6 +64,7 @@ class ClusterClient:
         self._drains: list[threading.Thread] = []
         self._budgets: list[int | None] = []
         self._beats: dict[int, float] = {}  # rank -> when its last stdout beat came
+        self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         split = parse_split(opts.split)
         if split is not None and opts.parallel == "tensor":
@@ -104,32 +105,32 @@ class ClusterClient:
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        self._send({"type": "turn", "request": request.to_dict()})
+        ident = self._new_id()
+        self._send({"type": "turn", "id": ident, "request": request.to_dict()})
         interrupted = False
         while True:
             try:
-                message = self._next()
+                message = self._next(ident)
+                kind = message["type"]
+                if kind == "text" and on_text is not None:
+                    on_text(str(message.get("text", "")))
+                elif kind == "progress" and on_progress is not None:
+                    on_progress(int(message["done"]), int(message["total"]))
+                elif kind == "result":
+                    result = TurnResult.from_dict(message["result"])
+                    if message.get("tokens"):
+                        self._keep_reply(result.reply, message["tokens"])
+                    if interrupted:
+                        raise KeyboardInterrupt
+                    return result
             except KeyboardInterrupt:
                 if interrupted:
-                    self.close()  # a second Ctrl-C: give up on the ranks
+                    self.close(graceful=False)  # a second Ctrl-C: give up on the ranks
                     raise
                 # Stop the reply on every rank, then wait for the ranks to finish the turn
-                # so the channel stays in step and the caches stay the same everywhere.
+                # so the caches stay the same everywhere; then let the caller see Ctrl-C.
                 interrupted = True
                 self.stop()
-                continue
-            kind = message["type"]
-            if kind == "text" and on_text is not None:
-                on_text(str(message.get("text", "")))
-            elif kind == "progress" and on_progress is not None:
-                on_progress(int(message["done"]), int(message["total"]))
-            elif kind == "result":
-                result = TurnResult.from_dict(message["result"])
-                if message.get("tokens"):
-                    self._keep_reply(result.reply, message["tokens"])
-                if interrupted:
-                    raise KeyboardInterrupt
-                return result
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token, on every rank.
@@ -186,9 +187,10 @@ class ClusterClient:
     def _report(self, message: dict[str, Any]) -> Any:
         from exokv.chat.kvsave import CacheFileReport
 
-        self._send(message)
+        ident = self._new_id()
+        self._send({**message, "id": ident})
         while True:
-            reply = self._next()
+            reply = self._next(ident)
             if reply["type"] == "report":
                 return CacheFileReport.from_dict(reply["report"])
 
@@ -347,8 +349,14 @@ class ClusterClient:
             if message is None:
                 return
 
-    def _next(self) -> dict[str, Any]:
-        """The next meaningful message from rank 0, or an ExokvError when the ranks fail."""
+    def _new_id(self) -> int:
+        self._ids += 1
+        return self._ids
+
+    def _next(self, ident: int | None = None) -> dict[str, Any]:
+        """The next message from rank 0 about request `ident`, or an ExokvError when the
+        ranks fail. Messages about an earlier request (one whose caller gave up, say on
+        an exception in on_text) are dropped, so the channel never gets out of step."""
         while True:
             try:
                 message = self._inbox.get(timeout=_POLL_S)
@@ -361,7 +369,9 @@ class ClusterClient:
                 rank = message.get("rank", 0)
                 self._fail(f"rank {rank}: {message.get('message', 'failed')}")
             if kind not in ("idle", "heartbeat", "status"):
-                return message
+                if ident is None or message.get("id") == ident:
+                    return message
+                continue
             if self._proc is not None and self._proc.poll() is not None:
                 self._fail("the ranks stopped")
             now = time.monotonic()

@@ -211,6 +211,7 @@ class Rank:
         self.link = link
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stop = threading.Event()
+        self.current: int | None = None  # the front end's number for the request in hand
         self.log_path: Path | None = None
         if os.environ.get("EXOKV_RANK_LOG", "") not in ("", "0"):
             from exokv.config import exokv_home
@@ -269,11 +270,14 @@ class Rank:
                 save_or_load = self._save if kind == "save" else self._load
                 report = save_or_load(engine, group, message)
                 if self.link is not None:
-                    self.link.send({"type": "report", "report": report.to_dict()})
+                    self.link.send(
+                        {"type": "report", "id": message.get("id"), "report": report.to_dict()}
+                    )
                 continue
             if kind != "turn":
                 return 0  # shutdown, or the front end went away
             turn += 1
+            self.current = message.get("id")
             request = TurnRequest.from_dict(message["request"])
             result = engine.turn(
                 request,
@@ -285,7 +289,14 @@ class Rank:
             )
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
-                self.link.send({"type": "result", "result": result.to_dict(), "tokens": tokens})
+                self.link.send(
+                    {
+                        "type": "result",
+                        "id": self.current,
+                        "result": result.to_dict(),
+                        "tokens": tokens,
+                    }
+                )
             if self.log_path is not None:
                 counts = {k: v - before[k] for k, v in group.counts.items()}
                 self._log(turn, result, counts)
@@ -401,11 +412,11 @@ class Rank:
 
     def _send_text(self, text: str) -> None:
         if text and self.link is not None:
-            self.link.send({"type": "text", "text": text})
+            self.link.send({"type": "text", "id": self.current, "text": text})
 
     def _send_progress(self, done: int, total: int) -> None:
         if self.link is not None:
-            self.link.send({"type": "progress", "done": done, "total": total})
+            self.link.send({"type": "progress", "id": self.current, "done": done, "total": total})
 
     def _log(self, turn: int, result: Any, counts: dict[str, int]) -> None:
         """This rank's own record of the turn: the evidence that ranks decided alike."""
