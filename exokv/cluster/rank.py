@@ -41,25 +41,39 @@ BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
 
 
 class CountingGroup:
-    """A Group that counts each kind of collective, for the per-rank log and the tests."""
+    """A Group that counts and times each kind of collective, for the per-rank log."""
 
     def __init__(self, inner: Group) -> None:
         self.inner = inner
         self.rank = inner.rank
         self.size = inner.size
         self.counts = {"gather": 0, "any": 0, "broadcast": 0}
+        self.seconds = {"gather": 0.0, "any": 0.0, "broadcast": 0.0}
 
     def gather(self, values: list[int]) -> list[list[int]]:
-        self.counts["gather"] += 1
-        return self.inner.gather(values)
+        tic = time.perf_counter()
+        try:
+            return self.inner.gather(values)
+        finally:
+            self._count("gather", tic)
 
     def any(self, flag: bool) -> bool:
-        self.counts["any"] += 1
-        return self.inner.any(flag)
+        tic = time.perf_counter()
+        try:
+            return self.inner.any(flag)
+        finally:
+            self._count("any", tic)
 
     def broadcast(self, obj: Any) -> Any:
-        self.counts["broadcast"] += 1
-        return self.inner.broadcast(obj)
+        tic = time.perf_counter()
+        try:
+            return self.inner.broadcast(obj)
+        finally:
+            self._count("broadcast", tic)
+
+    def _count(self, kind: str, tic: float) -> None:
+        self.counts[kind] += 1
+        self.seconds[kind] += time.perf_counter() - tic
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,7 +197,7 @@ def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: lis
     if split is None:
         return sharded_load(str(path), world, None)
     # sharded_load has no split; do its steps with the split given to pipeline().
-    # All files are local here (resolve_model fetched them), so nothing to download.
+    # resolve_model only returns a model that is all here, so nothing is downloaded.
     model, config = load_model(path, lazy=True, strict=False)
     layers = len(model.model.layers)
     if sum(split) != layers:
@@ -258,6 +272,7 @@ class Rank:
         turn = 0
         while True:
             before = dict(group.counts)
+            before_s = dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None
             message = group.broadcast(message)
             kind = message.get("type") if isinstance(message, dict) else None
@@ -299,7 +314,9 @@ class Rank:
                 )
             if self.log_path is not None:
                 counts = {k: v - before[k] for k, v in group.counts.items()}
-                self._log(turn, result, counts)
+                # The broadcast's time is mostly waiting for the user's next line: left out.
+                gather_s = group.seconds["gather"] - before_s["gather"]
+                self._log(turn, result, counts, gather_s)
 
     # -- saved KV caches: one shard per rank, all or nothing ---------------------
 
@@ -418,7 +435,7 @@ class Rank:
         if self.link is not None:
             self.link.send({"type": "progress", "id": self.current, "done": done, "total": total})
 
-    def _log(self, turn: int, result: Any, counts: dict[str, int]) -> None:
+    def _log(self, turn: int, result: Any, counts: dict[str, int], gather_s: float) -> None:
         """This rank's own record of the turn: the evidence that ranks decided alike."""
         assert self.log_path is not None
         line = {
@@ -427,6 +444,8 @@ class Rank:
             "decision": result.decision,
             "session": result.session,
             "collectives": counts,
+            "gather_s": gather_s,  # the cache decision's one collective, wall time
+            "overhead_s": result.overhead_s,
             "events": [e.to_dict() for e in result.events],
             "rank_stats": [s.to_dict() for s in result.rank_stats],
         }
