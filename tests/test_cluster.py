@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -214,6 +215,31 @@ def test_bad_launch_options_fail_before_launching(tmp_path: Path) -> None:
     assert parse_split("3,1") == [3, 1]
 
 
+def test_unreachable_host_fails_before_launching(monkeypatch) -> None:
+    import threading
+
+    from exokv.cluster import launch
+    from exokv.errors import ExokvError
+
+    sshd = socket.create_server(("127.0.0.1", 0))  # greets like an ssh server
+
+    def greet() -> None:
+        conn, _ = sshd.accept()
+        conn.sendall(b"SSH-2.0-test\r\n")
+        conn.close()
+
+    threading.Thread(target=greet, daemon=True).start()
+    with socket.socket() as s:  # a port nobody listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    ports = {"10.0.0.1": sshd.getsockname()[1], "10.0.0.2": closed}
+    monkeypatch.setattr(launch, "ssh_target", lambda name: ("127.0.0.1", ports[name]))
+    plan = plan_launch(["py"], hosts="10.0.0.1,10.0.0.2", starting_port=45000)
+    with pytest.raises(ExokvError, match="rank 1's host '10.0.0.2' cannot be reached over ssh"):
+        launch.check_reachable(plan, timeout=2)
+    sshd.close()
+
+
 def test_bad_hostfile_from_the_cli(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text("{oops")
@@ -246,6 +272,9 @@ def test_diagnose_names_the_rank_that_died_first() -> None:
     failed = ['exokv-rank-error {"rank": 1, "message": "model not found"}', *lines[1:]]
     failed.append("[WARN] Node with rank 1 exited with code 1")
     assert diagnose(failed, "x") == "rank 1 failed: model not found"
+    ssh = ["[WARN] Node with rank 1 exited with code 255"]
+    assert "ssh failed" in diagnose(ssh, "x", ["10.0.0.1", "mac2"])
+    assert "mac2" in diagnose(ssh, "x", ["10.0.0.1", "mac2"])
 
 
 # -- chats on two ranks ----------------------------------------------------------------

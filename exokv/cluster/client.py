@@ -28,14 +28,14 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from exokv.cluster import channel
-from exokv.cluster.launch import LaunchPlan, plan_launch, rank_command
+from exokv.cluster.launch import LaunchPlan, check_reachable, plan_launch, rank_command
 from exokv.cluster.rank import BEAT_MARK, ERROR_MARK
 from exokv.config import parse_budgets
 from exokv.engine import MAX_REMEMBERED_REPLIES
 from exokv.errors import ExokvError, UsageError
 from exokv.records import TurnRequest, TurnResult
 
-CONNECT_TIMEOUT = 120.0  # launcher start + distributed init + rank 0 dialling back
+CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
 HEARTBEAT_TIMEOUT = 10.0  # rank 0 beats every 2 s; this stays inside the 15 s promise
 SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
 _POLL_S = 0.25
@@ -85,6 +85,8 @@ class ClusterClient:
             budgets = parse_budgets(opts.cache_budget, self.ranks)
         if self.plan.local:
             self._prepare_model(opts.model, split)
+        else:
+            check_reachable(self.plan)
         command = self._rank_args(opts, seed, split, budgets)
         self.plan.argv += command
         try:
@@ -412,7 +414,8 @@ class ClusterClient:
         if proc is not None and settle and _wait(proc, SETTLE_S):
             for t in self._drains:
                 t.join(timeout=1.0)  # the launcher's last words reach the tails
-        message = diagnose(list(self._tails["stderr"]), cause) if settle else cause
+        hosts = [h.ssh for h in self.plan.hosts]
+        message = diagnose(list(self._tails["stderr"]), cause, hosts) if settle else cause
         self.close(graceful=False)
         raise ExokvError(message)
 
@@ -433,7 +436,7 @@ class ClusterClient:
         stream.close()
 
 
-def diagnose(stderr_lines: list[str], cause: str) -> str:
+def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None) -> str:
     """One line naming the rank that failed first and why, from the launcher's output.
 
     When one rank dies, the others fail in turn (a collective loses its peer) and
@@ -465,6 +468,12 @@ def diagnose(stderr_lines: list[str], cause: str) -> str:
         return f"rank {rank} failed: {own[rank]}"
     for rank, why in exits:
         if why.startswith("exited") and rank not in errors:
+            host = hosts[rank] if hosts and rank < len(hosts) else ""
+            if why.endswith("code 255") and host not in ("", "127.0.0.1"):
+                # ssh's own failure code: the rank never started there.
+                return (
+                    f"rank {rank} could not be started on {host!r}: ssh failed (is it reachable?)"
+                )
             return f"rank {rank} {why}; the chat cannot go on"
     if errors:
         rank = min(errors)

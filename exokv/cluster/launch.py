@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,53 @@ def plan_launch(
         bind_host=LOOPBACK if local else "0.0.0.0",
         starting_port=starting_port,
     )
+
+
+def check_reachable(plan: LaunchPlan, timeout: float = 5.0) -> None:
+    """A one-line error, before launching, for a host that ssh cannot reach.
+
+    mlx.launch runs plain `ssh host ...`; an unreachable host would leave it waiting
+    on ssh's own connect timeout (minutes), so each remote host's ssh port is tried
+    first, all at once, for a few seconds.
+    """
+    if plan.local:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    remote = [(r, h.ssh) for r, h in enumerate(plan.hosts) if h.ssh != LOOPBACK]
+    with ThreadPoolExecutor(max_workers=len(remote)) as pool:
+        results = list(pool.map(lambda rh: _probe(rh[1], timeout), remote))
+    for (rank, name), error in zip(remote, results, strict=True):
+        if error:
+            raise ExokvError(f"rank {rank}'s host {name!r} cannot be reached over ssh: {error}")
+
+
+def ssh_target(name: str) -> tuple[str, int]:
+    """The address and port ssh would use for `name` (its config applied), without connecting."""
+    try:
+        out = subprocess.run(
+            ["ssh", "-G", name], capture_output=True, text=True, timeout=5, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return name, 22
+    conf = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    try:
+        return conf.get("hostname", name), int(conf.get("port", "22"))
+    except ValueError:
+        return conf.get("hostname", name), 22
+
+
+def _probe(name: str, timeout: float) -> str:
+    """'' if an ssh server answers at `name`: it greets first, with 'SSH-'."""
+    host, port = ssh_target(name)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            greeting = sock.recv(4)
+    except TimeoutError:
+        return f"{host}:{port}: no answer within {timeout:.0f} s"
+    except OSError as err:
+        return f"{host}:{port}: {err.strerror or err}"
+    return "" if greeting == b"SSH-" else f"{host}:{port}: no ssh server answered"
 
 
 def launcher() -> str:
