@@ -7,8 +7,9 @@ then speaks JSON with rank 0: a turn request out; text, progress and the
 result back; a stop when the user presses Ctrl-C.
 
 Failure detection, each ending in one ExokvError that names the rank and cause:
-the launcher exiting, the channel closing, or rank 0 going quiet (it sends a
-heartbeat every few seconds even while the model computes).
+the launcher exiting, the channel closing, or a rank going quiet (every rank
+prints a heartbeat every few seconds, even while the model computes, and rank 0
+also sends one over the channel).
 """
 
 from __future__ import annotations
@@ -314,13 +315,14 @@ class ClusterClient:
             if time.monotonic() > deadline:
                 self._fail(f"rank 0 did not connect within {CONNECT_TIMEOUT:.0f} s")
         self._last_seen = time.monotonic()
+        # From here on every rank must beat (each started beating before rank 0 could
+        # connect): a rank that hangs while the model loads is named too.
+        self._beats = {r: self._last_seen for r in range(self.ranks)}
         threading.Thread(target=self._read_link, daemon=True).start()
         while True:
             message = self._next()
             if message["type"] == "ready":
                 self._budgets = list(message.get("budgets") or [])
-                now = time.monotonic()
-                self._beats = {r: max(self._beats.get(r, now), now) for r in range(self.ranks)}
                 self._nudge_launcher()  # every rank is past release_stdin by now
                 return
 
