@@ -158,5 +158,14 @@ def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> No
         assert len(client.refused) >= 2
     finally:
         client.close()
-    time.sleep(0.5)
-    assert [p.pid for p in kids if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    assert alive_after(kids, 10) == []
+
+
+def alive_after(procs: list[psutil.Process], seconds: float) -> list[int]:
+    """The processes still running (not zombies) after waiting up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
