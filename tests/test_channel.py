@@ -80,7 +80,7 @@ def test_server_refuses_strays_and_accepts_the_token() -> None:
         assert read_reply(wrong)["reason"] == "wrong token"
         huge = raw_connect(server)
         huge.sendall(struct.pack(">I", 50_000_000))
-        assert read_reply(huge)["type"] == "refused"
+        assert read_reply(huge)["reason"].endswith("over the 4096-byte limit")
 
         rank0 = channel.connect([f"{server.host}:{server.port}"], server.token)
         peer = server.wait(5)
@@ -119,11 +119,15 @@ def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> No
         # A stranger without the token, one with a 50 MB message, and one that says nothing.
         no_token = raw_connect(server)
         channel.Connection(no_token).send({"type": "turn", "request": {"messages": []}})
+        no_token_reason = "the first message was not a hello with a token"
         huge = raw_connect(server)
         huge.sendall(struct.pack(">I", 50_000_000) + b"x" * 1000)
+        huge_reason = "message of 50000000 bytes is over the 4096-byte limit"
         silent = raw_connect(server)
         assert read_reply(no_token)["type"] == "refused"
-        assert read_reply(huge)["type"] == "refused"
+        # The server refuses from the header, unread: with bytes still unread it may
+        # reset the connection before its "refused" gets here. Either way it is out.
+        assert read_reply(huge) in (None, {"type": "refused", "reason": huge_reason})
 
         # The chat goes on, served from the cache as before.
         messages += [
@@ -135,27 +139,29 @@ def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> No
         silent.close()
 
         # Ctrl-C: the reply stops on every rank at the same token; the next turn works
-        # (ranks compare their cache trees in every turn's collective).
+        # (ranks compare their cache trees in every turn's collective). The stop races
+        # the decode, so the reply may run on a while on a loaded machine: 2000 tokens
+        # leave room, and a stop that lands ends it long before.
         pieces: list[str] = []
 
         def on_text(text: str) -> None:
             pieces.append(text)
-            if len(pieces) == 2:
+            if len(pieces) == 1:
                 client.stop()
 
         messages += [
             {"role": "assistant", "content": second.reply},
             {"role": "user", "content": "Why is the sky blue?"},
         ]
-        stopped = client.turn(TurnRequest("s", messages, max_tokens=200), on_text=on_text)
+        stopped = client.turn(TurnRequest("s", messages, max_tokens=2000), on_text=on_text)
         assert stopped.finish_reason == "interrupted"
-        assert stopped.generated_tokens < 200
+        assert stopped.generated_tokens < 2000
         messages += [
             {"role": "assistant", "content": stopped.reply},
             {"role": "user", "content": "Thanks."},
         ]
         assert client.turn(TurnRequest("s", messages, max_tokens=8)).cached_tokens > 0
-        assert len(client.refused) >= 2
+        assert {huge_reason, no_token_reason} <= set(client.refused)
     finally:
         client.close()
     assert alive_after(kids, 10) == []

@@ -66,6 +66,7 @@ class ClusterClient:
         self._budgets: list[int | None] = []
         self._beats: dict[int, float] = {}  # rank -> when its last stdout beat came
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
+        self._turn: int | None = None  # the number of the latest turn request
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         split = parse_split(opts.split)
         if split is not None and opts.parallel == "tensor":
@@ -109,6 +110,7 @@ class ClusterClient:
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
         ident = self._new_id()
+        self._turn = ident
         self._send({"type": "turn", "id": ident, "request": request.to_dict()})
         interrupted = False
         while True:
@@ -142,9 +144,13 @@ class ClusterClient:
         interrupt this very thread in the middle of sending (and holding the lock).
         """
 
+        ident = self._turn
+        if ident is None:
+            return
+
         def send() -> None:
             try:
-                self._send({"type": "stop"}, fail=False)
+                self._send({"type": "stop", "id": ident}, fail=False)
             except ExokvError:
                 pass
 

@@ -224,8 +224,10 @@ class Rank:
         self.rank = world.rank()
         self.link = link
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.stop = threading.Event()
+        self.stop = threading.Event()  # the reply in hand must end (Ctrl-C)
         self.current: int | None = None  # the front end's number for the request in hand
+        self._stop_for: int | None = None  # the request the last stop message named
+        self._stop_lock = threading.Lock()
         self.log_path: Path | None = None
         if os.environ.get("EXOKV_RANK_LOG", "") not in ("", "0"):
             from exokv.config import exokv_home
@@ -292,7 +294,6 @@ class Rank:
             if kind != "turn":
                 return 0  # shutdown, or the front end went away
             turn += 1
-            self.current = message.get("id")
             request = TurnRequest.from_dict(message["request"])
             result = engine.turn(
                 request,
@@ -396,8 +397,15 @@ class Rank:
     def _next_message(self) -> dict[str, Any]:
         message = self.inbox.get()
         if message.get("type") == "turn":
-            # A stop pressed before this turn began belongs to the previous reply.
-            self.stop.clear()
+            with self._stop_lock:
+                self.current = message.get("id")
+                # A stop names its request: one pressed just after Enter, that arrives
+                # before its turn begins, still ends it; a late one for an earlier turn
+                # does not touch this one.
+                if self._stop_for is not None and self._stop_for == self.current:
+                    self.stop.set()
+                else:
+                    self.stop.clear()
         return message
 
     def _read_channel(self) -> None:
@@ -414,7 +422,10 @@ class Rank:
                 return
             kind = message["type"]
             if kind == "stop":
-                self.stop.set()
+                with self._stop_lock:
+                    self._stop_for = message.get("id")
+                    if self._stop_for == self.current:
+                        self.stop.set()
             elif kind in ("turn", "remember", "save", "load", "shutdown"):
                 self.inbox.put(message)
 
