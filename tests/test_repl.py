@@ -297,8 +297,9 @@ def test_ctrl_c_stops_a_long_reply(tmp_path: Path, models: Path) -> None:
 def cold_reply(home: Path, messages: list[dict[str, str]], max_tokens: int) -> str:
     """What --no-cache replies to `messages` in a fresh process resuming a copy of the chat.
 
-    The copy keeps the replies' exact tokens (EXOKV_HOME/replies), so the prompt is
-    rendered exactly as in the original process.
+    The copy keeps the replies' exact tokens (stored with the messages in exokv.db;
+    `set_messages` without tokens keeps them), so the prompt is rendered exactly as in
+    the original process.
     """
     from exokv.state import Store
 

@@ -355,3 +355,159 @@ def test_stale_chat_files_are_ignored_and_removed(tmp_path: Path) -> None:
     recycled.write_text(json.dumps({"pid": os.getpid(), "started": 1.0}))
     assert running_chats(tmp_path) == []
     assert not stale.exists() and not recycled.exists()
+
+
+# -- replies' exact tokens (schema v3) ------------------------------------------------------
+
+
+def make_v2(home: Path) -> Path:
+    """A database as the previous exokv left it: schema 2, one conversation."""
+    from exokv.state.schema import MIGRATIONS
+
+    home.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(db_path(home), isolation_level=None)
+    db.execute("BEGIN")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for migration in MIGRATIONS[:2]:
+        migration(db)
+    db.execute("INSERT INTO schema_version VALUES (2)")
+    db.execute("INSERT INTO sessions VALUES (1, 'old', 'm', NULL, 1000.0, 1000.0)")
+    db.execute(
+        "INSERT INTO messages VALUES (1, 0, 'user', 'hello'), (1, 1, 'assistant', 'hi there')"
+    )
+    db.execute("COMMIT")
+    db.close()
+    return db_path(home)
+
+
+def test_a_v2_database_gets_the_tokens_column(tmp_path: Path) -> None:
+    assert LATEST == 3
+    make_v2(tmp_path)
+    with Store.open(tmp_path) as s:
+        old = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
+        assert s.load_messages("old") == old
+        assert s.load_messages("old", with_tokens=True) == old
+        assert s.load_reply_tokens("old") == []
+        # The migrated session takes tokens with its next turn.
+        run = s.start_run(MODEL, 1, [None])
+        more = [*old, {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        more[3] = {**more[3], "tokens": [7, 8]}
+        s.record_turn(run, "old", more, turn_result(pressures=(0.1,)), MODEL)
+        assert s.load_reply_tokens("old") == [("y", [7, 8])]
+    db = sqlite3.connect(db_path(tmp_path))
+    assert db.execute("SELECT version FROM schema_version").fetchall() == [(LATEST,)]
+    columns = {r[1]: r for r in db.execute("PRAGMA table_info(messages)")}
+    assert columns["tokens"][2] == "TEXT" and columns["tokens"][3] == 0  # nullable
+    assert db.execute("SELECT tokens FROM messages WHERE position < 2").fetchall() == [
+        (None,),
+        (None,),
+    ]
+    db.close()
+
+
+def test_reply_tokens_round_trip_with_the_turn(store: Store) -> None:
+    run = store.start_run(MODEL, 2, [None, None])
+    first = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok", "tokens": [5, 6]},
+    ]
+    store.record_turn(run, "s", first, turn_result(), MODEL)
+    assert store.load_messages("s") == MESSAGES  # no tokens unless asked
+    assert store.load_messages("s", with_tokens=True) == first
+    assert store.load_reply_tokens("s") == [("ok", [5, 6])]
+    second = [
+        *first,
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "sure", "tokens": (9, 10, 11)},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "untokened"},
+    ]
+    store.record_turn(run, "s", second, turn_result(), MODEL)
+    assert store.load_reply_tokens("s") == [("ok", [5, 6]), ("sure", [9, 10, 11])]
+    # What load_messages(with_tokens=True) gives, set_messages takes back as it is.
+    store.set_messages("t", store.load_messages("s", with_tokens=True))
+    assert store.load_reply_tokens("t") == store.load_reply_tokens("s")
+
+
+def test_reply_tokens_are_all_or_nothing_with_the_turn(store: Store) -> None:
+    run = store.start_run(MODEL, 2, [None, None])
+    store.record_turn(run, "s", MESSAGES, turn_result(), MODEL)
+    broken = turn_result(entries=[EntryInfo(1, None, "s", None, 1, [1, 1], 0, 0)])
+    with_tokens = [MESSAGES[0], {**MESSAGES[1], "tokens": [1, 2]}]
+    with pytest.raises(ExokvError):
+        store.record_turn(run, "s", with_tokens, broken, MODEL)
+    assert store.load_reply_tokens("s") == []
+    with pytest.raises(ValueError):
+        store.set_messages("s", [{"role": "user", "content": "hi", "tokens": [1]}])
+    with pytest.raises(ValueError):
+        store.set_messages("s", [{"role": "assistant", "content": "ok", "tokens": "12"}])
+    assert store.load_messages("s") == MESSAGES
+
+
+def test_set_messages_keeps_a_replys_tokens_unless_told(store: Store) -> None:
+    # /undo and /system rewrite the list; a caller that passes no "tokens" loses none.
+    convo = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "A", "tokens": [1]},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "B", "tokens": [2, 3]},
+    ]
+    store.set_messages("s", convo)
+    store.set_messages("s", store.load_messages("s")[:2])
+    assert store.load_reply_tokens("s") == [("A", [1])]
+    store.set_messages("s", [convo[0], {"role": "assistant", "content": "A", "tokens": None}])
+    assert store.load_reply_tokens("s") == []
+    store.set_messages("s", [convo[0], {"role": "assistant", "content": "A", "tokens": []}])
+    assert store.load_reply_tokens("s") == []
+
+
+class TokenClient:
+    """A client that keeps replies' token ids as the engine does (by reply text)."""
+
+    def __init__(self) -> None:
+        self.replies: dict[str, list[int]] = {}
+        self.remembered: list[tuple[str, list[int]]] = []
+        self.count = 0
+
+    def turn(self, request, on_text=None, on_progress=None) -> TurnResult:
+        self.count += 1
+        reply = f"reply {self.count}"
+        self.replies[reply] = [100 + self.count, self.count]
+        return TurnResult(
+            session=request.session, reply=reply, prompt_tokens=10, cached_tokens=0,
+            prefilled_tokens=10, generated_tokens=2, ttft_s=0.01, decode_tps=10.0, overhead_s=0.0,
+            ranks=1,
+        )  # fmt: skip
+
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        return self.replies.get(reply)
+
+    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
+        self.remembered += pairs
+
+
+def test_chat_keeps_reply_tokens_in_the_store_and_gives_them_back_on_resume(
+    tmp_path: Path,
+) -> None:
+    from exokv.chat.conversation import ChatController, TurnSettings
+    from exokv.chat.hooks import StoreHooks
+
+    with Store.open(tmp_path) as store:
+        client = TokenClient()
+        hooks = StoreHooks(store, store.start_run(MODEL, 1, [None]), MODEL, client)
+        chat = ChatController(client, TurnSettings(), "c", hooks=hooks)
+        for line in ["one", "two", "three", "/undo", "/system be brief", "/retry"]:
+            chat.handle(line)
+        expected = [("reply 1", [101, 1]), ("reply 4", [104, 4])]  # /undo, then /retry
+        assert store.load_reply_tokens("c") == expected
+    assert not (tmp_path / "replies").exists()
+
+    with Store.open(tmp_path) as store:  # a new process resumes "c"
+        client = TokenClient()
+        hooks = StoreHooks(store, store.start_run(MODEL, 1, [None]), MODEL, client)
+        chat = ChatController(client, TurnSettings(), "c", hooks=hooks)
+        assert client.remembered == expected
+        assert [m["content"] for m in chat.current.messages] == ["one", "reply 1", "two", "reply 4"]
+        assert all("tokens" not in m for m in chat.current.messages)  # not sent to the model
+        chat.handle("/undo")
+        assert store.load_reply_tokens("c") == expected[:1]

@@ -1,10 +1,12 @@
 """StoreHooks: the chat controller's conversations, kept in the SQLite store.
 
 Every finished turn is one `Store.record_turn` transaction (the messages after the
-turn, the turn's numbers, its cache events, entries and memory samples), so a crash
-loses at most the turn in progress. Sessions are loaded from the store when opened,
-and a resumed session also gets its saved KV cache back (`exokv.chat.kvsave`) when
-it verifies; `/save` and quitting save the current session's KV cache on every rank.
+turn with the replies' exact token ids, the turn's numbers, its cache events, entries
+and memory samples), so a crash loses at most the turn in progress. Sessions are
+loaded from the store when opened, with their replies' tokens given back to the
+client, and a resumed session also gets its saved KV cache back (`exokv.chat.kvsave`)
+when it verifies; `/save` and quitting save the current session's KV cache on every
+rank.
 
 Messages for the user go through `attach(warn, note)`: until a front end attaches,
 they are buffered, so a warning raised while the first session is opened is shown
@@ -13,15 +15,12 @@ after the banner, not before it.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation
-from exokv.chat.kvsave import CacheFileReport, session_slug
+from exokv.chat.kvsave import CacheFileReport
 from exokv.config import format_size
 from exokv.records import CacheEvent, TurnResult
 from exokv.state.store import Store
@@ -122,73 +121,52 @@ class StoreHooks(ChatHooks):
 
     def save_messages(self, conv: Conversation) -> None:
         self._sync_system(conv)
-        self.store.set_messages(conv.name, conv.messages)
+        self.store.set_messages(conv.name, self._with_tokens(conv))
         self._dirty.add(conv.name)
 
     def turn_done(self, conv: Conversation, result: TurnResult) -> None:
         self._keep_reply_tokens(conv, result.reply)
         self._sync_system(conv)
-        self.store.record_turn(self.run_id, conv.name, conv.messages, result, self.model)
+        messages = self._with_tokens(conv)
+        self.store.record_turn(self.run_id, conv.name, messages, result, self.model)
         self._dirty.add(conv.name)
 
     # -- replies' exact tokens ----------------------------------------------------------
     #
     # The engine shows the model each earlier reply as the tokens it generated (decoding
-    # and encoding again may give others), in memory. They are kept per session in
-    # EXOKV_HOME/replies/<session>.json, written before the turn's transaction, so a
-    # resumed session renders exactly as it did: same replies, same cache hits.
-
-    def _replies_path(self, session: str) -> Path:
-        return self.store.home / "replies" / f"{session_slug(session)}.json"
+    # and encoding again may give others), in memory. They are stored with the assistant
+    # messages, in the same transaction as the turn, so a resumed session renders exactly
+    # as it did: same replies, same cache hits.
 
     def _restore_replies(self, conv: Conversation) -> None:
-        remember = getattr(self.client, "remember_replies", None)
-        path = self._replies_path(conv.name)
-        if remember is None or not path.is_file():
-            return
-        try:
-            doc = json.loads(path.read_text())
-            table = doc["replies"]
-            valid = doc.get("session") == conv.name and all(
-                isinstance(k, str) and isinstance(v, list) and all(isinstance(t, int) for t in v)
-                for k, v in table.items()
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            valid = False
-        if not valid:
-            self.warn(f"{path} is unreadable; earlier replies are encoded again from their text")
-            return
-        pairs = [
-            (m["content"], table[m["content"]])
-            for m in conv.messages
-            if m["role"] == "assistant" and m["content"] in table
-        ]
-        remember(pairs)
+        pairs = self.store.load_reply_tokens(conv.name)
         self._reply_tokens[conv.name] = dict(pairs)
+        remember = getattr(self.client, "remember_replies", None)
+        if remember is not None and pairs:
+            remember(pairs)
 
     def _keep_reply_tokens(self, conv: Conversation, reply: str) -> None:
         lookup = getattr(self.client, "reply_tokens", None)
-        if lookup is None:
-            return
-        known = self._reply_tokens.setdefault(conv.name, {})
-        tokens = lookup(reply)
+        tokens = lookup(reply) if lookup is not None else None
         if tokens:
-            known[reply] = list(tokens)
-        table = {
-            m["content"]: known[m["content"]]
-            for m in conv.messages
+            self._reply_tokens.setdefault(conv.name, {})[reply] = list(tokens)
+
+    def _with_tokens(self, conv: Conversation) -> list[dict[str, Any]]:
+        """The messages to store: assistant replies with their token ids where known.
+
+        A reply whose tokens are not known here goes without the key, and the store
+        keeps what it had for that reply. Only the conversation's replies stay known.
+        """
+        known = self._reply_tokens.get(conv.name, {})
+        replies = {m["content"] for m in conv.messages if m["role"] == "assistant"}
+        known = {r: t for r, t in known.items() if r in replies}
+        self._reply_tokens[conv.name] = known
+        return [
+            {**m, "tokens": known[m["content"]]}
             if m["role"] == "assistant" and m["content"] in known
-        }
-        self._reply_tokens[conv.name] = table
-        path = self._replies_path(conv.name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"session": conv.name, "replies": table}))
-            os.replace(tmp, path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            self.warn(f"could not write {path}: {err.strerror or err}")
+            else m
+            for m in conv.messages
+        ]
 
     # -- the tables of /sessions, /stats, /evictions ---------------------------------------
 

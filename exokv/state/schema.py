@@ -152,7 +152,14 @@ def _v2(db: sqlite3.Connection) -> None:
         db.execute(f"UPDATE {table} SET run_id = ?", (cur.lastrowid,))
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2]
+def _v3(db: sqlite3.Connection) -> None:
+    # An assistant message's exact generated token ids (a JSON list of ints), written
+    # in the turn's transaction: a resumed chat renders each earlier reply as the
+    # tokens the model produced. NULL: not known (older rows, user and system lines).
+    db.execute("ALTER TABLE messages ADD COLUMN tokens TEXT")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
 LATEST = len(MIGRATIONS)
 
 

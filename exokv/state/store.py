@@ -8,6 +8,7 @@ inside one read transaction, so they see whole turns and never block the chat.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import shlex
 import shutil
@@ -15,7 +16,7 @@ import socket
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,37 @@ class _Damaged(Exception):
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
+
+
+def _dump_tokens(role: str, tokens: Sequence[int] | None) -> str | None:
+    """A message's token ids as stored: a JSON list of ints, or NULL for none."""
+    if tokens is None:
+        return None
+    if role != "assistant":
+        raise ValueError(f"only assistant messages carry token ids (got a {role!r} message)")
+    try:
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError
+        ids = [operator.index(t) for t in tokens]
+    except TypeError:
+        raise ValueError(f"a message's tokens must be a list of ints, not {tokens!r}") from None
+    return _dumps(ids) if ids else None
+
+
+def _load_tokens(raw: str | None) -> list[int] | None:
+    # A value that is not a list of ints is treated as absent: the reply is then
+    # encoded again from its text, which costs cache hits but never a wrong prompt.
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    return value
 
 
 class Store:
@@ -262,25 +294,74 @@ class Store:
             row = db.execute("SELECT system FROM sessions WHERE name = ?", (session,)).fetchone()
             return row[0] if row else None
 
-    def load_messages(self, session: str) -> list[dict[str, str]]:
+    def load_messages(self, session: str, with_tokens: bool = False) -> list[dict[str, Any]]:
+        """The conversation in order, as ``{"role", "content"}`` dicts.
+
+        With ``with_tokens``, assistant messages whose generated token ids are stored
+        also carry them as ``"tokens"`` (a list of ints); the result can be given back
+        to ``set_messages`` as it is.
+        """
         with self.snapshot() as db:
             rows = db.execute(
-                "SELECT m.role, m.content FROM messages m JOIN sessions s ON s.id = m.session_id "
-                "WHERE s.name = ? ORDER BY m.position",
+                "SELECT m.role, m.content, m.tokens FROM messages m "
+                "JOIN sessions s ON s.id = m.session_id WHERE s.name = ? ORDER BY m.position",
                 (session,),
-            )
-            return [{"role": r[0], "content": r[1]} for r in rows]
+            ).fetchall()
+        messages: list[dict[str, Any]] = []
+        for role, content, raw in rows:
+            message: dict[str, Any] = {"role": role, "content": content}
+            if with_tokens and (tokens := _load_tokens(raw)) is not None:
+                message["tokens"] = tokens
+            messages.append(message)
+        return messages
+
+    def load_reply_tokens(self, session: str) -> list[tuple[str, list[int]]]:
+        """``(reply, token ids)`` of the session's assistant messages that have them, in order.
+
+        What a client's ``remember_replies`` takes, so a resumed session renders each
+        earlier reply as the tokens generated. Replies without stored tokens are left out.
+        """
+        return [
+            (m["content"], m["tokens"])
+            for m in self.load_messages(session, with_tokens=True)
+            if m["role"] == "assistant" and "tokens" in m
+        ]
 
     @staticmethod
-    def _replace_messages(db: sqlite3.Connection, sid: int, messages: list[dict[str, str]]) -> None:
+    def _replace_messages(
+        db: sqlite3.Connection, sid: int, messages: Sequence[Mapping[str, Any]]
+    ) -> None:
+        # An assistant message without a "tokens" key keeps the tokens stored for the
+        # same reply text (the engine knows replies by their text too), so a caller
+        # that only edits the list (/undo, /system) loses none; "tokens": None drops them.
+        kept = {
+            r[0]: r[1]
+            for r in db.execute(
+                "SELECT content, tokens FROM messages "
+                "WHERE session_id = ? AND role = 'assistant' AND tokens IS NOT NULL",
+                (sid,),
+            )
+        }
+        rows = []
+        for i, m in enumerate(messages):
+            if "tokens" in m:
+                tokens = _dump_tokens(m["role"], m["tokens"])
+            else:
+                tokens = kept.get(m["content"]) if m["role"] == "assistant" else None
+            rows.append((sid, i, m["role"], m["content"], tokens))
         db.execute("DELETE FROM messages WHERE session_id = ?", (sid,))
         db.executemany(
-            "INSERT INTO messages (session_id, position, role, content) VALUES (?, ?, ?, ?)",
-            [(sid, i, m["role"], m["content"]) for i, m in enumerate(messages)],
+            "INSERT INTO messages (session_id, position, role, content, tokens) "
+            "VALUES (?, ?, ?, ?, ?)",
+            rows,
         )
 
-    def set_messages(self, session: str, messages: list[dict[str, str]]) -> None:
-        """Replace the whole conversation (for /undo, /retry, /system)."""
+    def set_messages(self, session: str, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the whole conversation (for /undo, /retry, /system).
+
+        A message may carry ``"tokens"``: an assistant reply's generated token ids,
+        stored in the same transaction (see ``_replace_messages`` for one without).
+        """
         with self._write() as db:
             self._replace_messages(db, self._session_id(db, session, None, time.time()), messages)
 
@@ -395,16 +476,18 @@ class Store:
         self,
         run_id: int,
         session: str,
-        messages: list[dict[str, str]],
+        messages: Sequence[Mapping[str, Any]],
         result: TurnResult,
         model: str,
         turn: int | None = None,
     ) -> int:
         """Store one whole turn atomically; returns its number in the session.
 
-        ``messages`` is the conversation after the turn. ``result.entries`` is the
-        tree's live entries after the turn (entries it omits are left as they were;
-        only ``evict``/``clear`` events end an entry).
+        ``messages`` is the conversation after the turn; an assistant message may carry
+        ``"tokens"``, its generated token ids (as for ``set_messages``), written in the
+        same transaction. ``result.entries`` is the tree's live entries after the turn
+        (entries it omits are left as they were; only ``evict``/``clear`` events end an
+        entry).
         """
         now = time.time()
         with self._write() as db:
