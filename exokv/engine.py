@@ -344,18 +344,22 @@ class Engine:
         if on_progress:
             on_progress(done, total)
         for i in range(0, len(tokens), PREFILL_STEP):
-            if should_stop is not None:
-                stop = should_stop()
-                if self.group.size > 1:
-                    stop = self.group.any(stop)
-                if stop:
-                    return True
+            if self._agreed_stop(should_stop):
+                return True
             chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
             self.model(chunk, cache=cache)
             mx.eval([c.state for c in cache])
             if on_progress:
                 on_progress(done + i + chunk.shape[1], total)
         return False
+
+    def _agreed_stop(self, should_stop: Callable[[], bool] | None) -> bool:
+        """Whether to stop now, the same answer on every rank (one collective when several).
+
+        Every rank must call this at the same points, whether or not it has a stop source.
+        """
+        stop = should_stop() if should_stop is not None else False
+        return self.group.any(stop) if self.group.size > 1 else stop
 
     def _decode(
         self,
@@ -397,10 +401,7 @@ class Engine:
                 piece = detok.last_segment
                 streamed += len(piece)
                 on_text(piece)
-            stop = should_stop() if should_stop else False
-            if self.group.size > 1:
-                stop = self.group.any(stop)
-            if stop:
+            if self._agreed_stop(should_stop):
                 finish = "interrupted"
                 break
             if len(generated) >= request.max_tokens:

@@ -418,3 +418,15 @@ def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Pat
     assert code == 1 and time.monotonic() - stopped < 15, err
     assert len(lines) == 1 and "rank 1 stopped responding" in lines[0], err
     assert chat.leftovers() == []
+
+
+def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
+    from exokv.chat.run import ChatOptions, validate
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(
+        json.dumps([{"ssh": "mac-a", "ips": ["10.0.0.1"]}, {"ssh": "mac-b", "ips": ["10.0.0.2"]}])
+    )
+    opts = ChatOptions(model="builtin:tiny", hostfile=str(hostfile), cache_budget="8MB,2MB")
+    assert opts.rank_count() == 2
+    validate(opts)  # one budget per host: no "2 values for 1 ranks"

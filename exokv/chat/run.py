@@ -35,6 +35,10 @@ class ChatOptions:
     def rank_count(self) -> int:
         if self.hosts:
             return len([h for h in self.hosts.split(",") if h.strip()])
+        if self.hostfile:
+            from exokv.cluster.launch import read_hostfile
+
+            return len(read_hostfile(self.hostfile)[0])
         return self.ranks
 
 
