@@ -1,6 +1,6 @@
 """The interactive chat: prompt-toolkit line editing, rich output.
 
-Keys (also in docs/chat.md and /help):
+Keys (also in the README and /help):
 - Enter sends the line. Esc then Enter (Meta+Enter, Option+Enter on a Mac set to use
   Option as Meta) inserts a new line; so does Enter after a line ending in ``\\``
   (the backslash is removed). Pasted text keeps its new lines.
