@@ -77,7 +77,7 @@ class RadixTree:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            common = _common_prefix(child.key, tokens, pos)
+            common = common_prefix(child.key, tokens, pos)
             path.append(child)
             pos += common
             if common < len(child.key):
@@ -110,7 +110,7 @@ class RadixTree:
                 leaf.last_used = now
                 added.append(leaf)
                 return added, split
-            common = _common_prefix(child.key, tokens, pos)
+            common = common_prefix(child.key, tokens, pos)
             if common < len(child.key):
                 split.append(child)
                 child = self.split(child, common, split_payload)
@@ -187,9 +187,10 @@ class RadixTree:
         return node
 
 
-def _common_prefix(key: Sequence[int], tokens: Sequence[int], pos: int) -> int:
-    n = min(len(key), len(tokens) - pos)
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """How many tokens of `a` equal `b` from position `start` of `b` on."""
+    n = min(len(a), len(b) - start)
     i = 0
-    while i < n and key[i] == tokens[pos + i]:
+    while i < n and a[i] == b[start + i]:
         i += 1
     return i

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exokv.cache.radix import common_prefix
+
 FORMAT = "exokv-kv-1"
 _TOKENS_LIMIT = 10_000_000  # a sanity bound on a metadata token list
 
@@ -239,14 +241,6 @@ def _check_shape(engine: Any, cache: list[Any], tokens: list[int]) -> int:
             raise SavedCacheError("does not fit this model (bytes per token differ)")
     arrays = tree_flatten([c.state for c in cache])
     return sum(a.nbytes for _, a in arrays if isinstance(a, mx.array))
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def save_session(

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,25 +52,20 @@ class CountingGroup:
         self.seconds = {"gather": 0.0, "any": 0.0, "broadcast": 0.0}
 
     def gather(self, values: list[int]) -> list[list[int]]:
-        tic = time.perf_counter()
-        try:
-            return self.inner.gather(values)
-        finally:
-            self._count("gather", tic)
+        return self._timed("gather", self.inner.gather, values)
 
     def any(self, flag: bool) -> bool:
-        tic = time.perf_counter()
-        try:
-            return self.inner.any(flag)
-        finally:
-            self._count("any", tic)
+        return self._timed("any", self.inner.any, flag)
 
     def broadcast(self, obj: Any) -> Any:
+        return self._timed("broadcast", self.inner.broadcast, obj)
+
+    def _timed(self, kind: str, collective: Callable[[Any], Any], arg: Any) -> Any:
         tic = time.perf_counter()
         try:
-            return self.inner.broadcast(obj)
+            return collective(arg)
         finally:
-            self._count("broadcast", tic)
+            self._count(kind, tic)
 
     def _count(self, kind: str, tic: float) -> None:
         self.counts[kind] += 1
