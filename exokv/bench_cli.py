@@ -30,6 +30,12 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="seed of the generated conversations"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document to stdout"),
     plot: str = typer.Option(None, "--plot", help="write a PNG of TTFT per turn (matplotlib)"),
+    cache_budget: str = typer.Option(
+        None,
+        "--cache-budget",
+        help="the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) "
+        "and exokv, e.g. 48MB; cold and carried are not affected",
+    ),
 ) -> None:
     """Compare cold, carried, mlx-lm-lru and exokv on the same conversations."""
     from exokv.bench import SCENARIOS
@@ -44,6 +50,16 @@ def bench(
         raise UsageError(f"--repeat must be at least 1 (got {repeat})")
     if ranks < 1:
         raise UsageError(f"--ranks must be at least 1 (got {ranks})")
+    budget = None
+    if cache_budget is not None:
+        from exokv.config import parse_size
+
+        try:
+            budget = parse_size(cache_budget)
+        except UsageError as err:
+            raise UsageError(f"--cache-budget: {err}") from None
+        if budget <= 0:
+            raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
     need = turns * min_turn_tokens(reply_tokens)
@@ -73,6 +89,7 @@ def bench(
         seed=seed,
         ranks=ranks,
         parallel=parallel,
+        cache_budget=budget,
     )
     loaded, tokenizer = load(model)
     with report.RichProgress() as progress:

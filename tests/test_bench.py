@@ -118,6 +118,8 @@ def test_the_caches_do_what_they_claim(bench_doc: dict) -> None:
         (["--repeat", "0"], "--repeat"),
         (["--parallel", "diagonal"], "--parallel"),
         (["--ranks", "2"], "several ranks is not supported"),
+        (["--cache-budget", "lots"], "--cache-budget"),
+        (["--cache-budget", "0MB"], "--cache-budget"),
     ],
 )
 def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], words: str) -> None:
@@ -127,6 +129,39 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], words: 
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("exokv: error:") and words in lines[0]
     assert proc.stdout == ""
+
+
+def test_under_a_cache_budget_exokv_keeps_the_shared_prefix(tmp_path: Path) -> None:
+    # shared-prefix on tiny (1 KB a token): a ~220-token system prompt, 8 conversations
+    # of 2 turns. 1.3 MB holds the prompt and most conversations' tails once (exokv),
+    # not a full copy per conversation (mlx-lm-lru, 300-400 tokens each).
+    budget = 1_300_000
+    args = ["--model", "builtin:tiny", "--turns", "8", "--context", "400", "--reply-tokens", "8"]
+    proc = _bench(
+        [*args, "--scenario", "shared-prefix", "--cache-budget", "1300KB", "--json"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["cache_budget"] == budget
+    assert doc["cache_budget_strategies"] == ["mlx-lm-lru", "exokv"]
+    assert "cold and carried are not affected" in doc["cache_budget_note"]
+    assert doc["replies_match"], doc["mismatches"]
+    s = doc["scenarios"]["shared-prefix"]
+    for turn in s["turns"]:
+        assert len({turn["strategies"][strat]["reply"] for strat in STRATEGIES}) == 1
+    st = s["strategies"]
+    for strat in ("mlx-lm-lru", "exokv"):
+        # Within what each policy bounds (LRU + active cache at admission; exokv's
+        # stored bytes), and the budget did bite.
+        assert st[strat]["within_budget"], (strat, st[strat]["over_budget_turns"])
+        assert st[strat]["unavoidably_over_budget_turns"] == [], strat
+        assert st[strat]["budget_peak_bytes"][0] <= budget, strat
+        assert st[strat]["evicted"] > 0, strat
+    assert st["exokv"]["peak_cache_bytes"][0] <= budget  # exokv's bound is its stored bytes
+    for strat in ("cold", "carried"):
+        assert "budget_peak_bytes" not in st[strat]
+    # Token counts are deterministic: sharing the prompt keeps more of it cached.
+    assert st["exokv"]["cached_fraction"] >= st["mlx-lm-lru"]["cached_fraction"]
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:

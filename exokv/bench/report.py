@@ -76,6 +76,16 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
         f"[bold]exokv bench[/] {doc['model']}: {doc['turns']} turns to {doc['context']} tokens, "
         f"{doc['reply_tokens']}-token replies, median of {doc['repeat']} run(s), seed {doc['seed']}"
     )
+    budget = doc.get("cache_budget")
+    if budget is not None:
+        which = " and ".join(doc["cache_budget_strategies"])
+        console.print(
+            f"[bold]cache budget {_bytes(budget)}[/] for {which} "
+            "(mlx-lm-lru as mlx_lm.server --prompt-cache-bytes: trim_to(n_bytes=budget - active) "
+            "when a request is admitted; exokv as EngineOptions(budget=...)). "
+            "cold and carried are not affected by it (cold keeps nothing between turns, carried "
+            "keeps one conversation, as mlx_lm.chat does)."
+        )
     for name, s in doc["scenarios"].items():
         table = Table(
             title=f"{name} ({len(s['turns'])} turns, last prompt {s['last_prompt_tokens']} tokens)"
@@ -86,6 +96,7 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
             "cached",
             "peak cache",
             "decode tok/s",
+            "evicted",
             "exokv speedup",
         ):
             table.add_column(col, justify="left" if col == "strategy" else "right")
@@ -98,6 +109,7 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
                 f"{e['cached_fraction']:.3f}",
                 _bytes(e["peak_cache_bytes"][0]),
                 f"{e['median_decode_tps']:.0f}",
+                str(e.get("evicted", 0)),
                 f"{speed:.2f}x" if speed is not None else "",
             )
         lim = s["limit"]
@@ -108,8 +120,11 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
             _bytes(s["ideal_cache_bytes"][0]),
             "",
             "",
+            "",
         )
         console.print(table)
+        if budget is not None:
+            _print_budget(console, name, s, budget)
     table = Table(title="targets")
     for col in ("target", "value", "threshold", "met", "detail"):
         table.add_column(col)
@@ -124,6 +139,27 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
     console.print(table)
     if not doc["replies_match"]:
         console.print(f"[red]replies differ in {len(doc['mismatches'])} turn(s)[/]")
+
+
+def _print_budget(console: Console, name: str, s: dict[str, Any], budget: int) -> None:
+    table = Table(title=f"{name}: within the cache budget of {_bytes(budget)}?")
+    for col in ("strategy", "peak of what its policy bounds", "within", "what is bounded"):
+        table.add_column(col, justify="right" if col.startswith("peak") else "left")
+    for strat, e in s["strategies"].items():
+        if "budget_peak_bytes" not in e:
+            continue
+        over = e.get("over_budget_turns", [])
+        unavoidable = e.get("unavoidably_over_budget_turns", [])
+        within = "[green]yes[/]" if not over else f"[red]no[/] (turns {_turns(over)})"
+        if unavoidable:
+            within += f"; over where the policy cannot help (turns {_turns(unavoidable)})"
+        table.add_row(strat, _bytes(e["budget_peak_bytes"][0]), within, e["budget_accounting"])
+    console.print(table)
+
+
+def _turns(turns: list[int], most: int = 8) -> str:
+    shown = ", ".join(map(str, turns[:most]))
+    return shown + (f" and {len(turns) - most} more" if len(turns) > most else "")
 
 
 def check_plot_available() -> None:
@@ -163,7 +199,10 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
         ax.set_ylabel("TTFT (s)")
         ax.grid(alpha=0.3)
     axes[0][0].legend()
-    fig.suptitle(f"exokv bench: {doc['model']}, {doc['turns']} turns to {doc['context']} tokens")
+    title = f"exokv bench: {doc['model']}, {doc['turns']} turns to {doc['context']} tokens"
+    if doc.get("cache_budget") is not None:
+        title += f", cache budget {_bytes(doc['cache_budget'])} (mlx-lm-lru, exokv)"
+    fig.suptitle(title)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from exokv.bench import STRATEGIES, scenarios
-from exokv.bench.strategies import Cold, Oracle, Outcome, common_prefix, make, render
+from exokv.bench.strategies import BUDGETED, Cold, Oracle, Outcome, common_prefix, make, render
 
 OTHERS = tuple(s for s in STRATEGIES if s != "exokv")
 TIMINGS = ("ttft_s", "decode_tps", "overhead_s")
@@ -41,6 +41,37 @@ class BenchConfig:
     seed: int = 0
     ranks: int = 1
     parallel: str = "pipeline"
+    cache_budget: int | None = None  # bytes, for mlx-lm-lru and exokv alike (BUDGETED)
+
+
+# What each budgeted strategy's policy bounds, as reported with --cache-budget.
+BUDGET_ACCOUNTING = {
+    "mlx-lm-lru": (
+        "LRU bytes + the active request's cache, right after trim_to(n_bytes=budget - active) "
+        "at admission (mlx_lm.server --prompt-cache-bytes); the reply's cache is inserted "
+        "after that without a trim, so between requests the LRU alone can exceed the budget "
+        "(peak_cache_bytes)"
+    ),
+    "exokv": (
+        "stored prefix bytes after each turn (EngineOptions(budget=...): before the turn it "
+        "evicts least recently used leaves until the stored bytes plus the turn's new tokens "
+        "fit)"
+    ),
+}
+
+
+def budget_note(budget: int | None) -> str:
+    if budget is None:
+        return (
+            "no cache budget: mlx-lm-lru keeps up to 10 entries with no byte limit "
+            "(mlx_lm.server's defaults), exokv its RAM-derived budget"
+        )
+    return (
+        f"cache budget {budget} bytes for {' and '.join(BUDGETED)} (mlx-lm-lru as "
+        "mlx_lm.server --prompt-cache-bytes, exokv as EngineOptions(budget=...)); "
+        "cold and carried are not affected by it (cold keeps nothing, carried keeps one "
+        "conversation and starts over on a switch, as mlx_lm.chat does)"
+    )
 
 
 class Progress:
@@ -80,6 +111,8 @@ def run(
             gc.collect()
             mx.clear_cache()
         results[name] = _summarise(runs)
+        if config.cache_budget is not None:
+            _check_budget(results[name], config.cache_budget)
     doc: dict[str, Any] = {
         "model": config.model,
         "ranks": config.ranks,
@@ -89,6 +122,9 @@ def run(
         "reply_tokens": config.reply_tokens,
         "repeat": config.repeat,
         "seed": config.seed,
+        "cache_budget": config.cache_budget,
+        "cache_budget_strategies": list(BUDGETED) if config.cache_budget is not None else [],
+        "cache_budget_note": budget_note(config.cache_budget),
         "strategies": list(STRATEGIES),
         "versions": _versions(),
         "machine": {
@@ -118,9 +154,12 @@ def _run_once(
 ) -> dict[str, Any]:
     # Every strategy, the scenario's sizing and the limits use the exokv engine's
     # renderer: the same token sequences for all, whatever that renderer does.
-    exo = make("exokv", model, tokenizer)
+    budget = config.cache_budget
+    exo = make("exokv", model, tokenizer, budget=budget)
     r = exo.render
-    strategies = {s: exo if s == "exokv" else make(s, model, tokenizer, r) for s in STRATEGIES}
+    strategies = {
+        s: exo if s == "exokv" else make(s, model, tokenizer, r, budget) for s in STRATEGIES
+    }
     scen = scenarios.build(name, config.turns, config.context, r, config.seed)
     oracle = Oracle(model)
     order = list(STRATEGIES) + ["limit"]
@@ -131,6 +170,7 @@ def _run_once(
     trie: dict[int, Any] = {}
     distinct = 0
     peak = {s: 0 for s in STRATEGIES}
+    budget_peak: dict[str, int] = {}
     rows = []
     while (step := scen.next_step()) is not None:
         tokens = r(step.messages)
@@ -174,6 +214,8 @@ def _run_once(
         scen.commit(step, ref.reply)
         for s in STRATEGIES:
             peak[s] = max(peak[s], outcomes[s].cache_bytes)
+            if outcomes[s].budget_bytes is not None:
+                budget_peak[s] = max(budget_peak.get(s, 0), outcomes[s].budget_bytes)
         rows.append(
             {
                 "turn": step.index,
@@ -189,6 +231,7 @@ def _run_once(
     return {
         "turns": rows,
         "peak_cache_bytes": peak,
+        "budget_peak_bytes": budget_peak,
         "distinct_tokens": distinct,
         "bytes_per_token": strategies["exokv"].bytes_per_token,
         "carried_resets": dict(strategies["carried"].resets),
@@ -267,6 +310,10 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 (c["overhead_s"] / c["ttft_s"] for c in cells if c["ttft_s"] > 0), default=0.0
             ),
         }
+        entry["evicted"] = sum(c["evicted"] for c in cells)
+        if s in first["budget_peak_bytes"]:
+            entry["budget_peak_bytes"] = [first["budget_peak_bytes"][s]]  # one entry per rank
+            entry["budget_accounting"] = BUDGET_ACCOUNTING[s]
         if s == "carried":
             entry["resets"] = first["carried_resets"]
         summary["strategies"][s] = entry
@@ -288,6 +335,30 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary["nondeterministic"] = nondeterministic
     summary["turns"] = turns
     return summary
+
+
+def _check_budget(summary: dict[str, Any], budget: int) -> None:
+    """Per budgeted strategy: did what its policy bounds stay within the budget?
+
+    Reported, not asserted. A turn over the budget is `unavoidable` when the
+    policy could not have got below it (the turn's ``budget_floor_bytes``):
+    mlx-lm-lru's active cache alone, or for exokv the entries the turn is served
+    from (locked while in use, a partly matched one whole) plus its new tokens,
+    is over the budget. Any other turn over it is a breach of the policy.
+    """
+    for s in BUDGETED:
+        entry = summary["strategies"][s]
+        if "budget_peak_bytes" not in entry:
+            continue
+        over, unavoidable = [], []
+        for t in summary["turns"]:
+            cell = t["strategies"][s]
+            if (cell["budget_bytes"] or 0) > budget:
+                floor = cell["budget_floor_bytes"] or 0
+                (unavoidable if floor > budget else over).append(t["turn"])
+        entry["within_budget"] = not over
+        entry["over_budget_turns"] = over
+        entry["unavoidably_over_budget_turns"] = unavoidable
 
 
 # -- the issue's targets --------------------------------------------------------------

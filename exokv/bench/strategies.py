@@ -17,8 +17,17 @@ is tokenized and the cache is looked up) to the first generated token.
 - ``mlx-lm-lru``: ``mlx_lm.models.cache.LRUPromptCache`` used as ``mlx_lm.server``
   serves one request: ``fetch_nearest_cache``, a fresh cache if none, prefill
   the rest, generate, ``insert_cache`` of prompt + generated tokens. Its size
-  limit is the server's default (``--prompt-cache-size 10``, no byte limit).
-- ``exokv``: ``exokv.engine.Engine``, the prefix cache.
+  limit is the server's default (``--prompt-cache-size 10``); with a byte budget
+  it is held to it as ``mlx_lm.server --prompt-cache-bytes`` holds it: the
+  server builds ``LRUPromptCache(prompt_cache_size)`` without ``max_bytes`` and,
+  once a request's cache has been fetched, calls
+  ``trim_to(n_bytes=budget - active)``, ``active`` being the bytes of the caches
+  of the requests being served (here the one just fetched). Nothing is trimmed
+  after ``insert_cache``, so between requests the LRU can hold more than the
+  budget; what the server bounds is LRU + active cache at admission.
+- ``exokv``: ``exokv.engine.Engine``, the prefix cache (with a byte budget, its
+  ``EngineOptions(budget=...)``: before each turn it evicts least recently used
+  leaves until the stored bytes plus the turn's new tokens fit).
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ from exokv.engine import PREFILL_STEP, Engine, EngineOptions
 from exokv.records import TurnRequest
 
 LRU_MAX_SIZE = 10  # mlx_lm.server --prompt-cache-size default
+# The strategies --cache-budget limits. cold holds nothing between turns; carried holds
+# one conversation and resets on a switch, as mlx_lm.chat does (it has no byte limit).
+BUDGETED = ("mlx-lm-lru", "exokv")
 MODEL_KEY = ("exokv-bench", None, None)  # stands for mlx_lm.server's model_key
 
 
@@ -55,6 +67,16 @@ class Outcome:
     decode_tps: float
     overhead_s: float  # cache lookup + insert (exokv: the engine's own overhead)
     cache_bytes: int  # held by the strategy's cache after the turn
+    # Under --cache-budget: the bytes the strategy's own budget policy bounds
+    # (mlx-lm-lru: LRU + active cache right after trim_to; exokv: stored bytes
+    # after the turn), and the entries its policy evicted this turn.
+    budget_bytes: int | None = None
+    # ... and the least the policy could have got that down to: the active cache
+    # (mlx-lm-lru); the entries on the path the turn is served from, which stay
+    # locked while in use (a partly matched entry counts whole), plus the turn's new
+    # tokens (exokv). Over the budget: unavoidable for that policy.
+    budget_floor_bytes: int | None = None
+    evicted: int = 0
     tokens: list[int] | None = None  # prompt tokens (not for exokv)
     generated: list[int] | None = None  # generated token ids (not for exokv)
     note: str = ""
@@ -117,11 +139,21 @@ class MlxStrategy:
 
     name = ""
 
-    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        render_fn: Render | None = None,
+        budget: int | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.render = render_fn or (lambda messages: render(tokenizer, messages))
         self.last_cache: list[Any] | None = None  # the cache the last turn ended with
+        self.budget = budget  # only mlx-lm-lru applies it; cold and carried ignore it
+        self.budget_bytes: int | None = None  # set by lookup under a budget
+        self.budget_floor: int | None = None
+        self.evicted = 0
 
     def turn(
         self, conversation: str, messages: Sequence[dict[str, str]], max_tokens: int
@@ -129,6 +161,7 @@ class MlxStrategy:
         start = time.perf_counter()
         tokens = self.render(messages)
         tic = time.perf_counter()
+        self.budget_bytes, self.budget_floor, self.evicted = None, None, 0
         cache, cached, note = self.lookup(conversation, tokens)
         overhead = time.perf_counter() - tic
         if not 0 <= cached < len(tokens):
@@ -155,6 +188,9 @@ class MlxStrategy:
             decode_tps=tps,
             overhead_s=overhead,
             cache_bytes=self.cache_bytes(),
+            budget_bytes=self.budget_bytes,
+            budget_floor_bytes=self.budget_floor,
+            evicted=self.evicted,
             tokens=tokens,
             generated=generated,
             note=note,
@@ -182,8 +218,14 @@ class Carried(MlxStrategy):
 
     name = "carried"
 
-    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
-        super().__init__(model, tokenizer, render_fn)
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        render_fn: Render | None = None,
+        budget: int | None = None,
+    ) -> None:
+        super().__init__(model, tokenizer, render_fn)  # one conversation: no budget
         self.cache: list[Any] | None = None
         self.held: list[int] = []
         self.conversation: str | None = None
@@ -212,14 +254,31 @@ class MlxLmLru(MlxStrategy):
 
     name = "mlx-lm-lru"
 
-    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
-        super().__init__(model, tokenizer, render_fn)
-        self.lru = LRUPromptCache(max_size=LRU_MAX_SIZE)
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        render_fn: Render | None = None,
+        budget: int | None = None,
+    ) -> None:
+        super().__init__(model, tokenizer, render_fn, budget)
+        # As mlx_lm.server builds it: LRUPromptCache(cli_args.prompt_cache_size), no
+        # max_bytes; --prompt-cache-bytes is applied with trim_to in lookup.
+        self.lru = LRUPromptCache(LRU_MAX_SIZE)
 
     def lookup(self, conversation: str, tokens: list[int]) -> tuple[list[Any], int, str]:
         cache, rest = self.lru.fetch_nearest_cache(MODEL_KEY, list(tokens))
         if cache is None:
             cache = make_prompt_cache(self.model)
+        if self.budget is not None:
+            # mlx_lm.server, once the request's cache is fetched and handed to the
+            # batch: trim_to(n_bytes=prompt_cache_bytes - batch_generator.prompt_cache_nbytes).
+            active = cache_nbytes(cache)
+            before = len(self.lru)
+            self.lru.trim_to(n_bytes=self.budget - active)
+            self.evicted = before - len(self.lru)
+            self.budget_bytes = int(self.lru.nbytes) + active
+            self.budget_floor = active
         cached = len(tokens) - len(rest)
         if cached == len(tokens):
             # An exact hit: the last token must run again to give the first logits.
@@ -239,14 +298,27 @@ class Exokv:
 
     name = "exokv"
 
-    def __init__(self, model: Any, tokenizer: Any, render_fn: Render | None = None) -> None:
-        self.engine = Engine(model, tokenizer, options=EngineOptions())
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        render_fn: Render | None = None,
+        budget: int | None = None,
+    ) -> None:
+        self.budget = budget
+        self.engine = Engine(model, tokenizer, options=EngineOptions(budget=budget))
         self.render: Render = self.engine.render  # the renderer every strategy uses
         self.last_cache = None
 
     def turn(
         self, conversation: str, messages: Sequence[dict[str, str]], max_tokens: int
     ) -> Outcome:
+        locked = 0
+        if self.budget is not None:  # before the turn, outside its timings
+            cache = self.engine.cache
+            tokens = self.engine.render(messages)
+            path = cache.tree.match(tokens[:-1]).path
+            locked = sum(cache.entry_bytes(n) for n in path if n.start < len(tokens) - 1)
         result = self.engine.turn(
             TurnRequest(session=conversation, messages=list(messages), max_tokens=max_tokens)
         )
@@ -260,7 +332,16 @@ class Exokv:
             decode_tps=result.decode_tps,
             overhead_s=result.overhead_s,
             cache_bytes=self.cache_bytes(),
-            note=f"{result.evictions} evicted" if result.evictions else "",
+            budget_bytes=self.cache_bytes() if self.budget is not None else None,
+            budget_floor_bytes=(
+                locked
+                + (result.prompt_tokens + result.generated_tokens - result.cached_tokens)
+                * self.bytes_per_token
+                if self.budget is not None
+                else None
+            ),
+            evicted=result.evictions,
+            note=_eviction_note(result.events),
         )
 
     def cache_bytes(self) -> int:
@@ -271,9 +352,25 @@ class Exokv:
         return int(self.engine.bytes_per_token)
 
 
-def make(name: str, model: Any, tokenizer: Any, render_fn: Render | None = None) -> Any:
+def _eviction_note(events: Sequence[Any]) -> str:
+    """'3 evicted (budget rank 0)': how many entries the engine evicted, and why."""
+    reasons = [e.reason for e in events if e.kind == "evict"]
+    if not reasons:
+        return ""
+    why = ", ".join(f"{reasons.count(r)} {r}" for r in dict.fromkeys(reasons))
+    return f"{len(reasons)} evicted ({why})"
+
+
+def make(
+    name: str,
+    model: Any,
+    tokenizer: Any,
+    render_fn: Render | None = None,
+    budget: int | None = None,
+) -> Any:
+    """A strategy; `budget` (bytes) limits mlx-lm-lru and exokv only (see BUDGETED)."""
     return {"cold": Cold, "carried": Carried, "mlx-lm-lru": MlxLmLru, "exokv": Exokv}[name](
-        model, tokenizer, render_fn
+        model, tokenizer, render_fn, budget if name in BUDGETED else None
     )
 
 
