@@ -18,8 +18,15 @@ def bench(
     model: str = typer.Option(
         None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
     ),
-    ranks: int = typer.Option(1, "--ranks", "-n", help="ranks on this machine (1 for now)"),
-    parallel: str = typer.Option("pipeline", "--parallel", help="pipeline|tensor"),
+    ranks: int = typer.Option(
+        1, "--ranks", "-n", help="ranks on this machine, started by mlx.launch"
+    ),
+    parallel: str = typer.Option(
+        "pipeline", "--parallel", help="pipeline|tensor (how --ranks > 1 shard the model)"
+    ),
+    starting_port: int = typer.Option(
+        None, "--starting-port", help="first port of the ranks' ring (default: free ports)"
+    ),
     turns: int = typer.Option(8, "--turns", help="turns per conversation"),
     context: int = typer.Option(2000, "--context", help="prompt tokens of the last turn"),
     reply_tokens: int = typer.Option(32, "--reply-tokens", help="most tokens per reply"),
@@ -69,8 +76,6 @@ def bench(
             f"{min_turn_tokens(reply_tokens)} tokens (a short message and a {reply_tokens}-token "
             f"reply): use --context {need} or more, or fewer --turns or --reply-tokens"
         )
-    if ranks > 1:
-        raise UsageError("bench on several ranks is not supported yet: use --ranks 1")
     if plot:
         from exokv.bench.report import check_plot_available
 
@@ -91,9 +96,16 @@ def bench(
         parallel=parallel,
         cache_budget=budget,
     )
-    loaded, tokenizer = load(model)
-    with report.RichProgress() as progress:
-        doc = runner.run(config, loaded, tokenizer, progress)
+    if ranks > 1:
+        # Every rank runs the same runner loop on its shard; rank 0 sends the document.
+        from exokv.bench.ranks import run_on_ranks
+
+        with report.RichProgress() as progress:
+            doc = run_on_ranks(config, progress, starting_port=starting_port)
+    else:
+        loaded, tokenizer = load(model)
+        with report.RichProgress() as progress:
+            doc = runner.run(config, loaded, tokenizer, progress)
     argv = sys.argv[sys.argv.index("bench") :] if "bench" in sys.argv else []
     doc = {"command": " ".join(["exokv", *map(shlex.quote, argv)]), **doc}
     if json_out:

@@ -24,7 +24,17 @@ from typing import Any
 import mlx.core as mx
 
 from exokv.bench import STRATEGIES, scenarios
-from exokv.bench.strategies import BUDGETED, Cold, Oracle, Outcome, common_prefix, make, render
+from exokv.bench.strategies import (
+    BUDGETED,
+    Cold,
+    Oracle,
+    Outcome,
+    common_prefix,
+    make,
+    render,
+    synchronize,
+)
+from exokv.cluster.group import Group
 
 OTHERS = tuple(s for s in STRATEGIES if s != "exokv")
 TIMINGS = ("ttft_s", "decode_tps", "overhead_s")
@@ -95,8 +105,14 @@ def plan_lengths(config: BenchConfig, tokenizer: Any) -> dict[str, int]:
 
 
 def run(
-    config: BenchConfig, model: Any, tokenizer: Any, progress: Progress | None = None
+    config: BenchConfig,
+    model: Any,
+    tokenizer: Any,
+    progress: Progress | None = None,
+    group: Group | None = None,
 ) -> dict[str, Any]:
+    """The whole bench on this process's model (on several ranks: its shard, and every
+    rank calls this alike, with `group` for exokv's engine; see bench.rank_main)."""
     progress = progress or Progress()
     load_start = _loadavg()
     lengths = plan_lengths(config, tokenizer)
@@ -107,7 +123,7 @@ def run(
     for name in config.scenarios:
         runs = []
         for rep in range(config.repeat):
-            runs.append(_run_once(name, rep, config, model, tokenizer, progress, mismatches))
+            runs.append(_run_once(name, rep, config, model, tokenizer, progress, mismatches, group))
             gc.collect()
             mx.clear_cache()
         results[name] = _summarise(runs)
@@ -151,11 +167,12 @@ def _run_once(
     tokenizer: Any,
     progress: Progress,
     mismatches: list[dict[str, Any]],
+    group: Group | None = None,
 ) -> dict[str, Any]:
     # Every strategy, the scenario's sizing and the limits use the exokv engine's
     # renderer: the same token sequences for all, whatever that renderer does.
     budget = config.cache_budget
-    exo = make("exokv", model, tokenizer, budget=budget)
+    exo = make("exokv", model, tokenizer, budget=budget, group=group)
     r = exo.render
     strategies = {
         s: exo if s == "exokv" else make(s, model, tokenizer, r, budget) for s in STRATEGIES
@@ -185,7 +202,7 @@ def _run_once(
                 outcomes[s] = strategies[s].turn(
                     step.conversation, step.messages, config.reply_tokens
                 )
-            mx.synchronize()  # work generate_step queued must not run into the next timing
+            synchronize()  # work generate_step queued must not run into the next timing
         ref = outcomes["cold"]
         for s in STRATEGIES:
             o = outcomes[s]
@@ -262,7 +279,7 @@ def _warm_up(model: Any, tokenizer: Any) -> None:
     """One untimed turn, so the first timed turn pays no one-off start-up cost."""
     messages = [{"role": "user", "content": "Warm up the model, please."}]
     Cold(model, tokenizer).turn("warm-up", messages, 4)
-    mx.synchronize()
+    synchronize()
 
 
 # -- medians and totals ---------------------------------------------------------------

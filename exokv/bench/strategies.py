@@ -39,11 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache.prefix_cache import cache_length
+from exokv.cluster.group import Group
 from exokv.engine import PREFILL_STEP, Engine, EngineOptions
 from exokv.records import TurnRequest
 
@@ -304,9 +305,11 @@ class Exokv:
         tokenizer: Any,
         render_fn: Render | None = None,
         budget: int | None = None,
+        group: Group | None = None,
     ) -> None:
         self.budget = budget
-        self.engine = Engine(model, tokenizer, options=EngineOptions(budget=budget))
+        # On several ranks, the group makes the engine's one gather per turn real.
+        self.engine = Engine(model, tokenizer, group=group, options=EngineOptions(budget=budget))
         self.render: Render = self.engine.render  # the renderer every strategy uses
         self.last_cache = None
 
@@ -367,11 +370,31 @@ def make(
     tokenizer: Any,
     render_fn: Render | None = None,
     budget: int | None = None,
+    group: Group | None = None,
 ) -> Any:
-    """A strategy; `budget` (bytes) limits mlx-lm-lru and exokv only (see BUDGETED)."""
-    return {"cold": Cold, "carried": Carried, "mlx-lm-lru": MlxLmLru, "exokv": Exokv}[name](
+    """A strategy; `budget` (bytes) limits mlx-lm-lru and exokv only (see BUDGETED).
+
+    `group` (several ranks) is for exokv's engine; the others need no collective of
+    their own beyond the sharded model's.
+    """
+    if name == "exokv":
+        return Exokv(model, tokenizer, render_fn, budget, group)
+    return {"cold": Cold, "carried": Carried, "mlx-lm-lru": MlxLmLru}[name](
         model, tokenizer, render_fn, budget if name in BUDGETED else None
     )
+
+
+def synchronize() -> None:
+    """Wait for all queued work: the default stream's and generate_step's own stream.
+
+    ``mx.synchronize()`` alone waits for the default stream only. The step that
+    generate_step queues on its stream after the last token taken would otherwise
+    run into the next timing, and on several ranks its collectives (a sharded
+    forward pass) could interleave with the next prefill's in a different order
+    on each rank, pairing the wrong messages.
+    """
+    mx.synchronize(generation_stream)
+    mx.synchronize()
 
 
 # -- the limit ------------------------------------------------------------------------
@@ -431,5 +454,5 @@ class Oracle:
         for _ in steps:
             break
         elapsed = time.perf_counter() - start
-        mx.synchronize()  # the step generate_step queued after the first token
+        synchronize()  # the step generate_step queued after the first token
         return length, elapsed
