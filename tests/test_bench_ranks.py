@@ -185,3 +185,28 @@ def test_a_rank_that_dies_ends_the_bench_in_one_line(tmp_path: Path, models_dir:
     assert out == ""
     time.sleep(0.5)
     assert _processes_of(home) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_killing_the_front_end_leaves_no_ranks(tmp_path: Path, models_dir: Path) -> None:
+    # The launcher has its own process group (Ctrl-C reaches the front end only), so
+    # a SIGKILL to the front end (a script's timeout) must not leave it running.
+    home = _home(tmp_path / "h", models_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
+        + ["--context", "600", "--ranks", "2", "--starting-port", "46330"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_env(home),
+    )
+    deadline = time.monotonic() + 60
+    while _rank_pid(home, 1) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _rank_pid(home, 1) is not None, "rank 1 never started"
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while _processes_of(home) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _processes_of(home) == []

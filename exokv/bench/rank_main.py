@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = json.loads(argv[0])
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)
         rank = world.rank()
-        threading.Thread(target=_beat, args=(rank,), daemon=True).start()
+        parent = settings.get("front_end_pid")
+        threading.Thread(target=_beat, args=(rank, parent), daemon=True).start()
         release_stdin()
         doc = run(settings, world, out if rank == 0 else None)
         if rank == 0:
@@ -156,15 +157,33 @@ def _private_stdout() -> IO[str]:
     return out
 
 
-def _beat(rank: int) -> None:
-    """'alive' on stderr every few seconds, even while MLX computes (see cluster.rank.beat)."""
+def _beat(rank: int, front_end: int | None) -> None:
+    """'alive' on stderr every few seconds, even while MLX computes (see cluster.rank.beat).
+
+    And the other way round: when the front end is gone (killed, or timed out by a
+    script), this rank ends, so the launcher ends too and nothing is left behind.
+    The launcher runs in its own process group, which a signal to the front end's
+    group does not reach.
+    """
     line = f"{BEAT_MARK}{rank}\n".encode()
     while True:
+        if front_end is not None and not _alive(front_end):
+            os._exit(1)
         try:
             os.write(2, line)
         except OSError:
-            return
+            os._exit(1)  # nobody reads us any more
         time.sleep(HEARTBEAT_S)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def run_on_ranks(
     """Run the bench on `config.ranks` local ranks; rank 0's JSON document."""
     from exokv.model.resolve import resolve_model
 
-    settings = {"config": asdict(config), "backend": backend}
+    settings = {"config": asdict(config), "backend": backend, "front_end_pid": os.getpid()}
     plan = plan_launch(
         bench_command(settings),
         ranks=config.ranks,
@@ -79,10 +79,17 @@ class RankRun:
         self.drains: list[threading.Thread] = []
 
     def run(self) -> dict[str, Any]:
+        # SIGTERM (a script's timeout, say) ends the ranks too, as Ctrl-C does.
+        previous = signal.getsignal(signal.SIGTERM)
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            signal.signal(signal.SIGTERM, _terminated)
         try:
             return self._run()
         finally:
             self.close()
+            if on_main:
+                signal.signal(signal.SIGTERM, previous)
 
     def _run(self) -> dict[str, Any]:
         self.proc = subprocess.Popen(
@@ -231,6 +238,10 @@ class RankRun:
                 pass
         for t in self.drains:
             t.join(timeout=1.0)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise ExokvError("terminated: the ranks were stopped")
 
 
 def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
