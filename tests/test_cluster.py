@@ -430,3 +430,32 @@ def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
     opts = ChatOptions(model="builtin:tiny", hostfile=str(hostfile), cache_budget="8MB,2MB")
     assert opts.rank_count() == 2
     validate(opts)  # one budget per host: no "2 values for 1 ranks"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("when", ["starting", "idle"])
+def test_ranks_end_when_the_front_end_is_killed(
+    tmp_path: Path, models_dir: Path, when: str
+) -> None:
+    port = {"starting": "45260", "idle": "45270"}[when]
+    chat = Chat(make_home(tmp_path / "h", models_dir), "-n", "2", "--starting-port", port)
+    if when == "idle":
+        assert chat.send(SCRIPT[0])["turn"] == 1
+    deadline = time.monotonic() + 60
+    while len(ranks := _rank_processes(chat)) < 2:
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.1)
+    chat.proc.kill()  # SIGKILL: no chance to stop the launcher, which has its own group
+    chat.proc.wait(10)
+    _, alive = psutil.wait_procs(ranks, timeout=10)
+    assert not alive, "ranks outlived their front end"
+    assert chat.leftovers() == []
+
+
+def _rank_processes(chat: Chat) -> list[psutil.Process]:
+    chat.note_descendants()
+    return [
+        p
+        for p in chat.seen.values()
+        if p.is_running() and "exokv.cluster.rank" in " ".join(p.cmdline())
+    ]

@@ -22,13 +22,12 @@ import json
 import os
 import sys
 import threading
-import time
 from dataclasses import fields
 from typing import IO, Any
 
 import mlx.core as mx
 
-from exokv.cluster.rank import BEAT_MARK, HEARTBEAT_S, release_stdin, report_error
+from exokv.cluster.rank import beat, release_stdin, report_error
 
 PROGRESS_MARK = "exokv-bench-progress "
 DOC_MARK = "exokv-bench-doc "
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)
         rank = world.rank()
         parent = settings.get("front_end_pid")
-        threading.Thread(target=_beat, args=(rank, parent), daemon=True).start()
+        threading.Thread(target=beat, args=(rank, parent, 2), daemon=True).start()
         release_stdin()
         doc = run(settings, world, out if rank == 0 else None)
         if rank == 0:
@@ -155,35 +154,6 @@ def _private_stdout() -> IO[str]:
     sys.stdout.flush()
     os.dup2(2, 1)
     return out
-
-
-def _beat(rank: int, front_end: int | None) -> None:
-    """'alive' on stderr every few seconds, even while MLX computes (see cluster.rank.beat).
-
-    And the other way round: when the front end is gone (killed, or timed out by a
-    script), this rank ends, so the launcher ends too and nothing is left behind.
-    The launcher runs in its own process group, which a signal to the front end's
-    group does not reach.
-    """
-    line = f"{BEAT_MARK}{rank}\n".encode()
-    while True:
-        if front_end is not None and not _alive(front_end):
-            os._exit(1)
-        try:
-            os.write(2, line)
-        except OSError:
-            os._exit(1)  # nobody reads us any more
-        time.sleep(HEARTBEAT_S)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":

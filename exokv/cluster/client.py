@@ -285,6 +285,8 @@ class ClusterClient:
             args += ["--budgets", ",".join(map(str, budgets))]
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
+        if self.plan.local:  # a pid means nothing on another host
+            args += ["--front-end-pid", str(os.getpid())]
         return args
 
     def _start(self) -> None:

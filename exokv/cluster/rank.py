@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-threshold", type=float, default=0.9)
     p.add_argument("--max-kv-size", type=int, default=None)
     p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
     return p.parse_args(argv)
 
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = mx.distributed.init(backend=args.backend, strict=True)
         rank = world.rank()
-        threading.Thread(target=beat, args=(rank,), daemon=True).start()
+        threading.Thread(target=beat, args=(rank, args.front_end_pid), daemon=True).start()
         boot = read_bootstrap(BOOTSTRAP_TIMEOUT) if rank == 0 else None
         release_stdin()
         if boot is not None:
@@ -103,21 +104,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def beat(rank: int) -> None:
-    """Say "alive" on stdout every few seconds, which the launcher relays to the front end.
+def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
+    """Say "alive" on `fd` every few seconds, which the launcher relays to the front end.
 
     Every rank does this, not just rank 0: a rank that hangs (a stopped process, a
     Mac gone to sleep) leaves the others blocked in a collective, still alive and
     beating on the channel; only its own silence names it. The beat comes from a
     thread, and MLX releases the GIL while it computes, so a long prefill beats on.
+
+    And the other way round: when the front end (`front_end`, a pid on this host)
+    is gone — killed, or timed out by a script — the rank ends, so the launcher
+    ends too. The launcher runs in its own process group, which a signal to the
+    front end's group does not reach, so nothing else would stop it.
     """
     line = f"{BEAT_MARK}{rank}\n".encode()
     while True:
+        if front_end is not None and not _alive(front_end):
+            os._exit(1)
         try:
-            os.write(1, line)  # one small write: never split from, or into, other lines
+            os.write(fd, line)  # one small write: never split from, or into, other lines
         except OSError:
-            return
+            os._exit(1)  # nobody reads us any more
         time.sleep(HEARTBEAT_S)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def release_stdin() -> None:
