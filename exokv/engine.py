@@ -29,6 +29,7 @@ from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
+STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
 MAX_REMEMBERED_REPLIES = 4096  # replies whose exact tokens render() reuses
 _DIGEST = 8  # index of the tree digest; per-entry sizes follow it in the gathered vector
 
@@ -401,7 +402,10 @@ class Engine:
                 piece = detok.last_segment
                 streamed += len(piece)
                 on_text(piece)
-            if self._agreed_stop(should_stop):
+            # Across ranks the check is a collective: every few tokens, at the same
+            # tokens on every rank, so a Ctrl-C still lands within a few tokens.
+            check = self.group.size == 1 or len(generated) % STOP_CHECK_EVERY == 0
+            if check and self._agreed_stop(should_stop):
                 finish = "interrupted"
                 break
             if len(generated) >= request.max_tokens:
