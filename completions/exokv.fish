@@ -18,7 +18,7 @@ function __exokv_path
                 set p "exokv chat"
             case "exokv:models"
                 set p "exokv models"
-            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot"
+            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget"
                 set skip 1
             case "exokv cache:clear"
                 set p "exokv cache clear"
@@ -54,8 +54,9 @@ complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REP
 complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the builtin models and the models found locally'
 complete -c exokv -n '__exokv_at exokv' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv bench' -l model -s m -x -d 'builtin:tiny|small|base, a path or a HF repo id'
-complete -c exokv -n '__exokv_at exokv bench' -l ranks -s n -x -d 'ranks on this machine (1 for now)'
-complete -c exokv -n '__exokv_at exokv bench' -l parallel -x -a 'pipeline tensor' -d 'pipeline|tensor'
+complete -c exokv -n '__exokv_at exokv bench' -l ranks -s n -x -d 'ranks on this machine, started by mlx.launch'
+complete -c exokv -n '__exokv_at exokv bench' -l parallel -x -d 'pipeline|tensor (how --ranks > 1 shard the model)'
+complete -c exokv -n '__exokv_at exokv bench' -l starting-port -x -d 'first port of the ranks'\'' ring (default: free ports)'
 complete -c exokv -n '__exokv_at exokv bench' -l turns -x -d 'turns per conversation'
 complete -c exokv -n '__exokv_at exokv bench' -l context -x -d 'prompt tokens of the last turn'
 complete -c exokv -n '__exokv_at exokv bench' -l reply-tokens -x -d 'most tokens per reply'
@@ -64,6 +65,7 @@ complete -c exokv -n '__exokv_at exokv bench' -l repeat -x -d 'runs per scenario
 complete -c exokv -n '__exokv_at exokv bench' -l seed -x -d 'seed of the generated conversations'
 complete -c exokv -n '__exokv_at exokv bench' -l json -d 'print one JSON document to stdout'
 complete -c exokv -n '__exokv_at exokv bench' -l plot -r -F -d 'write a PNG of TTFT per turn (matplotlib)'
+complete -c exokv -n '__exokv_at exokv bench' -l cache-budget -x -d 'the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected'
 complete -c exokv -n '__exokv_at exokv bench' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache' -a 'clear' -d 'Forget cache entries, events, memory samples and saved KV caches; keep conversations'
 complete -c exokv -n '__exokv_at exokv cache' -a 'entries' -d 'One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used'

@@ -17,7 +17,7 @@ _exokv() {
             "exokv:cache") cmdpath="exokv cache" ;;
             "exokv:chat") cmdpath="exokv chat" ;;
             "exokv:models") cmdpath="exokv models" ;;
-            ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot") skip=1 ;;
+            ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget") skip=1 ;;
             "exokv cache:clear") cmdpath="exokv cache clear" ;;
             "exokv cache:entries") cmdpath="exokv cache entries" ;;
             "exokv cache:evictions") cmdpath="exokv cache evictions" ;;
@@ -32,7 +32,6 @@ _exokv() {
     ((CURRENT > 2)) && prev="${words[CURRENT - 1]}"
     if ((skip)); then
         case "$cmdpath:$prev" in
-            ("exokv bench:--parallel") compadd -- 'pipeline' 'tensor' ;;
             ("exokv bench:--plot") _files ;;
             ("exokv chat:--hostfile") _files ;;
             ("exokv chat:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
@@ -47,7 +46,7 @@ _exokv() {
             opts=('--help:Show this message and exit') ;;
         "exokv bench")
             subs=()
-            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine (1 for now)' '-n:ranks on this machine (1 for now)' '--parallel:pipeline|tensor' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--help:Show this message and exit') ;;
+            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine, started by mlx.launch' '-n:ranks on this machine, started by mlx.launch' '--parallel:pipeline|tensor (how --ranks > 1 shard the model)' '--starting-port:first port of the ranks'\'' ring (default: free ports)' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--cache-budget:the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected' '--help:Show this message and exit') ;;
         "exokv cache")
             subs=('clear:Forget cache entries, events, memory samples and saved KV caches; keep conversations' 'entries:One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used' 'evictions:The eviction log, newest first: what went, why, and every rank'\''s pressure then' 'pressure:Memory pressure per rank: the latest sample and a sparkline of recent ones' 'stats:Per rank and total: entries, cached tokens, bytes, budget, hits, misses, evictions')
             opts=('--help:Show this message and exit') ;;
