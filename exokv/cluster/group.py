@@ -77,8 +77,7 @@ class MlxGroup:
                 mx.array([len(data)]), group=self.group, stream=generation_stream
             ).item()
         )
+        # Rank 0's bytes plus zeros from everyone else: a sum is a broadcast.
         buf = mx.array(list(data), dtype=mx.uint8) if self.rank == 0 else mx.zeros(n, mx.uint8)
-        if n == 0:
-            return json.loads(data or b"null") if self.rank == 0 else None
         out = mx.distributed.all_sum(buf, group=self.group, stream=generation_stream)
         return json.loads(bytes(out.tolist()).decode())
