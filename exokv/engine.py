@@ -344,15 +344,13 @@ class Engine:
         """
         if on_progress:
             on_progress(done, total)
-        for i in range(0, len(tokens), PREFILL_STEP):
-            if self._agreed_stop(should_stop):
-                return True
-            chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
-            self.model(chunk, cache=cache)
-            mx.eval([c.state for c in cache])
-            if on_progress:
-                on_progress(done + i + chunk.shape[1], total)
-        return False
+        return prefill(
+            self.model,
+            cache,
+            tokens,
+            before_chunk=lambda _: self._agreed_stop(should_stop),
+            after_chunk=(lambda n: on_progress(done + n, total)) if on_progress else None,
+        )
 
     def _agreed_stop(self, should_stop: Callable[[], bool] | None) -> bool:
         """Whether to stop now, the same answer on every rank (one collective when several).
@@ -371,52 +369,23 @@ class Engine:
         on_text: Callable[[str], None] | None,
         should_stop: Callable[[], bool] | None,
     ) -> tuple[list[int], str, str, float, float]:
-        sampler = make_sampler(temp=request.temp)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        streamed = 0  # characters of the reply passed to on_text
-        eos = set(self.tokenizer.eos_token_ids)
-        generated: list[int] = []
-        ttft = 0.0
-        first = last_time = time.perf_counter()
-        finish = "length"
-        steps = generate_step(
-            mx.array(last),
-            self.model,
-            prompt_cache=cache,
-            max_tokens=request.max_tokens,
-            sampler=sampler,
-        )
-        for token, _ in steps:
-            token = int(token)
-            last_time = time.perf_counter()
-            if not generated:
-                ttft = last_time - start
-                first = last_time
-            generated.append(token)
-            if token in eos:
-                finish = "stop"
-                break
-            detok.add_token(token)
-            if on_text:
-                piece = detok.last_segment
-                streamed += len(piece)
-                on_text(piece)
+        def stop(generated: int) -> bool:
             # Across ranks the check is a collective: every few tokens, at the same
             # tokens on every rank, so a Ctrl-C still lands within a few tokens.
-            check = self.group.size == 1 or len(generated) % STOP_CHECK_EVERY == 0
-            if check and self._agreed_stop(should_stop):
-                finish = "interrupted"
-                break
-            if len(generated) >= request.max_tokens:
-                break
-        detok.finalize()
-        # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
-        # a cut UTF-8 sequence), and what was streamed must be the reply.
-        if on_text and len(detok.text) > streamed:
-            on_text(detok.text[streamed:])
-        tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
-        return generated, detok.text, finish, ttft, tps
+            check = self.group.size == 1 or generated % STOP_CHECK_EVERY == 0
+            return check and self._agreed_stop(should_stop)
+
+        return decode(
+            self.model,
+            self.tokenizer,
+            last,
+            cache,
+            request.max_tokens,
+            start,
+            temp=request.temp,
+            on_text=on_text,
+            stop=stop,
+        )
 
     def _new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
@@ -471,6 +440,90 @@ class Engine:
             session=session,
             hit_length=hit,
         )
+
+
+def prefill(
+    model: Any,
+    cache: list[Any],
+    tokens: Sequence[int],
+    before_chunk: Callable[[int], bool] | None = None,
+    after_chunk: Callable[[int], None] | None = None,
+) -> bool:
+    """Run the model over `tokens` into `cache`, PREFILL_STEP at a time.
+
+    before_chunk(tokens done) returning True stops it (returns True); after_chunk
+    gets the tokens done so far. The engine and the bench share this code path.
+    """
+    for i in range(0, len(tokens), PREFILL_STEP):
+        if before_chunk is not None and before_chunk(i):
+            return True
+        chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
+        model(chunk, cache=cache)
+        mx.eval([c.state for c in cache])
+        if after_chunk is not None:
+            after_chunk(i + chunk.shape[1])
+    return False
+
+
+def decode(
+    model: Any,
+    tokenizer: Any,
+    last: list[int],
+    cache: list[Any],
+    max_tokens: int,
+    start: float,
+    temp: float = 0.0,
+    on_text: Callable[[str], None] | None = None,
+    stop: Callable[[int], bool] | None = None,
+) -> tuple[list[int], str, str, float, float]:
+    """Generate after `last` with mlx-lm's generate_step.
+
+    Returns (token ids incl. an end-of-turn token, reply text, finish reason, TTFT
+    measured from `start`, decode tokens/s). stop(tokens generated) is asked after
+    each token. The engine and the bench share this code path.
+    """
+    detok = tokenizer.detokenizer
+    detok.reset()
+    streamed = 0  # characters of the reply passed to on_text
+    eos = set(tokenizer.eos_token_ids)
+    generated: list[int] = []
+    ttft = 0.0
+    first = last_time = time.perf_counter()
+    finish = "length"
+    steps = generate_step(
+        mx.array(last),
+        model,
+        prompt_cache=cache,
+        max_tokens=max_tokens,
+        sampler=make_sampler(temp=temp),
+    )
+    for token, _ in steps:
+        token = int(token)
+        last_time = time.perf_counter()
+        if not generated:
+            ttft = last_time - start
+            first = last_time
+        generated.append(token)
+        if token in eos:
+            finish = "stop"
+            break
+        detok.add_token(token)
+        if on_text:
+            piece = detok.last_segment
+            streamed += len(piece)
+            on_text(piece)
+        if stop is not None and stop(len(generated)):
+            finish = "interrupted"
+            break
+        if len(generated) >= max_tokens:
+            break
+    detok.finalize()
+    # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
+    # a cut UTF-8 sequence), and what was streamed must be the reply.
+    if on_text and len(detok.text) > streamed:
+        on_text(detok.text[streamed:])
+    tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
+    return generated, detok.text, finish, ttft, tps
 
 
 def _leaves(x: Any) -> list[mx.array]:

@@ -45,7 +45,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache.prefix_cache import cache_length
 from exokv.cluster.group import Group
-from exokv.engine import PREFILL_STEP, Engine, EngineOptions
+from exokv.engine import Engine, EngineOptions, decode, prefill
 from exokv.records import TurnRequest
 
 LRU_MAX_SIZE = 10  # mlx_lm.server --prompt-cache-size default
@@ -92,45 +92,6 @@ def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def prefill(model: Any, cache: list[Any], tokens: Sequence[int]) -> None:
-    """Exactly ``Engine._prefill``: run the model over `tokens` in chunks."""
-    for i in range(0, len(tokens), PREFILL_STEP):
-        chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
-        model(chunk, cache=cache)
-        mx.eval([c.state for c in cache])
-
-
-def decode(
-    model: Any, tokenizer: Any, last: list[int], cache: list[Any], max_tokens: int, start: float
-) -> tuple[list[int], str, float, float]:
-    """Exactly ``Engine._decode`` at temperature 0: (generated, reply, ttft, tokens/s)."""
-    sampler = make_sampler(temp=0.0)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    eos = set(tokenizer.eos_token_ids)
-    generated: list[int] = []
-    ttft = 0.0
-    first = last_time = time.perf_counter()
-    steps = generate_step(
-        mx.array(last), model, prompt_cache=cache, max_tokens=max_tokens, sampler=sampler
-    )
-    for token, _ in steps:
-        token = int(token)
-        last_time = time.perf_counter()
-        if not generated:
-            ttft = last_time - start
-            first = last_time
-        generated.append(token)
-        if token in eos:
-            break
-        detok.add_token(token)
-        if len(generated) >= max_tokens:
-            break
-    detok.finalize()
-    tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
-    return generated, detok.text, ttft, tps
-
-
 def cache_nbytes(cache: Sequence[Any] | None) -> int:
     return sum(c.nbytes for c in cache) if cache else 0
 
@@ -168,7 +129,7 @@ class MlxStrategy:
         if not 0 <= cached < len(tokens):
             raise AssertionError(f"{self.name}: a lookup must leave a token to run")
         prefill(self.model, cache, tokens[cached:-1])
-        generated, reply, ttft, tps = decode(
+        generated, reply, _, ttft, tps = decode(
             self.model, self.tokenizer, tokens[-1:], cache, max_tokens, start
         )
         tic = time.perf_counter()
