@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,13 @@ def chat_json(
     assert proc.returncode == 0, proc.stderr.decode()
     docs = [json.loads(line) for line in proc.stdout.decode().splitlines() if line.strip()]
     return [d for d in docs if "turn" in d]
+
+
+def home_with_models(path: Path, models: Path, link: bool = False) -> Path:
+    """A fresh EXOKV_HOME holding the session's generated builtin models."""
+    path.mkdir(parents=True, exist_ok=True)
+    if link:
+        (path / "models").symlink_to(models, target_is_directory=True)
+    else:
+        shutil.copytree(models, path / "models")
+    return path

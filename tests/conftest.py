@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
@@ -48,3 +53,16 @@ def tiny_qwen() -> qwen2.Model:
 def tiny_qwen_hd32() -> qwen2.Model:
     """tiny_qwen with 2 heads, so head dim 32: mx.quantize needs groups of >= 32."""
     return build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny generated once per test session; tests' homes copy or link it."""
+    home = tmp_path_factory.mktemp("models-home")
+    subprocess.run(
+        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
+        env={**os.environ, "EXOKV_HOME": str(home)},
+        check=True,
+        timeout=120,
+    )
+    return home / "models"

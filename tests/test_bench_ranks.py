@@ -7,40 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from chat_helpers import home_with_models
 
 from exokv.bench import STRATEGIES
 
 ARGS = ["--model", "builtin:tiny", "--turns", "2", "--context", "150", "--scenario", "linear"]
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """builtin:tiny generated once; each run's EXOKV_HOME gets a copy."""
-    home = tmp_path_factory.mktemp("models-home")
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from exokv.model.resolve import resolve_model as r; r('builtin:tiny')",
-        ],
-        env={**os.environ, "EXOKV_HOME": str(home)},
-        check=True,
-        timeout=120,
-    )
-    return home / "models"
-
-
-def _home(path: Path, models: Path) -> Path:
-    path.mkdir(parents=True)
-    shutil.copytree(models, path / "models")
-    return path
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -62,10 +39,10 @@ def _bench(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> tuple[dict, dict]:
     root = tmp_path_factory.mktemp("bench-ranks")
-    one = _bench(_home(root / "one", models_dir))
+    one = _bench(home_with_models(root / "one", models_dir))
     assert one.returncode == 0, one.stderr
     two = _bench(
-        _home(root / "two", models_dir),
+        home_with_models(root / "two", models_dir),
         *("--ranks", "2", "--parallel", "pipeline", "--starting-port", "46300"),
     )
     assert two.returncode == 0, two.stderr
@@ -116,7 +93,7 @@ def test_tensor_parallel_replies_match(tmp_path: Path, models_dir: Path) -> None
     # Also guards the bench's synchronisation: a step generate_step left queued on its
     # own stream used to race the next prefill's all_sums and garble carried/mlx-lm-lru.
     proc = _bench(
-        _home(tmp_path / "h", models_dir),
+        home_with_models(tmp_path / "h", models_dir),
         *("--ranks", "2", "--parallel", "tensor", "--starting-port", "46310"),
     )
     assert proc.returncode == 0, proc.stderr
@@ -155,7 +132,7 @@ def _rank_pid(home: Path, rank: int) -> int | None:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
 def test_a_rank_that_dies_ends_the_bench_in_one_line(tmp_path: Path, models_dir: Path) -> None:
-    home = _home(tmp_path / "h", models_dir)
+    home = home_with_models(tmp_path / "h", models_dir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
         + ["--context", "600", "--ranks", "2", "--starting-port", "46320"],
@@ -192,7 +169,7 @@ def test_a_rank_that_dies_ends_the_bench_in_one_line(tmp_path: Path, models_dir:
 def test_killing_the_front_end_leaves_no_ranks(tmp_path: Path, models_dir: Path) -> None:
     # The launcher has its own process group (Ctrl-C reaches the front end only), so
     # a SIGKILL to the front end (a script's timeout) must not leave it running.
-    home = _home(tmp_path / "h", models_dir)
+    home = home_with_models(tmp_path / "h", models_dir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
         + ["--context", "600", "--ranks", "2", "--starting-port", "46330"],

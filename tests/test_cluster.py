@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
+from chat_helpers import home_with_models
 
 from exokv.chat.run import ChatOptions
 from exokv.cluster.client import ClusterClient, diagnose, parse_split
@@ -51,29 +51,6 @@ SESSIONS_SCRIPT = [
 
 
 # -- helpers -------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """builtin:tiny generated once; each test's EXOKV_HOME gets a copy."""
-    home = tmp_path_factory.mktemp("models-home")
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from exokv.model.resolve import resolve_model as r; r('builtin:tiny')",
-        ],
-        env={**os.environ, "EXOKV_HOME": str(home)},
-        check=True,
-        timeout=120,
-    )
-    return home / "models"
-
-
-def make_home(path: Path, models: Path) -> Path:
-    path.mkdir(parents=True)
-    shutil.copytree(models, path / "models")
-    return path
 
 
 class Chat:
@@ -282,12 +259,12 @@ def test_diagnose_names_the_rank_that_died_first() -> None:
 
 @pytest.mark.timeout(150)
 def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path) -> None:
-    home = make_home(tmp_path / "two", models_dir)
+    home = home_with_models(tmp_path / "two", models_dir)
     two = run_script(
         home, SCRIPT, "-n", "2", "--starting-port", "45110", env={"EXOKV_RANK_LOG": "1"}
     )
-    one = run_script(make_home(tmp_path / "one", models_dir), SCRIPT)
-    cold = run_script(make_home(tmp_path / "cold", models_dir), SCRIPT, "--no-cache")
+    one = run_script(home_with_models(tmp_path / "one", models_dir), SCRIPT)
+    cold = run_script(home_with_models(tmp_path / "cold", models_dir), SCRIPT, "--no-cache")
     assert replies(two) == replies(one) == replies(cold)
     assert len(set(replies(two))) == len(SCRIPT), "replies must depend on the prompt"
     assert all(t["ranks"] == 2 for t in two)
@@ -308,7 +285,7 @@ def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path
 @pytest.mark.timeout(120)
 def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monkeypatch) -> None:
     # In this process, so each turn runs cached and then without the cache on the same ranks.
-    monkeypatch.setenv("EXOKV_HOME", str(make_home(tmp_path / "h", models_dir)))
+    monkeypatch.setenv("EXOKV_HOME", str(home_with_models(tmp_path / "h", models_dir)))
     monkeypatch.delenv("EXOKV_DEBUG", raising=False)
     opts = ChatOptions(
         model="builtin:tiny", ranks=2, parallel="tensor", max_tokens=8, starting_port=45120
@@ -341,11 +318,13 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
     # token, but may use 1 MB; rank 1 may use only 20 KB. Rank 1 alone is over its
     # budget and drives every eviction; rank 0 must evict the same entries although
     # it has room, or the next turn would prefill from different points.
-    home = make_home(tmp_path / "two", models_dir)
+    home = home_with_models(tmp_path / "two", models_dir)
     env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
     args = ("-n", "2", "--split", "3,1", "--cache-budget", "1MB,20KB", "--starting-port", "45140")
     two = run_script(home, SESSIONS_SCRIPT, *args, env=env)
-    cold = run_script(make_home(tmp_path / "cold", models_dir), SESSIONS_SCRIPT, "--no-cache")
+    cold = run_script(
+        home_with_models(tmp_path / "cold", models_dir), SESSIONS_SCRIPT, "--no-cache"
+    )
     assert replies(two) == replies(cold)
 
     logs = [rank_log(home, 0), rank_log(home, 1)]
@@ -373,7 +352,7 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
 
 @pytest.mark.timeout(90)
 def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
-    chat = Chat(make_home(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45150")
+    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45150")
     assert chat.send(SCRIPT[0])["turn"] == 1
     assert chat.send(SCRIPT[1])["turn"] == 2
     chat.rank(1).kill()
@@ -392,7 +371,7 @@ def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) 
 
 @pytest.mark.timeout(90)
 def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) -> None:
-    home = make_home(tmp_path / "h", models_dir)
+    home = home_with_models(tmp_path / "h", models_dir)
     args = ("-n", "2", "--session", "s")
     first = run_script(home, SCRIPT[:2], *args, "--starting-port", "45180")
     shards = sorted(p.name for p in (home / "caches").glob("*/rank*.safetensors"))
@@ -406,7 +385,7 @@ def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) 
 def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
     # A stopped rank 1 (as a Mac gone to sleep) leaves rank 0 blocked in a collective
     # but alive: only rank 1's own missing heartbeat can name it.
-    chat = Chat(make_home(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45200")
+    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45200")
     assert chat.send(SCRIPT[0])["turn"] == 1
     chat.rank(1).suspend()
     stopped = time.monotonic()
@@ -438,7 +417,7 @@ def test_ranks_end_when_the_front_end_is_killed(
     tmp_path: Path, models_dir: Path, when: str
 ) -> None:
     port = {"starting": "45260", "idle": "45270"}[when]
-    chat = Chat(make_home(tmp_path / "h", models_dir), "-n", "2", "--starting-port", port)
+    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", port)
     if when == "idle":
         assert chat.send(SCRIPT[0])["turn"] == 1
     deadline = time.monotonic() + 60

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_helpers import home_with_models
 from prompt_toolkit.application import create_app_session
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
@@ -53,22 +54,9 @@ def _num(text: str) -> int:
 # -- a shared builtin:tiny, and homes that use it ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("models-home")
-    subprocess.run(
-        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
-        env={**os.environ, "EXOKV_HOME": str(home)},
-        check=True,
-        timeout=120,
-    )
-    return home / "models"
-
-
-def new_home(path: Path, models: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "models").symlink_to(models, target_is_directory=True)
-    return path
+@pytest.fixture(scope="session")
+def models(models_dir: Path) -> Path:
+    return models_dir
 
 
 def exokv_env(home: Path, **extra: str) -> dict[str, str]:
@@ -196,7 +184,7 @@ def _db_messages(home: Path, session: str) -> list[dict[str, str]]:
 
 
 def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> None:
-    home = new_home(tmp_path / "home", models)
+    home = home_with_models(tmp_path / "home", models, link=True)
     lines = ["Hello, who are you?", "Tell me about the sea."]
     term = chat_terminal(home, "--max-tokens", "12", "--session", "s1")
     try:
@@ -235,7 +223,7 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
     # The streamed replies are the conversation's replies, and the same as --no-cache.
     script = [*lines, "/retry", "/new s2", "What is two plus two?", "/switch s1"]
     script.append("And the rivers?")
-    cold_home = new_home(tmp_path / "cold", models)
+    cold_home = home_with_models(tmp_path / "cold", models, link=True)
     cold = [d for d in script_chat(cold_home, script, "--session", "s1", "--max-tokens", "12",
                                    "--no-cache") if "turn" in d]  # fmt: skip
     streamed = [reply1, reply2, retried, other, back]
@@ -264,7 +252,7 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
 
 
 def test_ctrl_c_stops_a_long_reply(tmp_path: Path, models: Path) -> None:
-    home = new_home(tmp_path / "home", models)
+    home = home_with_models(tmp_path / "home", models, link=True)
     max_tokens = "250"
     term = chat_terminal(home, "--max-tokens", max_tokens, "--session", "c")
     try:

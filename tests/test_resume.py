@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_helpers import home_with_models
 
 from exokv.chat import kvsave
 from exokv.chat.kvsave import SavedCacheError
@@ -27,22 +28,9 @@ TURNS = ["Hello, who are you?", "Tell me about the sea.", "Why is the sky blue?"
 NEXT = "And what about the mountains?"
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    home = tmp_path_factory.mktemp("models-home")
-    subprocess.run(
-        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
-        env={**os.environ, "EXOKV_HOME": str(home)},
-        check=True,
-        timeout=120,
-    )
-    return home / "models"
-
-
-def new_home(path: Path, models: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "models").symlink_to(models, target_is_directory=True)
-    return path
+@pytest.fixture(scope="session")
+def models(models_dir: Path) -> Path:
+    return models_dir
 
 
 def chat(
@@ -67,10 +55,13 @@ def chat(
 def reference(tmp_path_factory: pytest.TempPathFactory, models: Path) -> dict[str, Any]:
     """The four turns in one process, with the cache and with --no-cache."""
     warm, _ = chat(
-        new_home(tmp_path_factory.mktemp("warm"), models), [*TURNS, NEXT], "--session", "demo"
+        home_with_models(tmp_path_factory.mktemp("warm"), models, link=True),
+        [*TURNS, NEXT],
+        "--session",
+        "demo",
     )
     cold, _ = chat(
-        new_home(tmp_path_factory.mktemp("cold"), models),
+        home_with_models(tmp_path_factory.mktemp("cold"), models),
         [*TURNS, NEXT],
         "--session",
         "demo",
@@ -83,7 +74,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, models: Path) -> dict[st
 @pytest.fixture(scope="module")
 def three_turns(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Path:
     """A home where `--session demo` ran three turns and quit (its KV cache saved)."""
-    home = new_home(tmp_path_factory.mktemp("three"), models)
+    home = home_with_models(tmp_path_factory.mktemp("three"), models)
     turns, err = chat(home, TURNS, "--session", "demo")
     assert len(turns) == 3 and "warning" not in err
     assert kvsave.shard_path("demo", 0, home).is_file()
@@ -180,7 +171,7 @@ def test_a_bad_saved_cache_is_reported_and_ignored(
 def test_sigkill_after_turn_two_keeps_turns_one_and_two(
     models: Path, tmp_path: Path, reference
 ) -> None:
-    home = new_home(tmp_path / "home", models)
+    home = home_with_models(tmp_path / "home", models, link=True)
     env = {k: v for k, v in os.environ.items() if k != "EXOKV_DEBUG"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
