@@ -55,6 +55,9 @@ def tiny_qwen_hd32() -> qwen2.Model:
     return build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2)
 
 
+# Tests that start ranks pass fixed --starting-port values in 25000-26999, each test
+# its own: below the ephemeral range (Linux 32768-60999, macOS 49152-65535), so no
+# port the OS hands out for an outgoing connection can take one of them mid-suite.
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """builtin:tiny generated once per test session; tests' homes copy or link it."""

@@ -43,7 +43,7 @@ def docs(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> tuple[di
     assert one.returncode == 0, one.stderr
     two = _bench(
         home_with_models(root / "two", models_dir),
-        *("--ranks", "2", "--parallel", "pipeline", "--starting-port", "46300"),
+        *("--ranks", "2", "--parallel", "pipeline", "--starting-port", "26300"),
     )
     assert two.returncode == 0, two.stderr
     return json.loads(one.stdout), json.loads(two.stdout)
@@ -94,7 +94,7 @@ def test_tensor_parallel_replies_match(tmp_path: Path, models_dir: Path) -> None
     # own stream used to race the next prefill's all_sums and garble carried/mlx-lm-lru.
     proc = _bench(
         home_with_models(tmp_path / "h", models_dir),
-        *("--ranks", "2", "--parallel", "tensor", "--starting-port", "46310"),
+        *("--ranks", "2", "--parallel", "tensor", "--starting-port", "26310"),
     )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -135,7 +135,7 @@ def test_a_rank_that_dies_ends_the_bench_in_one_line(tmp_path: Path, models_dir:
     home = home_with_models(tmp_path / "h", models_dir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
-        + ["--context", "600", "--ranks", "2", "--starting-port", "46320"],
+        + ["--context", "600", "--ranks", "2", "--starting-port", "26320"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -172,7 +172,7 @@ def test_killing_the_front_end_leaves_no_ranks(tmp_path: Path, models_dir: Path)
     home = home_with_models(tmp_path / "h", models_dir)
     proc = subprocess.Popen(
         [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
-        + ["--context", "600", "--ranks", "2", "--starting-port", "46330"],
+        + ["--context", "600", "--ranks", "2", "--starting-port", "26330"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=_env(home),

@@ -102,7 +102,7 @@ def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> No
     home = tmp_path / "home"
     monkeypatch.setenv("EXOKV_HOME", str(home))
     monkeypatch.delenv("EXOKV_DEBUG", raising=False)
-    opts = ChatOptions(model="builtin:tiny", ranks=2, max_tokens=8, starting_port=45160)
+    opts = ChatOptions(model="builtin:tiny", ranks=2, max_tokens=8, starting_port=25160)
     client = ClusterClient(opts, None)
     kids = psutil.Process().children(recursive=True)
     try:

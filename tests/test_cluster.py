@@ -137,11 +137,11 @@ def replies(turns: list[dict[str, Any]]) -> list[str]:
 
 
 def test_plan_local_ranks_use_mlx_launch_on_loopback() -> None:
-    plan = plan_launch(["python", "-m", "exokv.cluster.rank"], ranks=3, starting_port=45000)
+    plan = plan_launch(["python", "-m", "exokv.cluster.rank"], ranks=3, starting_port=25000)
     argv = plan.argv
     assert Path(argv[0]).name == "mlx.launch"
     assert argv[argv.index("-n") + 1] == "3"
-    assert argv[argv.index("--starting-port") + 1] == "45000"
+    assert argv[argv.index("--starting-port") + 1] == "25000"
     assert argv[argv.index("--") + 1 :] == ["python", "-m", "exokv.cluster.rank"]
     assert plan.local and plan.bind_host == "127.0.0.1" and plan.ranks == 3
     assert not any("--env" == a for a in argv), "local ranks inherit the environment"
@@ -211,7 +211,7 @@ def test_unreachable_host_fails_before_launching(monkeypatch) -> None:
         closed = s.getsockname()[1]
     ports = {"10.0.0.1": sshd.getsockname()[1], "10.0.0.2": closed}
     monkeypatch.setattr(launch, "ssh_target", lambda name: ("127.0.0.1", ports[name]))
-    plan = plan_launch(["py"], hosts="10.0.0.1,10.0.0.2", starting_port=45000)
+    plan = plan_launch(["py"], hosts="10.0.0.1,10.0.0.2", starting_port=25000)
     with pytest.raises(ExokvError, match="rank 1's host '10.0.0.2' cannot be reached over ssh"):
         launch.check_reachable(plan, timeout=2)
     sshd.close()
@@ -261,7 +261,7 @@ def test_diagnose_names_the_rank_that_died_first() -> None:
 def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "two", models_dir)
     two = run_script(
-        home, SCRIPT, "-n", "2", "--starting-port", "45110", env={"EXOKV_RANK_LOG": "1"}
+        home, SCRIPT, "-n", "2", "--starting-port", "25110", env={"EXOKV_RANK_LOG": "1"}
     )
     one = run_script(home_with_models(tmp_path / "one", models_dir), SCRIPT)
     cold = run_script(home_with_models(tmp_path / "cold", models_dir), SCRIPT, "--no-cache")
@@ -288,7 +288,7 @@ def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monk
     monkeypatch.setenv("EXOKV_HOME", str(home_with_models(tmp_path / "h", models_dir)))
     monkeypatch.delenv("EXOKV_DEBUG", raising=False)
     opts = ChatOptions(
-        model="builtin:tiny", ranks=2, parallel="tensor", max_tokens=8, starting_port=45120
+        model="builtin:tiny", ranks=2, parallel="tensor", max_tokens=8, starting_port=25120
     )
     before = set(p.pid for p in psutil.Process().children(recursive=True))
     client = ClusterClient(opts, None)
@@ -320,7 +320,7 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
     # it has room, or the next turn would prefill from different points.
     home = home_with_models(tmp_path / "two", models_dir)
     env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
-    args = ("-n", "2", "--split", "3,1", "--cache-budget", "1MB,20KB", "--starting-port", "45140")
+    args = ("-n", "2", "--split", "3,1", "--cache-budget", "1MB,20KB", "--starting-port", "25140")
     two = run_script(home, SESSIONS_SCRIPT, *args, env=env)
     cold = run_script(
         home_with_models(tmp_path / "cold", models_dir), SESSIONS_SCRIPT, "--no-cache"
@@ -352,7 +352,7 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
 
 @pytest.mark.timeout(90)
 def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
-    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45150")
+    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "25150")
     assert chat.send(SCRIPT[0])["turn"] == 1
     assert chat.send(SCRIPT[1])["turn"] == 2
     chat.rank(1).kill()
@@ -373,10 +373,10 @@ def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) 
 def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
     args = ("-n", "2", "--session", "s")
-    first = run_script(home, SCRIPT[:2], *args, "--starting-port", "45180")
+    first = run_script(home, SCRIPT[:2], *args, "--starting-port", "25180")
     shards = sorted(p.name for p in (home / "caches").glob("*/rank*.safetensors"))
     assert shards == ["rank0.safetensors", "rank1.safetensors"]  # saved on quit, per rank
-    resumed = run_script(home, SCRIPT[2:3], *args, "--starting-port", "45190")
+    resumed = run_script(home, SCRIPT[2:3], *args, "--starting-port", "25190")
     # The whole earlier conversation comes back from the two shards, not recomputed.
     assert resumed[0]["cached_tokens"] >= first[-1]["prompt_tokens"]
 
@@ -385,7 +385,7 @@ def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) 
 def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
     # A stopped rank 1 (as a Mac gone to sleep) leaves rank 0 blocked in a collective
     # but alive: only rank 1's own missing heartbeat can name it.
-    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "45200")
+    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "25200")
     assert chat.send(SCRIPT[0])["turn"] == 1
     chat.rank(1).suspend()
     stopped = time.monotonic()
@@ -416,7 +416,7 @@ def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
 def test_ranks_end_when_the_front_end_is_killed(
     tmp_path: Path, models_dir: Path, when: str
 ) -> None:
-    port = {"starting": "45260", "idle": "45270"}[when]
+    port = {"starting": "25260", "idle": "25270"}[when]
     chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", port)
     if when == "idle":
         assert chat.send(SCRIPT[0])["turn"] == 1
