@@ -53,3 +53,27 @@ def home_with_models(path: Path, models: Path, link: bool = False) -> Path:
     else:
         shutil.copytree(models, path / "models")
     return path
+
+
+def exokv_text(
+    home: Path, *args: str, stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`exokv ARGS` with text output; no stdin unless given, so nothing waits for a terminal."""
+    env = {**os.environ, "EXOKV_HOME": str(home)}
+    env.pop("EXOKV_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-c", "from exokv.cli import main; main()", *args],
+        env=env,
+        input=stdin,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def cache_json(home: Path, *args: str) -> dict[str, Any]:
+    """`exokv cache ARGS --json`, which must succeed, as a document."""
+    proc = exokv_text(home, "cache", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)

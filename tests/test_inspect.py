@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from chat_helpers import cache_json, exokv_text
 from typer.testing import CliRunner
 
 from exokv import inspect as inspect_cmds
@@ -21,26 +20,6 @@ from exokv.state import Store, caches_dir, db_path, register_chat
 
 MODEL = "builtin:tiny"
 COMMANDS = ["stats", "entries", "pressure", "evictions"]
-
-
-def exokv(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "EXOKV_HOME": str(home)}
-    env.pop("EXOKV_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-c", "from exokv.cli import main; main()", *args],
-        env=env,
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def doc(home: Path, *args: str) -> dict:
-    proc = exokv(home, "cache", *args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def turn(i: int, live: int = 3) -> TurnResult:
@@ -101,7 +80,7 @@ def populate(home: Path, turns: int = 5, end: bool = True) -> int:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_commands_on_an_empty_home_are_friendly(tmp_path: Path, command: str) -> None:
     home = tmp_path / "home"
-    proc = exokv(home, "cache", command)
+    proc = exokv_text(home, "cache", command)
     assert proc.returncode == 0, proc.stderr
     assert "No sessions yet" in proc.stdout
     assert not home.exists(), "a read-only command must not create state"
@@ -109,19 +88,19 @@ def test_commands_on_an_empty_home_are_friendly(tmp_path: Path, command: str) ->
 
 def test_json_on_an_empty_home_is_well_formed(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    stats = doc(home, "stats")
+    stats = cache_json(home, "stats")
     assert stats["runs"] == [] and stats["ranks"] == [] and stats["sessions"] == 0
     assert stats["total"]["turns"] == 0 and stats["total"]["hit_rate"] is None
-    assert doc(home, "entries") == {"runs": [], "entries": []}
-    assert doc(home, "pressure") == {"runs": [], "ranks": []}
-    assert doc(home, "evictions") == {"evictions": []}
+    assert cache_json(home, "entries") == {"runs": [], "entries": []}
+    assert cache_json(home, "pressure") == {"runs": [], "ranks": []}
+    assert cache_json(home, "evictions") == {"evictions": []}
     assert not home.exists()
 
 
 def test_sessions_without_cache_activity(tmp_path: Path) -> None:
     with Store.open(tmp_path) as store:
         store.ensure_session("s", MODEL)
-    proc = exokv(tmp_path, "cache", "stats")
+    proc = exokv_text(tmp_path, "cache", "stats")
     assert proc.returncode == 0 and "No cache activity" in proc.stdout
 
 
@@ -131,7 +110,7 @@ def test_sessions_without_cache_activity(tmp_path: Path) -> None:
 def test_stats_entries_pressure_evictions_agree_with_the_turns(tmp_path: Path) -> None:
     run = populate(tmp_path, turns=5)
     want = expected(5)
-    stats = doc(tmp_path, "stats")
+    stats = cache_json(tmp_path, "stats")
     assert [r["id"] for r in stats["runs"]] == [run]
     total = stats["total"]
     for key, value in want.items():
@@ -144,24 +123,24 @@ def test_stats_entries_pressure_evictions_agree_with_the_turns(tmp_path: Path) -
     assert [r["budget_pct"] for r in stats["ranks"]] == [30.0, 30.0]
     assert all(r["hits"] == 4 and r["evictions"] == 2 for r in stats["ranks"])
 
-    entries = doc(tmp_path, "entries")["entries"]
+    entries = cache_json(tmp_path, "entries")["entries"]
     assert [e["id"] for e in entries] == [2, 3, 4]
     assert all(e["bytes"] == [100, 50] and e["total_bytes"] == 150 for e in entries)
-    assert doc(tmp_path, "entries", "--session", "nobody")["entries"] == []
+    assert cache_json(tmp_path, "entries", "--session", "nobody")["entries"] == []
 
-    pressure = doc(tmp_path, "pressure")["ranks"]
+    pressure = cache_json(tmp_path, "pressure")["ranks"]
     assert [(p["rank"], p["pressure"]) for p in pressure] == [(0, 0.04), (1, 0.08)]
     assert [h["pressure"] for h in pressure[0]["history"]] == [0.0, 0.01, 0.02, 0.03, 0.04]
-    assert [p["rank"] for p in doc(tmp_path, "pressure", "--rank", "1")["ranks"]] == [1]
-    assert len(doc(tmp_path, "pressure", "--history", "2")["ranks"][0]["history"]) == 2
+    assert [p["rank"] for p in cache_json(tmp_path, "pressure", "--rank", "1")["ranks"]] == [1]
+    assert len(cache_json(tmp_path, "pressure", "--history", "2")["ranks"][0]["history"]) == 2
 
-    log = doc(tmp_path, "evictions")["evictions"]
+    log = cache_json(tmp_path, "evictions")["evictions"]
     assert [e["entry"] for e in log] == [1, 0]  # newest first
     assert log[0]["bytes"] == [100, 50] and log[0]["freed"] == 150
     assert log[0]["pressures"] == [0.1, 0.9] and log[0]["reason"] == "budget"
-    ranked = doc(tmp_path, "evictions", "--rank", "1", "--limit", "1")["evictions"]
+    ranked = cache_json(tmp_path, "evictions", "--rank", "1", "--limit", "1")["evictions"]
     assert len(ranked) == 1 and ranked[0]["freed"] == 50
-    assert doc(tmp_path, "evictions", "--rank", "5")["evictions"] == []
+    assert cache_json(tmp_path, "evictions", "--rank", "5")["evictions"] == []
 
 
 def test_evictions_since(tmp_path: Path) -> None:
@@ -170,8 +149,9 @@ def test_evictions_since(tmp_path: Path) -> None:
     db.execute("UPDATE cache_events SET time = time - 7200 WHERE entry = 0 AND kind = 'evict'")
     db.commit()
     db.close()
-    assert [e["entry"] for e in doc(tmp_path, "evictions", "--since", "1h")["evictions"]] == [1]
-    assert len(doc(tmp_path, "evictions", "--since", "3h")["evictions"]) == 2
+    recent = cache_json(tmp_path, "evictions", "--since", "1h")["evictions"]
+    assert [e["entry"] for e in recent] == [1]
+    assert len(cache_json(tmp_path, "evictions", "--since", "3h")["evictions"]) == 2
 
 
 @pytest.mark.parametrize(
@@ -185,7 +165,7 @@ def test_evictions_since(tmp_path: Path) -> None:
     ],
 )
 def test_bad_values_are_usage_errors(tmp_path: Path, args: list[str]) -> None:
-    proc = exokv(tmp_path, "cache", *args)
+    proc = exokv_text(tmp_path, "cache", *args)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("exokv: error:")
@@ -194,7 +174,7 @@ def test_bad_values_are_usage_errors(tmp_path: Path, args: list[str]) -> None:
 @pytest.mark.parametrize("command", COMMANDS)
 def test_tables_render(tmp_path: Path, command: str) -> None:
     populate(tmp_path, turns=5)
-    proc = exokv(tmp_path, "cache", command)
+    proc = exokv_text(tmp_path, "cache", command)
     assert proc.returncode == 0, proc.stderr
     assert "run " in proc.stdout or command == "evictions"
     assert "budget" in proc.stdout or command != "evictions"
@@ -229,11 +209,11 @@ def test_an_older_schema_is_migrated_by_a_reader(tmp_path: Path) -> None:
         """
     )
     db.close()
-    assert doc(tmp_path, "stats")["total"]["tokens_saved"] == 20
-    assert doc(tmp_path, "evictions")["evictions"][0]["reason"] == "lru"
-    assert doc(tmp_path, "pressure")["ranks"][0]["pressure"] == 0.4
+    assert cache_json(tmp_path, "stats")["total"]["tokens_saved"] == 20
+    assert cache_json(tmp_path, "evictions")["evictions"][0]["reason"] == "lru"
+    assert cache_json(tmp_path, "pressure")["ranks"][0]["pressure"] == 0.4
     for command in COMMANDS:
-        assert exokv(tmp_path, "cache", command).returncode == 0
+        assert exokv_text(tmp_path, "cache", command).returncode == 0
 
 
 # -- damaged databases ----------------------------------------------------------
@@ -250,7 +230,8 @@ def test_a_damaged_database_is_one_line_exit_1_and_untouched(
     path = db_path(tmp_path / "bad")
     path.parent.mkdir()
     path.write_bytes(content)
-    proc = exokv(tmp_path / "bad", "cache", command, "--yes" if command == "clear" else "--json")
+    flag = "--yes" if command == "clear" else "--json"
+    proc = exokv_text(tmp_path / "bad", "cache", command, flag)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -264,10 +245,10 @@ def test_a_damaged_database_is_one_line_exit_1_and_untouched(
 
 def test_clear_without_a_terminal_refuses(tmp_path: Path) -> None:
     populate(tmp_path)
-    proc = exokv(tmp_path, "cache", "clear")
+    proc = exokv_text(tmp_path, "cache", "clear")
     assert proc.returncode == 1
     assert "--yes" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert doc(tmp_path, "stats")["total"]["entries"] == 3
+    assert cache_json(tmp_path, "stats")["total"]["entries"] == 3
 
 
 def test_clear_yes_keeps_conversations(tmp_path: Path) -> None:
@@ -275,13 +256,13 @@ def test_clear_yes_keeps_conversations(tmp_path: Path) -> None:
     saved = caches_dir(tmp_path) / "s.safetensors"
     saved.parent.mkdir(parents=True)
     saved.write_bytes(b"kv")
-    proc = exokv(tmp_path, "cache", "clear", "--yes", "--json")
+    proc = exokv_text(tmp_path, "cache", "clear", "--yes", "--json")
     assert proc.returncode == 0, proc.stderr
     cleared = json.loads(proc.stdout)["cleared"]
     assert cleared == {"entries": 5, "events": 7, "samples": 10, "runs": 1, "saved_caches": 1}
     assert not caches_dir(tmp_path).exists()
-    assert doc(tmp_path, "stats")["runs"] == []
-    assert doc(tmp_path, "evictions")["evictions"] == []
+    assert cache_json(tmp_path, "stats")["runs"] == []
+    assert cache_json(tmp_path, "evictions")["evictions"] == []
     with Store.open(tmp_path) as store:
         assert store.load_messages("s") == [{"role": "user", "content": "4"}]
         assert store.get_system("s") == "sys"
@@ -290,14 +271,14 @@ def test_clear_yes_keeps_conversations(tmp_path: Path) -> None:
 def test_clear_refuses_while_a_chat_runs(tmp_path: Path) -> None:
     populate(tmp_path)
     with register_chat(tmp_path):
-        proc = exokv(tmp_path, "cache", "clear", "--yes")
+        proc = exokv_text(tmp_path, "cache", "clear", "--yes")
     assert proc.returncode == 1
     assert "chat is running" in proc.stderr and "quit" in proc.stderr
-    assert doc(tmp_path, "stats")["total"]["entries"] == 3
+    assert cache_json(tmp_path, "stats")["total"]["entries"] == 3
 
 
 def test_clear_on_an_empty_home(tmp_path: Path) -> None:
-    proc = exokv(tmp_path / "home", "cache", "clear")
+    proc = exokv_text(tmp_path / "home", "cache", "clear")
     assert proc.returncode == 0 and "Nothing to clear" in proc.stdout
 
 
@@ -311,7 +292,7 @@ def test_clear_asks_on_a_terminal(
     result = CliRunner().invoke(inspect_cmds.cache_app, ["clear"], input=answer)
     assert "Delete the cache statistics" in result.output
     assert (result.exit_code == 0) is cleared
-    assert (doc(tmp_path, "stats")["runs"] == []) is cleared
+    assert (cache_json(tmp_path, "stats")["runs"] == []) is cleared
 
 
 # -- readers while a writer writes ------------------------------------------------
@@ -347,7 +328,7 @@ def test_readers_see_whole_turns_while_a_writer_records(tmp_path: Path) -> None:
 
     def subprocess_reader() -> None:
         while not done.is_set():
-            proc = exokv(tmp_path, "cache", "stats", "--json")
+            proc = exokv_text(tmp_path, "cache", "stats", "--json")
             if proc.returncode != 0 or proc.stderr:
                 failures.append(f"reader exit {proc.returncode}: {proc.stderr.strip()}")
                 return
@@ -369,5 +350,5 @@ def test_readers_see_whole_turns_while_a_writer_records(tmp_path: Path) -> None:
     assert not failures, failures[:5]
     for where, counts in seen.items():
         assert any(0 < n < turns for n in counts), f"no {where} read overlapped the writes"
-    final = doc(tmp_path, "stats")["total"]
+    final = cache_json(tmp_path, "stats")["total"]
     assert {k: final[k] for k in expected(turns)} == expected(turns)

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from chat_helpers import cache_json, exokv_text
 
 BUDGET = 200_000
 CHAT = ["chat", "--model", "builtin:tiny", "--json", "--cache-budget", "200KB", "--max-tokens", "8"]
@@ -28,25 +29,6 @@ LINES = [
     "/switch other",
     "And what sauce goes best with it?",
 ]
-
-
-def exokv(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "EXOKV_HOME": str(home)}
-    return subprocess.run(
-        [sys.executable, "-c", "from exokv.cli import main; main()", *args],
-        env=env,
-        input=stdin,
-        stdin=None if stdin is not None else subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def cache(home: Path, *args: str) -> dict:
-    proc = exokv(home, "cache", *args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def replay(turns: list[dict]) -> dict[int, tuple[int, list[int]]]:
@@ -68,7 +50,7 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
     home = tmp_path_factory.mktemp("home")
     # The first session gets a generated name; name it so /switch can come back to it.
     lines = ["/new first"] + [line.format(first="first") for line in LINES]
-    proc = exokv(home, *CHAT, stdin="\n".join(lines) + "\n/quit\n")
+    proc = exokv_text(home, *CHAT, stdin="\n".join(lines) + "\n/quit\n", timeout=600)
     assert proc.returncode == 0, proc.stderr
     objects = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     turns = [o for o in objects if "prompt_tokens" in o]
@@ -79,7 +61,7 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
 
 def test_stats_agree_with_the_turns(chat_run: tuple[Path, list[dict]]) -> None:
     home, turns = chat_run
-    stats = cache(home, "stats")
+    stats = cache_json(home, "stats")
     assert len(stats["runs"]) == 1 and stats["runs"][0]["running"] is False
     assert stats["runs"][0]["ranks"] == turns[-1]["ranks"]
     total = stats["total"]
@@ -100,15 +82,15 @@ def test_stats_agree_with_the_turns(chat_run: tuple[Path, list[dict]]) -> None:
 
 def test_entries_agree_with_the_events(chat_run: tuple[Path, list[dict]]) -> None:
     home, turns = chat_run
-    entries = cache(home, "entries")["entries"]
+    entries = cache_json(home, "entries")["entries"]
     live = replay(turns)
     assert {e["id"]: e["tokens"] for e in entries} == {k: v[0] for k, v in live.items()}
     assert {e["id"]: e["bytes"] for e in entries} == {k: v[1] for k, v in live.items()}
-    stats = cache(home, "stats")
+    stats = cache_json(home, "stats")
     for row in stats["ranks"]:
         assert row["bytes"] == sum(e["bytes"][row["rank"]] for e in entries)
     assert stats["total"]["cached_tokens"] == sum(e["tokens"] for e in entries)
-    by_session = cache(home, "entries", "--session", "other")["entries"]
+    by_session = cache_json(home, "entries", "--session", "other")["entries"]
     assert by_session == [e for e in entries if e["session"] == "other"]
 
 
@@ -121,19 +103,19 @@ def test_evictions_agree_with_the_events(chat_run: tuple[Path, list[dict]]) -> N
         for e in t["events"]
         if e["kind"] == "evict"
     ]
-    log = cache(home, "evictions", "--limit", "1000")["evictions"]
+    log = cache_json(home, "evictions", "--limit", "1000")["evictions"]
     got = [
         (e["turn_session"], e["turn"], *(e[k] for k in keys)) for e in reversed(log)
     ]  # the log is newest first
     assert got == want
     assert all(e["freed"] == sum(e["bytes"]) for e in log)
-    ranked = cache(home, "evictions", "--rank", "0", "--limit", "1000")["evictions"]
+    ranked = cache_json(home, "evictions", "--rank", "0", "--limit", "1000")["evictions"]
     assert [e["freed"] for e in ranked] == [e["bytes"][0] for e in log]
 
 
 def test_pressure_agrees_with_the_rank_stats(chat_run: tuple[Path, list[dict]]) -> None:
     home, turns = chat_run
-    ranks = cache(home, "pressure", "--history", "1000")["ranks"]
+    ranks = cache_json(home, "pressure", "--history", "1000")["ranks"]
     assert [r["rank"] for r in ranks] == list(range(turns[-1]["ranks"]))
     for row in ranks:
         series = [t["rank_stats"][row["rank"]] for t in turns]
@@ -147,7 +129,7 @@ def test_pressure_agrees_with_the_rank_stats(chat_run: tuple[Path, list[dict]]) 
 def test_tables_render_after_the_chat(chat_run: tuple[Path, list[dict]]) -> None:
     home, _ = chat_run
     for command in ("stats", "entries", "pressure", "evictions"):
-        proc = exokv(home, "cache", command)
+        proc = exokv_text(home, "cache", command)
         assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
 
 
@@ -167,7 +149,7 @@ def test_readers_see_whole_turns_while_a_chat_writes(tmp_path: Path) -> None:
 
         def poll() -> None:
             while chat.poll() is None:
-                proc = exokv(tmp_path / "home", "cache", "stats", "--json")
+                proc = exokv_text(tmp_path / "home", "cache", "stats", "--json")
                 if proc.returncode != 0 or proc.stderr:
                     failures.append(f"exit {proc.returncode}: {proc.stderr.strip()}")
                     return
