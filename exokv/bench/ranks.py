@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
 from exokv.cluster.client import diagnose
-from exokv.cluster.launch import LaunchPlan, plan_launch
+from exokv.cluster.launch import LaunchPlan, nudge_ranks, plan_launch
 from exokv.cluster.rank import BEAT_MARK
 from exokv.errors import ExokvError
 
@@ -120,7 +120,7 @@ class RankRun:
                 doc, doc_at = json.loads(text), time.monotonic()
             now = time.monotonic()
             if now - last_nudge > NUDGE_S:
-                self._nudge()
+                nudge_ranks(self.proc)
                 last_nudge = now
             code = self.proc.poll()
             if code is not None:
@@ -170,18 +170,6 @@ class RankRun:
             self.progress.start(int(message["total"]))
         elif "advance" in message:
             self.progress.advance(str(message["advance"]))
-
-    def _nudge(self) -> None:
-        """A byte for every rank's stdin: each closed it, so mlx.launch stops watching it.
-
-        (See cluster.rank.release_stdin: otherwise the launcher's I/O threads spin.)
-        """
-        assert self.proc is not None and self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(b"\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass
 
     def _drain(self, name: str, stream: IO[bytes]) -> None:
         debug = os.environ.get("EXOKV_DEBUG", "") not in ("", "0")

@@ -29,7 +29,13 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from exokv.cluster import channel
-from exokv.cluster.launch import LaunchPlan, check_reachable, plan_launch, rank_command
+from exokv.cluster.launch import (
+    LaunchPlan,
+    check_reachable,
+    nudge_ranks,
+    plan_launch,
+    rank_command,
+)
 from exokv.cluster.rank import BEAT_MARK, ERROR_MARK
 from exokv.config import parse_budgets
 from exokv.engine import MAX_REMEMBERED_REPLIES
@@ -331,21 +337,8 @@ class ClusterClient:
             message = self._next()
             if message["type"] == "ready":
                 self._budgets = list(message.get("budgets") or [])
-                self._nudge_launcher()  # every rank is past release_stdin by now
+                nudge_ranks(self._proc)  # every rank is past release_stdin by now
                 return
-
-    def _nudge_launcher(self) -> None:
-        """One byte for every rank's stdin: each has closed it, so mlx.launch drops the pipe.
-
-        Without this, mlx.launch's per-rank I/O threads spin on an always-writable
-        stdin for the whole chat (see rank.release_stdin).
-        """
-        assert self._proc is not None and self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(b"\n")
-            self._proc.stdin.flush()
-        except OSError:
-            pass
 
     # -- receiving and failure detection -----------------------------------------
 

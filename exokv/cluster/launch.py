@@ -201,6 +201,20 @@ def _probe(name: str, timeout: float) -> str:
     return "" if greeting == b"SSH-" else f"{host}:{port}: no ssh server answered"
 
 
+def nudge_ranks(proc: subprocess.Popen[bytes]) -> None:
+    """One byte for every rank's stdin through the launcher: each rank has closed it.
+
+    mlx.launch's per-rank I/O threads spin on an always-writable stdin until a write
+    fails; this write makes it fail, so they stop (see rank.release_stdin).
+    """
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+    except OSError:
+        pass
+
+
 def launcher() -> str:
     """mlx.launch from the same environment as this python, else from PATH."""
     beside = Path(sys.executable).parent / "mlx.launch"
