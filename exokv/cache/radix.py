@@ -195,17 +195,21 @@ class RadixTree:
             stack.extend(sorted(node.children.values(), key=lambda n: -n.id))
 
     def match(self, tokens: Sequence[int]) -> Match:
+        tokens = _as_tuple(tokens)  # edges are tuples: a slice of each compares in C
         node, pos, path = self.root, 0, []
-        while pos < len(tokens):
+        n = len(tokens)
+        while pos < n:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            common = common_prefix(child.key, tokens, pos)
             path.append(child)
-            pos += common
-            if common < len(child.key):
-                break
-            node = child
+            key = child.key
+            end = pos + len(key)
+            if tokens[pos:end] == key:  # the whole edge: the usual case on a long path
+                pos, node = end, child
+                continue
+            pos += common_prefix(key, tokens, pos)
+            break
         return Match(path=path, length=pos)
 
     # -- changing ---------------------------------------------------------------
@@ -223,6 +227,7 @@ class RadixTree:
 
         make_payload(start, end) builds the payload for tokens[start:end].
         """
+        tokens = _as_tuple(tokens)
         added: list[Node] = []
         split: list[Node] = []
         node, pos = self.root, 0
@@ -235,8 +240,10 @@ class RadixTree:
                 self._use(leaf, now)
                 added.append(leaf)
                 return added, split
-            common = common_prefix(child.key, tokens, pos)
-            if common < len(child.key):
+            key = child.key
+            end = pos + len(key)
+            common = len(key) if tokens[pos:end] == key else common_prefix(key, tokens, pos)
+            if common < len(key):
                 split.append(child)
                 child = self.split(child, common, split_payload)
                 added.append(child)
@@ -292,14 +299,16 @@ class RadixTree:
     def lock(self, path: Sequence[Node]) -> None:
         for node in path:
             node.locks += 1
-            self._refresh(node)
+            if node._lru is not None:
+                self._refresh(node)
 
     def unlock(self, path: Sequence[Node]) -> None:
         for node in path:
             if node.locks <= 0:
                 raise ValueError(f"node {node.id} is not locked")
             node.locks -= 1
-            self._refresh(node)
+            if not node.locks and not node.children:
+                self._refresh(node)
 
     def touch(self, path: Sequence[Node]) -> None:
         now = self.tick()
@@ -378,7 +387,8 @@ class RadixTree:
     def _use(self, node: Node, now: int) -> None:
         node.last_used = now
         self._changed[node.id] = node
-        self._refresh(node)
+        if node._lru is not None or not node.children:  # only a leaf's place can change
+            self._refresh(node)
 
     def _refresh(self, node: Node) -> None:
         """Put `node` in the evictable set, or take it out, as it now is."""
@@ -394,6 +404,10 @@ class RadixTree:
         if want is not None:
             self._lru.add(want)
         node._lru = want
+
+
+def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
+    return tokens if isinstance(tokens, tuple) else tuple(tokens)
 
 
 def _mix(x: int) -> int:
