@@ -321,6 +321,52 @@ def bench_render(contexts: list[int], repeat: int, seed: int) -> list[dict[str, 
     return rows
 
 
+def bench_engine(sizes: list[int], depth: int, repeat: int, seed: int) -> list[dict[str, Any]]:
+    """Engine.turn on builtin:tiny with the tree padded to `size` nodes: overhead_s
+    and TTFT of a short cached turn. The padding is other conversations' nodes
+    without K/V (payload None): the turn's own K/V is real."""
+    from mlx_lm import load
+
+    from exokv.engine import Engine
+    from exokv.model.builtin import ensure_builtin
+    from exokv.records import TurnRequest
+
+    model, tokenizer = load(str(ensure_builtin("tiny")))
+    rows = []
+    for size in sizes:
+        engine = Engine(model, tokenizer)
+        rng = random.Random(seed)
+        pad = engine.cache.tree
+        for c in range(max(1, round(size / depth))):
+            conv = [100_000 + c] + [rng.randrange(256) for _ in range(depth * TURN - 1)]
+            (node,), _ = pad.insert(conv, lambda a, b: None, lambda p, k: (None, None))
+            while len(node.key) > TURN:
+                node = pad.split(node, len(node.key) - TURN, lambda p, k: (None, None))
+        padded = sum(1 for _ in pad.nodes())
+        messages = [{"role": "system", "content": "You are terse."}]
+        overheads, ttfts, walls = [], [], []
+        for t in range(repeat + 1):
+            messages.append({"role": "user", "content": f"question {t} about rivers"})
+            request = TurnRequest(session="s", messages=list(messages), max_tokens=8)
+            wall = time.perf_counter()
+            result = engine.turn(request)
+            wall = time.perf_counter() - wall
+            messages.append({"role": "assistant", "content": result.reply})
+            if t:  # the first turn fills the cache
+                overheads.append(result.overhead_s * 1000)
+                ttfts.append(result.ttft_s * 1000)
+                walls.append(wall * 1000)
+        rows.append(
+            {
+                "nodes": padded,
+                "overhead_ms": statistics.median(overheads),
+                "ttft_ms": statistics.median(ttfts),
+                "turn_ms": statistics.median(walls),
+            }
+        )
+    return rows
+
+
 def bench_common_prefix(tokens: int, repeat: int) -> dict[str, Any]:
     a = tuple(random.Random(0).randrange(256) for _ in range(tokens))
     b = list(a) + [1]
@@ -340,19 +386,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-render", action="store_true", help="skip the render part")
+    ap.add_argument("--no-tree", action="store_true", help="skip the tree part")
+    ap.add_argument(
+        "--engine", action="store_true", help="also: Engine.turn's overhead_s in padded trees"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    doc: dict[str, Any] = {
-        "trees": [
-            bench_tree(int(s), min(args.depth, int(s)), args.repeat, args.seed)
-            for s in args.sizes.split(",")
-        ],
-        "common_prefix": bench_common_prefix(32000, args.repeat * 3),
-    }
+    sizes = [int(s) for s in args.sizes.split(",")]
+    doc: dict[str, Any] = {}
+    if not args.no_tree:
+        doc["trees"] = [bench_tree(s, min(args.depth, s), args.repeat, args.seed) for s in sizes]
+        doc["common_prefix"] = bench_common_prefix(32000, args.repeat * 3)
     if not args.no_render:
         contexts = [int(c) for c in args.contexts.split(",")]
         doc["render"] = bench_render(contexts, args.repeat, args.seed)
+    if args.engine:
+        doc["engine"] = bench_engine(sizes, args.depth, args.repeat, args.seed)
     if args.json:
         print(json.dumps(doc, indent=2))
         return
@@ -375,21 +425,30 @@ def print_tables(doc: dict[str, Any]) -> None:
         ("turn", "turn10_ms"),
         ("turn old", "turn10_old_ms"),
     ]
-    print("tree bookkeeping, median ms (old: full walks, as before)")
-    print(" | ".join(h for h, _ in cols))
-    for row in doc["trees"]:
-        print(" | ".join(_fmt(row[k]) for _, k in cols))
-    cp = doc["common_prefix"]
-    print(
-        f"\ncommon_prefix of {cp['tokens']} tokens: {cp['slices_ms']:.3f} ms by slices, "
-        f"{cp['token_by_token_ms']:.3f} ms token by token"
-    )
+    if "trees" in doc:
+        print("tree bookkeeping, median ms (old: full walks, as before)")
+        print(" | ".join(h for h, _ in cols))
+        for row in doc["trees"]:
+            print(" | ".join(_fmt(row[k]) for _, k in cols))
+        cp = doc["common_prefix"]
+        print(
+            f"\ncommon_prefix of {cp['tokens']} tokens: {cp['slices_ms']:.3f} ms by slices, "
+            f"{cp['token_by_token_ms']:.3f} ms token by token"
+        )
     if "render" in doc:
         print("\nrender, median ms: tokens | turns | continued | from scratch")
         for row in doc["render"]:
             print(
                 f"{row['tokens']} | {row['turns']} | {row['render_ms']:.2f} | "
                 f"{row['render_old_ms']:.1f}"
+            )
+
+    if "engine" in doc:
+        print("\nEngine.turn on builtin:tiny, median ms: nodes | overhead_s | TTFT | whole turn")
+        for row in doc["engine"]:
+            print(
+                f"{row['nodes']} | {row['overhead_ms']:.2f} | {row['ttft_ms']:.1f} | "
+                f"{row['turn_ms']:.1f}"
             )
 
 
