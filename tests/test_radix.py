@@ -423,8 +423,10 @@ def test_weight_follows_payloads_set_from_outside():
     tree = sized_tree()
     (node,), _ = insert(tree, [1, 2, 3, 4])
     assert tree.weight == 4
+    tree.drain_changed()
     node.payload = None  # e.g. a snapshot dropped, or one attached after the insert
     assert tree.weight == 0 and node.size == 0
+    assert tree.drain_changed() == [node]  # its bytes are reported again
     node.payload = [9] * 10
     assert tree.weight == 10
     node.payload.append(9)  # changed in place: the tree is told

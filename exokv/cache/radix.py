@@ -123,7 +123,7 @@ def _no_size(payload: Any) -> int:
 
 
 class RadixTree:
-    node_type: type[Node] = Node
+    node_type: type[Node] = Node  # the class of new nodes (tests count reads with a subclass)
 
     def __init__(self, size_of: SizeOf | None = None) -> None:
         """size_of(payload) is the number `weight` sums (e.g. bytes); 0 for every node if None."""
@@ -168,8 +168,8 @@ class RadixTree:
         return self._index.get(node_id)
 
     def drain_changed(self) -> list[Node]:
-        """Nodes added or changed (edge, parent, last_used) since the last call and still
-        in the tree, in the order they first changed. Removed nodes are not listed."""
+        """Nodes added or changed (edge, parent, last_used, size) since the last call and
+        still in the tree, in the order they first changed. Removed nodes are not listed."""
         changed = list(self._changed.values())
         self._changed.clear()
         return changed
@@ -179,8 +179,10 @@ class RadixTree:
         if node._tree is not self:
             return
         size = self._size_of(node._payload)
-        self.weight += size - node.size
-        node.size = size
+        if size != node.size:
+            self.weight += size - node.size
+            node.size = size
+            self._changed[node.id] = node  # its bytes are reported
 
     # -- reading ----------------------------------------------------------------
 
