@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,11 +25,12 @@ from exokv.cache.radix import Node
 from exokv.cluster.group import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
 from exokv.errors import ExokvError
+from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
+from exokv.prompt import PromptRenderer
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
-MAX_REMEMBERED_REPLIES = 4096  # replies whose exact tokens render() reuses
 _DIGEST = 8  # index of the tree digest; per-entry sizes follow it in the gathered vector
 
 
@@ -55,7 +55,7 @@ class Engine:
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
         self.cache = PrefixCache(self._new_cache)
-        self._replies: OrderedDict[str, list[int]] = OrderedDict()
+        self.prompt = PromptRenderer(tokenizer)
         self._eos = set(tokenizer.eos_token_ids)
         self.decision = 0
         self.collectives = 0
@@ -73,53 +73,12 @@ class Engine:
     # -- the turn ---------------------------------------------------------------
 
     def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt's tokens, with each earlier reply as the exact tokens generated.
-
-        Decoding a reply and encoding it again can give other tokens (BPE picks one
-        split of the text), which would end the cache match at the first reply. Like
-        `mlx_lm.chat`, which carries its cache, the model is shown what it produced.
-        Used with and without the cache alike, so replies stay the same either way.
-        """
-        messages = list(messages)
-        text = self._template(messages, generation_prompt=True)
-        tokens: list[int] = []
-        pos = 0
-        for i, message in enumerate(messages):
-            reply = (
-                self._replies.get(message["content"]) if message["role"] == "assistant" else None
-            )
-            if not reply:
-                continue
-            # Where the reply starts: right after the history before it and its header.
-            head = self._template(messages[:i], generation_prompt=True)
-            end = len(head) + len(message["content"])
-            if (
-                len(head) < pos
-                or not text.startswith(head)
-                or text[len(head) : end] != message["content"]
-            ):
-                continue
-            tokens += self._encode(text[pos : len(head)]) + reply
-            pos = end
-        return tokens + self._encode(text[pos:])
-
-    def _template(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        if not messages:
-            return ""
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
-        )
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        """The prompt's tokens, with each earlier reply as the exact tokens generated
+        (exokv.prompt). Used with and without the cache alike, so replies stay the same."""
+        return self.prompt.render(messages)
 
     def _remember_reply(self, reply: str, generated: list[int]) -> None:
-        tokens = [t for t in generated if t not in self._eos]
-        if reply and tokens:
-            self._replies[reply] = tokens
-            self._replies.move_to_end(reply)
-            while len(self._replies) > MAX_REMEMBERED_REPLIES:
-                self._replies.popitem(last=False)
+        self.prompt.remember_reply(reply, [t for t in generated if t not in self._eos])
 
     def turn(
         self,
@@ -193,8 +152,7 @@ class Engine:
 
     def reply_tokens(self, reply: str) -> list[int] | None:
         """The exact tokens `render` uses for an earlier reply, if remembered."""
-        tokens = self._replies.get(reply)
-        return list(tokens) if tokens else None
+        return self.prompt.reply_tokens(reply)
 
     def remember_replies(self, pairs: Sequence[tuple[str, Sequence[int]]]) -> None:
         """Restore replies' exact tokens (a resumed session), so `render` is as before."""

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exokv.cache.policy import Entry, Eviction, RankLoad, plan
+from exokv.cache.policy import Entry, Eviction, RankLoad, plan, plan_lru
+from exokv.cache.radix import RadixTree
 
 MB = 1 << 20
 GB = 1 << 30
@@ -219,3 +220,103 @@ def test_plan_is_a_function_of_its_inputs_not_their_order(scenario):
         assert not by_id[ev.entry].locked and ev.entry not in gone
         assert all(e.parent != ev.entry or e.id in gone for e in entries)
         gone.add(ev.entry)
+
+
+# -- plan_lru: the same plan, O(evictions x log) ---------------------------------------
+
+
+def naive_plan(entries, sizes, ranks, threshold):
+    """The former plan(): every step scans every entry for the LRU unlocked leaf."""
+    from exokv.cache.policy import _worst_rank
+
+    index = {e.id: i for i, e in enumerate(entries)}
+    children = {e.id: 0 for e in entries}
+    for e in entries:
+        if e.parent in children:
+            children[e.parent] += 1
+    held = [r.cache_bytes for r in ranks]
+    freed = [0] * len(ranks)
+    alive = set(index)
+    out = []
+    while True:
+        reason = _worst_rank(ranks, held, freed, threshold)
+        if reason is None:
+            return out
+        leaves = [entries[index[i]] for i in alive if children[i] == 0]
+        leaves = [e for e in leaves if not e.locked]
+        if not leaves:
+            return out
+        victim = min(leaves, key=lambda e: (e.last_used, e.id))
+        alive.remove(victim.id)
+        if victim.parent in children:
+            children[victim.parent] -= 1
+        for r in range(len(ranks)):
+            held[r] -= sizes[r][index[victim.id]]
+            freed[r] += sizes[r][index[victim.id]]
+        out.append(Eviction(entry=victim.id, reason=reason))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_plan_equals_the_former_full_scan(scenario):
+    entries, sizes, ranks, threshold, _ = scenario
+    assert plan(entries, sizes, ranks, threshold) == naive_plan(entries, sizes, ranks, threshold)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), max_size=12),
+    touches=st.lists(st.integers(0, 11), max_size=6),
+    locks=st.lists(st.integers(0, 11), max_size=3),
+    budget=st.integers(0, 40),
+)
+def test_plan_lru_over_a_tree_equals_plan_over_its_entry_list(seqs, touches, locks, budget):
+    tree = RadixTree(size_of=len)
+    for s in seqs:
+        tree.insert(s, lambda a, b, s=s: list(s[a:b]), lambda p, k: (p[:k], p[k:]))
+    for i in touches:
+        if i < len(seqs):
+            tree.touch(tree.match(seqs[i]).path)
+    for i in locks:
+        if i < len(seqs):
+            tree.lock(tree.match(seqs[i]).path)
+    nodes = list(tree.nodes())
+    entries = [Entry(n.id, n.parent.id, n.last_used, n.locks > 0) for n in nodes]
+    sizes = [[n.size for n in nodes], [2 * n.size for n in nodes]]
+    ranks = [load(tree.weight, budget=budget), load(2 * tree.weight, budget=2 * budget + 5)]
+    expected = plan(entries, sizes, ranks, threshold=0.9)
+
+    def entry(i):
+        n = tree.find(i)
+        return None if n is None else Entry(n.id, n.parent.id, n.last_used, n.locks > 0)
+
+    taken = []
+
+    def leaves():
+        for n in tree.lru_leaves():
+            taken.append(n.id)
+            yield entry(n.id)
+
+    got = plan_lru(
+        leaves(),
+        entry=entry,
+        children=lambda i: len(tree.find(i).children),
+        sizes_of=lambda i: [tree.find(i).size, 2 * tree.find(i).size],
+        ranks=ranks,
+        threshold=0.9,
+    )
+    assert got == expected
+    # Lazy: it takes no more leaves from the tree than it evicts, plus one.
+    assert len(taken) <= len(got) + 1
+
+
+def test_plan_lru_wants_one_size_per_rank():
+    with pytest.raises(ValueError):
+        plan_lru(
+            flat([1]),
+            entry=lambda i: None,
+            children=lambda i: 0,
+            sizes_of=lambda i: [1, 1],
+            ranks=[load(1, budget=0)],
+            threshold=0.9,
+        )

@@ -3,8 +3,10 @@ naive reference (the set of every token prefix the tree holds)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -219,7 +221,7 @@ class Reference:
 class RadixMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
-        self.tree = RadixTree()
+        self.tree = RadixTree(size_of=len)  # payloads are token lists: weight = tokens held
         self.ref = Reference()
         self.seen_ids: set[int] = set()
         self.held: list[tuple[list[Node], tuple[int, ...], int]] = []  # locks in use
@@ -290,6 +292,30 @@ class RadixMachine(RuleBasedStateMachine):
         self.ref.remove_leaf(path, start)
         self.ops.append(("evict", node.id))
 
+    @rule(tokens=SEQS)
+    def touch(self, tokens) -> None:
+        self.tree.touch(self.tree.match(tokens).path)
+        self.ops.append(("touch", tuple(tokens)))
+
+    @rule(data=st.data())
+    def split(self, data) -> None:
+        long = [n for n in self.tree.nodes() if len(n.key) > 1]
+        if not long:
+            return
+        node = data.draw(st.sampled_from(long))
+        k = data.draw(st.integers(1, len(node.key) - 1))
+        before = {n.id for n in self.tree.nodes()}
+        upper = self.tree.split(node, k, split_list)
+        assert self._record_new_ids(before) == {upper.id}
+        self.ops.append(("split", node.id, k))
+
+    @rule()
+    def drain(self) -> None:
+        changed = self.tree.drain_changed()
+        assert all(n.parent is not None for n in changed), "a removed node is listed"
+        assert len({n.id for n in changed}) == len(changed)
+        assert self.tree.drain_changed() == []
+
     @rule(data=st.data())
     def removing_a_protected_node_fails(self, data) -> None:
         protected = [n for n in self.tree.nodes() if n.locks or not n.is_leaf]
@@ -303,7 +329,11 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def integrity(self) -> None:
-        self.tree.check()
+        self.tree.check()  # includes: every incremental figure equals a full recount
+        assert self.tree.weight == sum(len(n.key) for n in self.tree.nodes())
+        for node_id in self.seen_ids:
+            found = self.tree.find(node_id)
+            assert found is None or (found.id == node_id and found.parent is not None)
         held = set()
         for node in self.tree.nodes():
             assert node.payload == list(node.key), "payload out of step with its edge"
@@ -322,8 +352,8 @@ class RadixMachine(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         # Rank coherence: a second tree fed the same operations is identical, ids included.
-        other, held = RadixTree(), []
-        for op, arg in self.ops:
+        other, held = RadixTree(size_of=len), []
+        for op, arg, *more in self.ops:
             if op == "insert":
                 insert(other, list(arg))
             elif op == "lock":
@@ -331,10 +361,20 @@ class RadixMachine(RuleBasedStateMachine):
                 other.lock(held[-1])
             elif op == "unlock":
                 other.unlock(held.pop(arg))
+            elif op == "touch":
+                other.touch(other.match(arg).path)
+            elif op == "split":
+                other.split(other.find(arg), more[0], split_list)
             else:
                 other.remove_leaf(other.find(arg))
         assert shape(other) == shape(self.tree)
         assert [n.locks for n in other.nodes()] == [n.locks for n in self.tree.nodes()]
+        assert other.figures() == self.tree.figures()
+        # The digest tells trees apart: one more operation on one side changes it.
+        if self.tree.evictable():
+            shapes = other.digest
+            other.remove_leaf(next(other.lru_leaves()))
+            assert other.digest != shapes
 
 
 def test_radix_tree_matches_reference():
@@ -347,3 +387,211 @@ def test_radix_tree_matches_reference():
             suppress_health_check=[HealthCheck.filter_too_much],
         ),
     )
+
+
+# -- incremental figures ------------------------------------------------------------
+
+
+def sized_tree() -> RadixTree:
+    return RadixTree(size_of=lambda p: 0 if p is None else len(p))
+
+
+def test_lru_leaves_follow_use_locks_and_evictions():
+    tree = sized_tree()
+    a = insert(tree, [1, 2, 3])[0][0]
+    b = insert(tree, [1, 2, 4])[0][-1]  # splits a: upper (1, 2) with leaves a and b
+    c = insert(tree, [5])[0][0]
+    upper = a.parent
+    assert [n.id for n in tree.lru_leaves()] == [a.id, b.id, c.id]  # a kept its old use
+    tree.touch(tree.match([1, 2, 3]).path)
+    assert list(tree.lru_leaves()) == [b, c, a]
+    tree.lock([c])
+    assert list(tree.lru_leaves()) == [b, a] and tree.evictable() == 2
+    tree.unlock([c])
+    assert list(tree.lru_leaves()) == [b, c, a]
+    tree.remove_leaf(b)
+    tree.remove_leaf(a)
+    # The parent is a leaf again, with the last use it had.
+    assert list(tree.lru_leaves()) == [c, upper] or list(tree.lru_leaves()) == [upper, c]
+    assert [n.id for n in tree.lru_leaves()] == [
+        n.id for n in sorted([c, upper], key=lambda n: (n.last_used, n.id))
+    ]
+    tree.check()
+
+
+def test_weight_follows_payloads_set_from_outside():
+    tree = sized_tree()
+    (node,), _ = insert(tree, [1, 2, 3, 4])
+    assert tree.weight == 4
+    tree.drain_changed()
+    node.payload = None  # e.g. a snapshot dropped, or one attached after the insert
+    assert tree.weight == 0 and node.size == 0
+    assert tree.drain_changed() == [node]  # its bytes are reported again
+    node.payload = [9] * 10
+    assert tree.weight == 10
+    node.payload.append(9)  # changed in place: the tree is told
+    tree.resize(node)
+    assert tree.weight == 11
+    tree.remove_leaf(node)
+    assert tree.weight == 0
+    node.payload = [1, 2]  # a removed node no longer counts
+    assert tree.weight == 0 and len(tree) == 0
+
+
+def test_split_keeps_the_weight_and_changes_the_digest():
+    tree = sized_tree()
+    (node,), _ = insert(tree, [1, 2, 3, 4])
+    digest = tree.digest
+    tree.split(node, 1, split_list)
+    assert tree.weight == 4 and len(tree) == 2
+    assert tree.digest != digest
+    tree.check()
+
+
+def test_digest_is_equal_for_the_same_operations_and_differs_otherwise():
+    def build(seqs):
+        tree = sized_tree()
+        for s in seqs:
+            insert(tree, s)
+        return tree
+
+    same = [build([[1, 2, 3], [1, 2, 4], [5, 6]]) for _ in range(2)]
+    assert same[0].digest == same[1].digest
+    # The same sequences in another order: other ids, another tree.
+    assert build([[5, 6], [1, 2, 3], [1, 2, 4]]).digest != same[0].digest
+    assert build([[1, 2, 3], [1, 2, 4], [5, 6, 7]]).digest != same[0].digest
+    assert 0 <= same[0].digest < 1 << 62  # fits a signed 64-bit gather
+
+
+def test_drain_changed_lists_what_a_turn_changed_and_no_more():
+    tree = sized_tree()
+    for s in ([1, 2, 3], [4, 5], [6, 7]):
+        insert(tree, s)
+    tree.drain_changed()
+    path = tree.match([1, 2, 3]).path
+    tree.touch(path)
+    added, split = insert(tree, [1, 2, 9])
+    leaf = tree.match([6, 7]).path[0]
+    insert(tree, [6, 8])  # splits (6, 7), then the new leaf
+    gone = tree.match([6, 8]).path[-1]
+    tree.remove_leaf(gone)
+    changed = tree.drain_changed()
+    assert gone not in changed
+    assert {n.id for n in changed} == {n.id for n in path + added + split} | {
+        leaf.id,
+        leaf.parent.id,
+    }
+    assert tree.drain_changed() == []
+
+
+def test_find_and_clear():
+    tree = sized_tree()
+    nodes = [insert(tree, [i, i + 1])[0][0] for i in range(0, 10, 2)]
+    assert all(tree.find(n.id) is n for n in nodes)
+    assert tree.find(0) is None  # the root is no entry
+    tree.clear()
+    assert len(tree) == 0 and tree.weight == 0 and tree.digest == 0
+    assert list(tree.lru_leaves()) == [] and tree.find(nodes[0].id) is None
+    (again,), _ = insert(tree, [0, 1])
+    assert again.id > nodes[-1].id
+    tree.check()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 3), max_size=300),
+    b=st.lists(st.integers(0, 3), max_size=300),
+    start=st.integers(0, 310),
+    as_tuple=st.booleans(),
+)
+def test_common_prefix_equals_a_token_by_token_count(a, b, start, as_tuple):
+    from exokv.cache.radix import common_prefix
+
+    expected = 0
+    while start + expected < len(b) and expected < len(a) and a[expected] == b[start + expected]:
+        expected += 1
+    assert common_prefix(tuple(a) if as_tuple else a, b, start) == expected
+    long = a * 5
+    assert common_prefix(long, long + [1]) == len(long)
+
+
+# -- a turn touches what it changes, not the tree ----------------------------------------
+
+VISITED: set[int] | None = None
+
+
+class CountingNode(Node):
+    __slots__ = ()
+
+    def __getattribute__(self, name: str):
+        if VISITED is not None:
+            VISITED.add(object.__getattribute__(self, "id"))
+        return object.__getattribute__(self, name)
+
+
+class CountingTree(RadixTree):
+    node_type = CountingNode
+
+
+def test_a_turns_bookkeeping_visits_the_path_and_what_changed_not_the_tree():
+    """10,000 nodes: 100 conversations of 100 turns. One more turn (match, touch, lock,
+    the figures, 10 evictions from the LRU order, insert, unlock, the changed
+    entries) reads a number of nodes bounded by its path and its evictions."""
+    global VISITED
+    from exokv.cache.policy import Entry, RankLoad, plan_lru
+
+    rng = random.Random(0)
+    tree = CountingTree(size_of=lambda p: 0 if p is None else len(p))
+    convs = []
+    for c in range(100):  # each conversation cut into its 100 turns of 5 tokens
+        conv = [c * 1000 + 1] + [rng.randrange(50) for _ in range(499)]
+        convs.append(conv)
+        (node,), _ = insert(tree, conv)
+        while len(node.key) > 5:
+            node = tree.split(node, len(node.key) - 5, split_list)
+    assert len(tree) == 10_000
+    tree.drain_changed()
+
+    def entry(node):
+        parent = node.parent.id if node.parent is not None else None
+        return Entry(node.id, parent, node.last_used, node.locks > 0)
+
+    prompt = convs[7] + [1, 2, 3]
+    VISITED = set()
+    try:
+        match = tree.match(prompt)
+        tree.touch(match.path)
+        tree.lock(match.path)
+        figures = (len(tree), tree.digest, tree.weight)
+        ranks = [RankLoad(cache_bytes=tree.weight, budget=tree.weight - 50, pressure=0, ram=1)]
+        evictions = plan_lru(
+            (entry(n) for n in tree.lru_leaves()),
+            entry=lambda i: entry(tree.find(i)) if tree.find(i) else None,
+            children=lambda i: len(tree.find(i).children),
+            sizes_of=lambda i: [tree.find(i).size],
+            ranks=ranks,
+            threshold=1.0,
+        )
+        for e in evictions:
+            tree.remove_leaf(tree.find(e.entry))
+        insert(tree, prompt + [4, 5])
+        tree.unlock(match.path)
+        changed = tree.drain_changed()
+        visited = len(VISITED)
+    finally:
+        VISITED = None
+    assert figures[0] == 10_000 and len(evictions) == 10
+    path = len(match.path)
+    assert path == 100
+    assert len(changed) <= path + 2
+    # Each eviction reads its leaf and its parent; the path is read by match, touch,
+    # lock, insert and unlock. Nothing else: 10,000 nodes, about 125 read.
+    assert visited <= path + 2 * len(evictions) + 5, visited
+    tree.check()
+    # And the counting sees a full walk for what it is.
+    VISITED = set()
+    try:
+        tree.recount()
+        assert len(VISITED) >= len(tree)
+    finally:
+        VISITED = None

@@ -7,7 +7,8 @@ A rank's own bytes or RAM never decide alone: the plan evicts for the worst rank
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -43,47 +44,90 @@ class Eviction:
     reason: str
 
 
+def plan_lru(
+    leaves: Iterable[Entry],
+    entry: Callable[[int], Entry | None],
+    children: Callable[[int], int],
+    sizes_of: Callable[[int], Sequence[int]],
+    ranks: Sequence[RankLoad],
+    threshold: float,
+) -> list[Eviction]:
+    """Which entries to evict, in order: least recently used unlocked leaves first.
+
+    Costs O(evictions x log) however many entries there are, so the caller hands
+    over its entries lazily:
+    - leaves: the unlocked leaves, least recently used first (by (last_used, id));
+      only as many are taken as are evicted, plus one.
+    - entry(id): the entry `id` (an evicted entry's parent); None if it is not
+      one (the tree's root).
+    - children(id): how many children the entry has before any eviction.
+    - sizes_of(id): the bytes the entry holds on each rank, one number per rank.
+
+    Evicts while any rank is over its budget (counting headroom) or its pressure
+    is over `threshold`, estimating the pressure a freed byte relieves on that
+    rank. A parent whose last child goes becomes a leaf, and a candidate.
+    """
+    stream = iter(leaves)
+    upcoming = next(stream, None)
+    exposed: list[tuple[int, int, Entry]] = []  # parents made leaves by this plan
+    left: dict[int, int] = {}  # children a parent still has
+    held = [r.cache_bytes for r in ranks]
+    freed = [0] * len(ranks)
+    evictions: list[Eviction] = []
+    while True:
+        reason = _worst_rank(ranks, held, freed, threshold)
+        if reason is None:
+            return evictions
+        if exposed and (upcoming is None or exposed[0][:2] < (upcoming.last_used, upcoming.id)):
+            victim = heapq.heappop(exposed)[2]
+        elif upcoming is not None:
+            victim, upcoming = upcoming, next(stream, None)
+        else:
+            return evictions
+        parent = entry(victim.parent) if victim.parent is not None else None
+        if parent is not None:
+            n = left.get(parent.id)
+            n = (children(parent.id) if n is None else n) - 1
+            left[parent.id] = n
+            if n == 0 and not parent.locked:
+                heapq.heappush(exposed, (parent.last_used, parent.id, parent))
+        sizes = sizes_of(victim.id)
+        if len(sizes) != len(ranks):
+            raise ValueError("sizes_of must give one number per rank")
+        for r, size in enumerate(sizes):
+            held[r] -= size
+            freed[r] += size
+        evictions.append(Eviction(entry=victim.id, reason=reason))
+
+
 def plan(
     entries: Sequence[Entry],
     sizes: Sequence[Sequence[int]],
     ranks: Sequence[RankLoad],
     threshold: float,
 ) -> list[Eviction]:
-    """Which entries to evict, in order: least recently used unlocked leaves first.
-
-    sizes[r][i] is the bytes entries[i] holds on rank r. Evicts while any rank is
-    over its budget (counting headroom) or its pressure is over `threshold`,
-    estimating the pressure a freed byte relieves on that rank.
-    """
+    """plan_lru over a list of every entry: sizes[r][i] is the bytes entries[i] holds
+    on rank r. O(entries x log) to sort the list; plan_lru with a tree's own
+    leaf order avoids even that."""
     if len(sizes) != len(ranks):
         raise ValueError("sizes and ranks must have one row per rank")
     index = {e.id: i for i, e in enumerate(entries)}
-    children = {e.id: 0 for e in entries}
+    children = dict.fromkeys(index, 0)
     for e in entries:
         if e.parent in children:
             children[e.parent] += 1
-    held = [r.cache_bytes for r in ranks]
-    freed = [0] * len(ranks)
-    alive = set(index)
-    evictions: list[Eviction] = []
-    while True:
-        reason = _worst_rank(ranks, held, freed, threshold)
-        if reason is None:
-            return evictions
-        leaves = [
-            entries[index[i]] for i in alive if children[i] == 0 and not entries[index[i]].locked
-        ]
-        if not leaves:
-            return evictions
-        victim = min(leaves, key=lambda e: (e.last_used, e.id))
-        alive.remove(victim.id)
-        if victim.parent in children:
-            children[victim.parent] -= 1
-        for r in range(len(ranks)):
-            size = sizes[r][index[victim.id]]
-            held[r] -= size
-            freed[r] += size
-        evictions.append(Eviction(entry=victim.id, reason=reason))
+    leaves = sorted(
+        (e for e in entries if children[e.id] == 0 and not e.locked),
+        key=lambda e: (e.last_used, e.id),
+    )
+    return plan_lru(
+        leaves,
+        entry=lambda i: entries[index[i]] if i in index else None,
+        children=children.__getitem__,
+        sizes_of=lambda i: [row[index[i]] for row in sizes],
+        ranks=ranks,
+        threshold=threshold,
+    )
 
 
 def _worst_rank(
