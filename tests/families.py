@@ -91,6 +91,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=16,
         first_k_dense_replace=1,
     ),
+    # Composite caches: every layer a CacheList(ArraysCache conv state, RotatingKVCache
+    # of window 16 in the sliding layers or KVCache in the others).
+    "baichuan_m1": dict(
+        model_type="baichuan_m1",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        sliding_window=16,
+        sliding_window_layers=[0, 2],
+        conv_window=2,
+        rms_norm_eps=1e-6,
+    ),
 }
 
 
@@ -98,8 +114,14 @@ def build(family: str) -> Any:
     module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(CONFIGS[family]))
-    scaled = [(k, v * 3 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
+    scaled = [(k, _scaled(k, v)) for k, v in tree_flatten(model.parameters())]
     model.update(tree_unflatten(scaled))
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def _scaled(name: str, value: mx.array) -> mx.array:
+    if name.endswith(("conv_k", "conv_v")):  # baichuan_m1 starts them at zero: K/V of 0
+        return mx.random.normal(value.shape) * 0.5 + 0.5
+    return value * 3 if value.ndim == 2 else value

@@ -170,13 +170,19 @@ def test_a_conversation_larger_than_the_budget_keeps_its_longest_prefix(kind, to
 def test_shared_prefix_is_held_once_in_memory(kind, tokenizer):
     """8 conversations sharing a system prompt hold at most 1.3x the bytes of the shared
     prompt plus their distinct suffixes (and a state each, where the model has states),
-    measured as MLX's active memory, not by our own counters."""
+    measured as MLX's active memory, not by our own counters. The texts are long enough
+    that the allocator's rounding of small arrays does not dominate."""
     engine = engine_for(kind, tokenizer)
-    play(engine, chats(1, 1), use_cache=False)  # warm up: compiled kernels, buffers
+    system = SYSTEM * 8
+    script = [
+        (f"s{i}", [{"role": "system", "content": system}, {"role": "user", "content": q * 6}])
+        for i, q in enumerate(QUESTIONS)
+    ]
+    play(engine, script[:1], use_cache=False)  # warm up: compiled kernels, buffers
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    play(engine, chats(8, 1), max_tokens=4)
+    results = play(engine, script, max_tokens=4)
     gc.collect()
     mx.clear_cache()
     held = mx.get_active_memory() - before
@@ -184,4 +190,5 @@ def test_shared_prefix_is_held_once_in_memory(kind, tokenizer):
     distinct = sum(len(n.key) for n in engine.cache.tree.nodes())
     ideal = distinct * engine.bytes_per_token + 9 * rates.get(layers.STATE, 0)
     assert held <= 1.3 * ideal, (held, ideal)
-    assert engine.cache.total_bytes <= 1.3 * ideal
+    assert engine.cache.total_bytes <= held
+    assert all(r.cached_tokens > 0 for r in results[2:])

@@ -33,6 +33,7 @@ KINDS = {
     "state": ("qwen3_next", None),  # 3 linear-attention states + 1 full attention
     "mla": ("deepseek_v3", None),  # KVCache of per-head K and V
     "mixed-moe": ("gpt_oss", None),  # sliding and full attention alternating
+    "composite": ("baichuan_m1", None),  # CacheList(conv state, sliding or full K/V)
 }
 _models: dict[str, object] = {}
 
@@ -110,6 +111,7 @@ def test_storage_classes_come_from_the_models_own_caches(kind):
         "state": [KV, STATE],
         "mla": [KV],
         "mixed-moe": [KV, ("window", 16, 0)],
+        "composite": [KV, STATE, ("window", 16, 0)],
     }[kind]
     assert pc.classes == expected
 

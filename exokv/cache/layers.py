@@ -137,8 +137,14 @@ def build_window(fresh: RotatingKVCache, parts: list[Any], length: int) -> Rotat
 
 
 def snapshot(c: Any) -> Any:
-    """A copy of a state layer that later runs of the live cache cannot change."""
-    return copy.deepcopy(c)
+    """A copy of a state layer that later runs of the live cache cannot change, owning
+    its arrays (a state is often a slice of a larger buffer, which it would keep alive)."""
+    out = copy.copy(c)
+    try:
+        out.state = tree_map(lambda a: own(a) if isinstance(a, mx.array) else a, c.state)
+    except (AttributeError, TypeError, ValueError):
+        return copy.deepcopy(c)
+    return out
 
 
 # -- bytes per unit of each storage class, measured on this rank ----------------------
