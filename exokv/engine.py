@@ -1,8 +1,9 @@
 """One chat turn, run identically on every rank.
 
-render -> fetch the longest cached prefix -> one collective -> evict by plan ->
-prefill only the new tokens -> decode -> insert. Every cache decision is made
-from the token sequences (identical everywhere) and the gathered numbers.
+render -> fetch the longest usable cached prefix -> one collective, evict by plan
+(exokv.cache.coordinate) -> prefill only the new tokens -> decode -> insert -> evict
+until every rank is within its budget. Every cache decision is made from the token
+sequences (identical everywhere) and the numbers gathered in that one collective.
 """
 
 from __future__ import annotations
