@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache import layers, memory
@@ -141,15 +141,25 @@ class Engine:
         events: list[CacheEvent] = []
         use_cache = request.use_cache
         overhead = time.perf_counter()
-        hit = self.cache.fetch(tokens) if use_cache else Hit(self._new_cache(), 0, [])
+        expect = len(tokens) + request.max_tokens  # the most tokens this turn's cache holds
+        hit = (
+            self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
+            if use_cache
+            else Hit(self._new_cache(), 0, [])
+        )
         ran = hit.length  # tokens the cache has run
         try:
             if hit.entry is not None:
                 events.append(self._event("hit", hit.entry, request.session, hit.length))
-            # What the tree does not hold yet is what this turn can add to it.
+            # What the tree does not hold yet is what this turn can add to it; what the
+            # turn holds besides: its cache's room up to mlx-lm's step, and a copy of
+            # the hit where the tree did not lend it.
             meets = self.cache.tree.match(tokens).length if use_cache else 0
-            new_tokens = len(tokens) - meets + request.max_tokens
-            self.coord.begin(self.decision, new_tokens, memory.sample(self.group.rank), events)
+            room = -(-expect // KVCache.step) * KVCache.step - expect
+            copied = 0 if hit.lent or not use_cache else hit.length
+            new_tokens = len(tokens) - meets + request.max_tokens + room
+            probe = memory.sample(self.group.rank)
+            self.coord.begin(self.decision, new_tokens, probe, events, copied=copied)
             overhead = time.perf_counter() - overhead
             stopped = False
             for stop in self._stops(len(tokens), hit.length, meets):
@@ -172,15 +182,15 @@ class Engine:
                     tokens[-1:], hit.cache, request, start, on_text, should_stop
                 )
                 ran = len(tokens) + len(generated)  # generate_step ran every token it gave
+            self._remember_reply(reply, generated)
+            tic = time.perf_counter()
+            if use_cache:
+                self._insert(tokens + generated, hit.cache, ran, request.session, events)
         finally:
             if use_cache:
-                self.cache.release(hit)
-        self._remember_reply(reply, generated)
-        tic = time.perf_counter()
+                self.cache.release(hit)  # and the hit's K/V back to the tree, if lent
         if use_cache:
-            held = tokens + generated
-            self._insert(held, hit.cache, ran, request.session, events)
-            live = self.cache.tree.match(held[:ran]).path
+            live = self.cache.tree.match((tokens + generated)[:ran]).path
             self.coord.cap(self.decision, live, ran, request.session, events)
         overhead += time.perf_counter() - tic
         return TurnResult(

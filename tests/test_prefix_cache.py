@@ -480,3 +480,26 @@ def test_random_operations_fetch_the_prefix_kv(tiny_qwen, ops):
         pc.tree.check()
         assert locked(pc) == []
         assert pc.total_bytes == bpt * sum(len(n.key) for n in pc.tree.nodes())
+
+
+def test_a_lent_hit_gives_the_same_kv_back_even_without_an_insert(kv):
+    """fetch(lend=True) hands whole path nodes' K/V to the turn's cache (held once);
+    release gives it back, copied from that cache, whatever the model wrote after it."""
+    model, make_cache, pc = kv
+    a = toks(60, seed=120)
+    warm(pc, model, a)
+    warm(pc, model, a + toks(20, seed=121))
+    before = stored_arrays(pc)
+    tokens = a + toks(20, seed=121) + toks(5, seed=122)
+    hit = pc.fetch(tokens, expect=len(tokens) + 300, lend=True)
+    assert hit.length == 80 and [n.depth for n in hit.lent] == [60, 80]
+    assert all(kv == (None, None) for n in hit.lent for kv in n.payload.kv)
+    assert hit.cache[0].keys.shape[2] == 512  # room for what the turn will add
+    reference = make_cache()
+    prefill(model, reference, tokens[:80])
+    got = prefill(model, hit.cache, tokens[80:])
+    want = prefill(model, reference, tokens[80:])
+    assert mx.allclose(got, want, atol=ATOL, rtol=0).item()
+    pc.release(hit)  # as after an error: no insert
+    assert_unchanged(before, stored_arrays(pc))
+    assert locked(pc) == [] and pc.total_bytes == 80 * bytes_per_token(make_cache, model)

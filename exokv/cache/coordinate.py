@@ -91,14 +91,15 @@ class Coordinator:
     def held_bytes(self) -> list[int]:
         return _bytes(self.cache.totals, self.all_rates())
 
-    def headroom(self, new_tokens: int) -> int:
+    def headroom(self, new_tokens: int, copied: int = 0) -> int:
         """Most bytes this turn's inserts can add on this rank. A turn stores at most two
         points (where it leaves the tree, and its end): every new token's K/V, at most a
-        window per point for each sliding window, and a state per point."""
+        window per point for each sliding window, and a state per point. `copied`:
+        tokens of full-attention K/V the turn's cache holds beside the tree's copy."""
         total = 0
         for c, rate in self.rates.items():
             if c == KV:
-                total += new_tokens * rate
+                total += (new_tokens + copied) * rate
             elif c == STATE:
                 total += 2 * rate
             else:
@@ -108,7 +109,12 @@ class Coordinator:
     # -- before the turn: the one collective and the plan ---------------------------
 
     def begin(
-        self, decision: int, new_tokens: int, probe: MemorySample, events: list[CacheEvent]
+        self,
+        decision: int,
+        new_tokens: int,
+        probe: MemorySample,
+        events: list[CacheEvent],
+        copied: int = 0,
     ) -> None:
         """Gather every rank's numbers once, plan, and evict the same entries everywhere."""
         nodes = list(self.cache.tree.nodes())
@@ -117,7 +123,7 @@ class Coordinator:
             -1 if self.budget is None else self.budget,
             int(probe.pressure * 1_000_000),
             probe.ram_total,
-            self.headroom(new_tokens),
+            self.headroom(new_tokens, copied),
             probe.rss,
             probe.mlx_active,
             sum(r for c, r in self.rates.items() if c != STATE),

@@ -88,7 +88,7 @@ def own(x: mx.array) -> mx.array:
     return mx.array(x)
 
 
-def take(kv: Any, start: int, end: int) -> Any:
+def take(kv: Any, start: int, end: int | None) -> Any:
     """An owned copy of tokens [start, end) of (keys, values)."""
     return tree_map(lambda a: own(a[:, :, start:end, :]), kv)
 
@@ -99,6 +99,13 @@ def concat(parts: list[Any]) -> Any:
     if len(parts) == 1:
         return own(parts[0])
     return mx.concatenate(parts, axis=SEQ_AXIS)
+
+
+def zeros_like(kv: Any, tokens: int) -> Any:
+    """Zeros shaped like `kv` (an array, or quantized parts) but `tokens` long."""
+    return tree_map(
+        lambda a: mx.zeros((*a.shape[:SEQ_AXIS], tokens, *a.shape[SEQ_AXIS + 1 :]), a.dtype), kv
+    )
 
 
 # -- a rotating cache's tokens by position -------------------------------------------

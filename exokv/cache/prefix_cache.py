@@ -40,11 +40,15 @@ class Payload:
 
 @dataclass
 class Hit:
-    """A fetched prefix: a fresh cache holding `length` tokens, and the nodes it came from."""
+    """A fetched prefix: a fresh cache holding `length` tokens, and the nodes it came from.
+
+    `lent`: path nodes whose K/V the cache holds for the turn instead of a copy (see
+    `PrefixCache.fetch`); `PrefixCache.give_back` returns it to them."""
 
     cache: list[Any]
     length: int
     path: list[Node]
+    lent: list[Node] = field(default_factory=list)
 
     @property
     def entry(self) -> Node | None:
@@ -132,39 +136,74 @@ class PrefixCache:
                 return False
         return True
 
-    def fetch(self, tokens: Sequence[int]) -> Hit:
+    def fetch(self, tokens: Sequence[int], expect: int = 0, lend: bool = False) -> Hit:
         """The longest usable cached prefix of `tokens`, leaving at least one token to run.
 
-        The returned cache is a fresh object: running the model on it never
-        changes what the tree stores. The path is locked until `release`.
+        The returned cache is a fresh object: running the model on it never changes
+        what the tree stores. Its full-attention buffers have room for `expect`
+        tokens (rounded up to mlx-lm's step), so the turn's tokens need no
+        reallocation. With `lend`, the path nodes the hit covers whole hand their
+        K/V to the cache instead of keeping a copy beside it (the conversation is
+        then held once during the turn); `give_back` must follow. The path is
+        locked until `release`.
         """
         match = self.tree.match(tokens)
         length = self.usable(match.path, max(0, min(match.length, len(tokens) - 1)))
         used = [n for n in match.path if n.start < length]
-        cache = self._build(used, length)
+        lent = [n for n in used if n.depth <= length] if lend else []
+        cache = self._build(used, length, expect, lent)
         if length > 0:
             self.tree.touch(used)
             for node in used:
                 node.hits += 1
         self.tree.lock(used)
-        return Hit(cache=cache, length=length, path=used)
+        return Hit(cache=cache, length=length, path=used, lent=lent)
 
     def release(self, hit: Hit) -> None:
+        self.give_back(hit)
         self.tree.unlock(hit.path)
 
-    def _build(self, used: list[Node], length: int) -> list[Any]:
+    def give_back(self, hit: Hit) -> None:
+        """Return lent K/V to its nodes, copied out of the turn's cache (whose first
+        `hit.length` tokens the model never writes), one layer's keys or values at a
+        time, each dropped from the turn's cache once copied: the conversation is
+        never held twice. The turn's cache is unusable afterwards."""
+        if not hit.lent:
+            return
+        for i, leaf in enumerate(self.kv_leaves):
+            c = layers.get(hit.cache, leaf)
+            for part, attr in enumerate(("keys", "values")):
+                buffer = getattr(c, attr)
+                for node in hit.lent:
+                    kv = list(node.payload.kv[i])
+                    kv[part] = layers.take(buffer, node.start, node.depth)
+                    node.payload.kv[i] = tuple(kv)
+                mx.eval([n.payload.kv[i][part] for n in hit.lent])
+                setattr(c, attr, None)
+        hit.lent = []
+
+    def _build(self, used: list[Node], length: int, expect: int, lent: list[Node]) -> list[Any]:
         cache = self._make_cache()
         if length == 0:
             return cache
         for i, leaf in enumerate(self.kv_leaves):
-            pieces = []
-            for node in used:
-                kv = node.payload.kv[i]
-                end = min(node.depth, length) - node.start
-                pieces.append(kv if end == len(node.key) else layers.take(kv, 0, end))
             c = layers.get(cache, leaf)
-            c.keys = layers.concat([p[0] for p in pieces])
-            c.values = layers.concat([p[1] for p in pieces])
+            capacity = -(-max(expect, length) // c.step) * c.step if expect else length
+            for part, attr in enumerate(("keys", "values")):
+                pieces = []
+                for node in used:
+                    kv = node.payload.kv[i][part]
+                    end = min(node.depth, length) - node.start
+                    pieces.append(kv if end == len(node.key) else layers.take(kv, 0, end))
+                if capacity > length:
+                    pieces.append(layers.zeros_like(pieces[0], capacity - length))
+                setattr(c, attr, layers.concat(pieces))
+                del pieces
+                mx.eval(getattr(c, attr))
+                for node in lent:  # one layer's keys or values at a time: held once
+                    kv = list(node.payload.kv[i])
+                    kv[part] = None
+                    node.payload.kv[i] = tuple(kv)
             c.offset = length
         for i, leaf in enumerate(self.window_leaves):
             parts: list[tuple[int, Any]] = []
