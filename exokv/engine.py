@@ -256,6 +256,7 @@ class Engine:
         self, tokens: Sequence[int], cache: list[Any], session: str
     ) -> list[CacheEvent]:
         """Insert a loaded cache holding `tokens`; every rank calls it alike (one gather)."""
+        self.coord.gather_rates()  # so the events give every rank's bytes exactly
         events: list[CacheEvent] = []
         self._insert(tokens, cache, len(tokens), session, events)
         for e in events:

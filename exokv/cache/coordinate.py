@@ -76,6 +76,7 @@ class Coordinator:
         self.threshold = threshold
         self.collectives = 0
         self.last: Gathered | None = None
+        self._rates: list[dict[StorageClass, int]] | None = None  # gathered outside a turn
 
     # -- bytes on every rank, from the tree's counts --------------------------------
 
@@ -83,7 +84,12 @@ class Coordinator:
         """Every rank's rates as last gathered (this rank's alone before any turn)."""
         if self.last is not None:
             return self.last.rates
-        return [self.rates] * self.group.size
+        return self._rates or [self.rates] * self.group.size
+
+    def gather_rates(self) -> None:
+        """Every rank's rates, outside a turn (a collective: every rank calls it alike)."""
+        rows = self.group.gather([self.rates[c] for c in self.cache.classes])
+        self._rates = [dict(zip(self.cache.classes, row, strict=True)) for row in rows]
 
     def node_bytes(self, node: Node) -> list[int]:
         return _bytes(self.cache.counts(node), self.all_rates())
