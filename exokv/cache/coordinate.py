@@ -164,7 +164,7 @@ class Coordinator:
         other entries first (least recently used), then the end of the live conversation
         (`live`, the path of its `tokens` tokens), keeping its longest prefix that fits."""
         g = self.last
-        if g is None or all(load.budget is None for load in g.loads):
+        if g is None or not self._over():  # the common case: a look at the totals only
             return
         loads = [
             RankLoad(cache_bytes=b, budget=load.budget, pressure=0.0, ram=load.ram)
