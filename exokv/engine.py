@@ -1,37 +1,35 @@
 """One chat turn, run identically on every rank.
 
-render -> fetch the longest cached prefix -> one collective -> evict by plan ->
-prefill only the new tokens -> decode -> insert. Every cache decision is made
-from the token sequences (identical everywhere) and the gathered numbers.
+render -> fetch the longest usable cached prefix -> one collective, evict by plan
+(exokv.cache.coordinate) -> prefill only the new tokens -> decode -> insert -> evict
+until every rank is within its budget. Every cache decision is made from the token
+sequences (identical everywhere) and the numbers gathered in that one collective.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.cache import memory
-from exokv.cache.policy import Entry, RankLoad, plan
+from exokv.cache import layers, memory
+from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.cluster.group import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
-from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
-from exokv.records import CacheEvent, EntryInfo, RankStats, TurnRequest, TurnResult
+from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
-_DIGEST = 8  # index of the tree digest; per-entry sizes follow it in the gathered vector
 
 
 @dataclass
@@ -54,14 +52,16 @@ class Engine:
         self.tokenizer = tokenizer
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
-        self.cache = PrefixCache(self._new_cache)
         self.prompt = PromptRenderer(tokenizer)
         self._eos = set(tokenizer.eos_token_ids)
         self.decision = 0
-        self.collectives = 0
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
-        self.bytes_per_token = self._measure_bytes_per_token()
+        # Run on every rank alike (a pipeline forward is itself collective).
+        rates = layers.measure_rates(self._new_cache, self._run_one_token)
+        self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
+        # What one token adds to this rank's cache (K/V of every attention layer).
+        self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)
         ram = memory.sample(self.group.rank).ram_total
         model_bytes = sum(v.nbytes for _, v in _flat_params(model))
         self.budget = (
@@ -69,6 +69,13 @@ class Engine:
             if self.options.budget is not None
             else memory.default_budget(self.options.memory_threshold, ram, model_bytes)
         )
+        self.coord = Coordinator(
+            self.cache, self.group, rates, self.budget, self.options.memory_threshold
+        )
+
+    @property
+    def collectives(self) -> int:
+        return self.coord.collectives
 
     # -- the turn ---------------------------------------------------------------
 
@@ -91,45 +98,60 @@ class Engine:
         tokens = self.render(request.messages)
         self.decision += 1
         events: list[CacheEvent] = []
+        use_cache = request.use_cache
         overhead = time.perf_counter()
+        expect = len(tokens) + request.max_tokens  # the most tokens this turn's cache holds
         hit = (
-            self.cache.fetch(tokens)
-            if request.use_cache
-            else Hit(cache=self._new_cache(), length=0, path=[])
+            self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
+            if use_cache
+            else Hit(self._new_cache(), 0, [])
         )
+        ran = hit.length  # tokens the cache has run
         try:
             if hit.entry is not None:
-                events.append(self._event("hit", hit.entry, [], request.session, hit.length))
-            new_tokens = len(tokens) - hit.length + request.max_tokens
-            per_rank_bpt, stats = self._coordinate(new_tokens, request.session, events)
+                events.append(self._event("hit", hit.entry, request.session, hit.length))
+            # What the tree does not hold yet is what this turn can add to it; what the
+            # turn holds besides: its cache's room up to mlx-lm's step, and a copy of
+            # the hit where the tree did not lend it.
+            meets = self.cache.tree.match(tokens).length if use_cache else 0
+            room = -(-expect // KVCache.step) * KVCache.step - expect
+            copied = 0 if hit.lent or not use_cache else hit.length
+            new_tokens = len(tokens) - meets + request.max_tokens + room
+            probe = memory.sample(self.group.rank)
+            self.coord.begin(self.decision, new_tokens, probe, events, copied=copied)
             overhead = time.perf_counter() - overhead
-            todo = tokens[hit.length : -1]
-            stopped = self._prefill(
-                hit.cache, todo, hit.length, len(tokens), on_progress, should_stop
-            )
+            stopped = False
+            for stop in self._stops(len(tokens), hit.length, meets):
+                stopped = self._prefill(
+                    hit.cache, tokens[ran:stop], ran, len(tokens), on_progress, should_stop
+                )
+                if stopped:
+                    break
+                ran = stop
+                if use_cache and stop < len(tokens) - 1:
+                    tic = time.perf_counter()
+                    self._insert(tokens, hit.cache, ran, request.session, events)
+                    overhead += time.perf_counter() - tic
             if stopped:
                 # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
+                ran = layers.offset(hit.cache) or ran
                 generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
             else:
-                if request.use_cache and self.cache.mode == "snapshots":
-                    # Turn boundary: the next turn's prompt extends this one.
-                    self.cache.insert(tokens[:-1], hit.cache, request.session)
                 generated, reply, finish, ttft, tps = self._decode(
                     tokens[-1:], hit.cache, request, start, on_text, should_stop
                 )
+                ran = len(tokens) + len(generated)  # generate_step ran every token it gave
+            self._remember_reply(reply, generated)
+            tic = time.perf_counter()
+            if use_cache:
+                self._insert(tokens + generated, hit.cache, ran, request.session, events)
         finally:
-            if request.use_cache:
-                self.cache.release(hit)
-        self._remember_reply(reply, generated)
-        tic = time.perf_counter()
-        if request.use_cache:
-            added, split = self.cache.insert(tokens + generated, hit.cache, request.session)
-            for node in split:
-                events.append(self._event("update", node, per_rank_bpt, request.session))
-            for node in added:
-                events.append(self._event("add", node, per_rank_bpt, request.session))
+            if use_cache:
+                self.cache.release(hit)  # and the hit's K/V back to the tree, if lent
+        if use_cache:
+            live = self.cache.tree.match((tokens + generated)[:ran]).path
+            self.coord.cap(self.decision, live, ran, request.session, events)
         overhead += time.perf_counter() - tic
-        self._count_added(stats, events)
         return TurnResult(
             session=request.session,
             reply=reply,
@@ -144,9 +166,25 @@ class Engine:
             finish_reason=finish,
             decision=self.decision,
             events=events,
-            rank_stats=stats,
-            entries=self.entries(per_rank_bpt),
+            rank_stats=self.coord.stats(),
+            entries=self.coord.entries(),
         )
+
+    def _stops(self, n: int, hit: int, meets: int) -> list[int]:
+        """Where prefill pauses: the prompt's end (all but its last token, which decode
+        runs), and before it, where the prompt leaves the tree (`meets`) when a hit there
+        would need window slices or states that only this run can give: the tree will be
+        split there, and the next conversation sharing the prefix can start there."""
+        if self.cache.exact_anywhere or not hit < meets < n - 1:
+            return [n - 1]
+        return [meets, n - 1]
+
+    def _insert(
+        self, tokens: Sequence[int], cache: list[Any], length: int, session: str, events: list
+    ) -> None:
+        added, changed = self.cache.insert(tokens, cache, session, length=length)
+        events += [self._event("update", n, session) for n in changed]
+        events += [self._event("add", n, session) for n in added]
 
     # -- saving and loading a prefix (exokv.chat.kvsave) -------------------------
 
@@ -176,114 +214,12 @@ class Engine:
         self, tokens: Sequence[int], cache: list[Any], session: str
     ) -> list[CacheEvent]:
         """Insert a loaded cache holding `tokens`; every rank calls it alike (one gather)."""
-        per_rank_bpt = [float(row[0]) for row in self.group.gather([self.bytes_per_token])]
-        added, split = self.cache.insert(tokens, cache, session)
-        events = [self._event("update", n, per_rank_bpt, session) for n in split]
-        events += [self._event("add", n, per_rank_bpt, session) for n in added]
+        self.coord.gather_rates()  # so the events give every rank's bytes exactly
+        events: list[CacheEvent] = []
+        self._insert(tokens, cache, len(tokens), session, events)
         for e in events:
             e.reason = "loaded from a saved cache"
         return events
-
-    # -- the one collective and the plan ---------------------------------------
-
-    def _coordinate(
-        self, new_tokens: int, session: str, events: list[CacheEvent]
-    ) -> tuple[list[float], list[RankStats]]:
-        """Gather every rank's numbers once, plan, and evict the same entries everywhere."""
-        nodes = list(self.cache.tree.nodes())
-        probe = memory.sample(self.group.rank)
-        headroom = new_tokens * self.bytes_per_token
-        if self.cache.mode == "snapshots":
-            headroom *= 2  # a snapshot after prefill and another after decode
-        local = [
-            self.cache.total_bytes,
-            -1 if self.budget is None else self.budget,
-            int(probe.pressure * 1_000_000),
-            probe.ram_total,
-            headroom,
-            probe.rss,
-            probe.mlx_active,
-            self.bytes_per_token,
-            _tree_digest(nodes),
-        ]
-        if self.cache.mode == "snapshots":
-            local += [self.cache.entry_bytes(n) for n in nodes]
-        self.collectives += 1
-        rows = self.group.gather(local)
-        digests = {row[_DIGEST] for row in rows}
-        if len(digests) != 1:
-            raise ExokvError("ranks hold different cache trees (they diverged); restart the chat")
-        per_rank_bpt = [float(row[7]) for row in rows]
-        sizes = [
-            row[_DIGEST + 1 :]
-            if self.cache.mode == "snapshots"
-            else [len(n.key) * row[7] for n in nodes]
-            for row in rows
-        ]
-        loads = [
-            RankLoad(
-                cache_bytes=row[0],
-                budget=None if row[1] < 0 else row[1],
-                pressure=row[2] / 1_000_000,
-                ram=row[3],
-                headroom=row[4],
-            )
-            for row in rows
-        ]
-        entries = [
-            Entry(
-                id=n.id,
-                parent=n.parent.id if n.parent is not None else None,
-                last_used=n.last_used,
-                locked=n.locks > 0,
-            )
-            for n in nodes
-        ]
-        pressures = [load.pressure for load in loads]
-        by_id = {n.id: i for i, n in enumerate(nodes)}
-        for eviction in plan(entries, sizes, loads, self.options.memory_threshold):
-            i = by_id[eviction.entry]
-            node = nodes[i]
-            events.append(
-                CacheEvent(
-                    kind="evict",
-                    decision=self.decision,
-                    entry=node.id,
-                    tokens=len(node.key),
-                    bytes=[int(sizes[r][i]) for r in range(len(rows))],
-                    session=node.session,
-                    reason=eviction.reason,
-                    pressures=pressures,
-                )
-            )
-            self.cache.evict(node)
-        freed = [0] * len(rows)
-        for e in events:
-            if e.kind == "evict":
-                freed = [f + b for f, b in zip(freed, e.bytes, strict=True)]
-        stats = [
-            RankStats(
-                rank=r,
-                cache_bytes=row[0] - freed[r],
-                entries=len(nodes) - sum(1 for e in events if e.kind == "evict"),
-                budget=None if row[1] < 0 else row[1],
-                pressure=row[2] / 1_000_000,
-                ram_total=row[3],
-                rss=row[5],
-                mlx_active=row[6],
-            )
-            for r, row in enumerate(rows)
-        ]
-        return per_rank_bpt, stats
-
-    def _count_added(self, stats: list[RankStats], events: list[CacheEvent]) -> None:
-        """Bring the gathered per-rank numbers up to date with what this turn inserted."""
-        for e in events:
-            if e.kind == "add":
-                for s in stats:
-                    s.cache_bytes += e.bytes[s.rank]
-                    s.entries += 1
-        stats[self.group.rank].cache_bytes = self.cache.total_bytes
 
     # -- model work -------------------------------------------------------------
 
@@ -348,56 +284,17 @@ class Engine:
     def _new_cache(self) -> list[Any]:
         return make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
 
-    def _measure_bytes_per_token(self) -> int:
-        """Bytes one token adds to this rank's cache, from one real forward pass.
-
-        Run on every rank alike (a pipeline forward is itself collective).
-        """
-        cache = make_prompt_cache(self.model)
+    def _run_one_token(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)
-        mx.eval([c.state for c in cache])
-        # Buffers are (batch, heads, capacity, dim): bytes per unit of capacity.
-        buffers = [a for c in cache for a in _leaves(c.keys) + _leaves(c.values)]
-        return int(sum(a.nbytes // max(a.shape[2], 1) for a in buffers))
+        mx.eval([layers.arrays(c.state) for c in cache])
 
     # -- reporting --------------------------------------------------------------
 
-    def entries(self, per_rank_bpt: Sequence[float]) -> list[EntryInfo]:
-        me = self.group.rank
-        out = []
-        for node in self.cache.tree.nodes():
-            local = self.cache.entry_bytes(node)
-            if self.cache.mode == "slices":
-                sizes = [int(len(node.key) * b) for b in per_rank_bpt]
-            else:  # snapshot sizes elsewhere are estimated until the next gather
-                sizes = [int(local * b / max(per_rank_bpt[me], 1)) for b in per_rank_bpt]
-            sizes[me] = local
-            out.append(
-                EntryInfo(
-                    id=node.id,
-                    parent=node.parent.id if node.parent and node.parent.parent else None,
-                    session=node.session,
-                    tokens=len(node.key),
-                    depth=node.depth,
-                    bytes=sizes,
-                    hits=node.hits,
-                    last_used=node.last_used,
-                )
-            )
-        return out
+    def entries(self) -> list[EntryInfo]:
+        return self.coord.entries()
 
-    def _event(
-        self, kind: str, node: Node, per_rank_bpt: Sequence[float], session: str, hit: int = 0
-    ) -> CacheEvent:
-        return CacheEvent(
-            kind=kind,
-            decision=self.decision,
-            entry=node.id,
-            tokens=len(node.key),
-            bytes=[int(len(node.key) * b) for b in per_rank_bpt],
-            session=session,
-            hit_length=hit,
-        )
+    def _event(self, kind: str, node: Node, session: str, hit: int = 0) -> CacheEvent:
+        return self.coord.event(kind, node, session, self.decision, hit)
 
 
 def prefill(
@@ -484,17 +381,7 @@ def decode(
     return generated, detok.text, finish, ttft, tps
 
 
-def _leaves(x: Any) -> list[mx.array]:
-    return list(x) if isinstance(x, tuple | list) else [x]
-
-
 def _flat_params(model: Any) -> list[tuple[str, mx.array]]:
     from mlx.utils import tree_flatten
 
     return tree_flatten(model.parameters())
-
-
-def _tree_digest(nodes: Sequence[Node]) -> int:
-    """A checksum of the tree's shape, compared across ranks in the same collective."""
-    text = ";".join(f"{n.id}:{n.depth}:{n.parent.id if n.parent else -1}" for n in nodes)
-    return zlib.crc32(text.encode())

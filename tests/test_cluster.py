@@ -339,7 +339,11 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
     ]
     assert len(evictions[0]) >= 3
     assert evictions[0] == evictions[1], "same entries, same order, same decision ids"
-    assert {reason for _, _, reason in evictions[0]} == {"budget rank 1"}
+    # Rank 1 drives every eviction; a conversation alone over its budget is cut to the
+    # longest prefix that fits (the budget is a cap after every turn).
+    reasons = {reason for _, _, reason in evictions[0]}
+    assert "budget rank 1" in reasons
+    assert all(r == "budget rank 1" or r.startswith("over budget: kept ") for r in reasons)
     # Every event, not just the evictions, is the same on both ranks.
     assert [t["events"] for t in logs[0]] == [t["events"] for t in logs[1]]
     # Rank 0 held more bytes than rank 1 throughout, with room to spare: it evicted

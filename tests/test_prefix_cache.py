@@ -3,7 +3,6 @@ cold prefill, never leak stored state, and hold a shared prefix once."""
 
 from __future__ import annotations
 
-import copy
 import gc
 import random
 
@@ -16,10 +15,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
-    RotatingKVCache,
     make_prompt_cache,
 )
 
+from exokv.cache.layers import KV
 from exokv.cache.prefix_cache import PrefixCache, cache_length
 
 ATOL = 1e-4
@@ -70,10 +69,18 @@ def assert_same_as_cold(pc, model, make_cache, tokens, expect_hit=None, insert=T
 def stored_arrays(pc: PrefixCache) -> dict:
     """A numpy copy of every array the tree holds, by node id."""
     return {
-        n.id: [np.array(a) for _, a in tree_flatten(n.payload.data) if isinstance(a, mx.array)]
+        n.id: [np.array(a) for a in payload_arrays(n.payload)]
         for n in pc.tree.nodes()
         if n.payload is not None
     }
+
+
+def payload_arrays(p) -> list:
+    return [
+        a
+        for _, a in tree_flatten([p.kv, p.windows, [s.state for s in p.states]])
+        if isinstance(a, mx.array)
+    ]
 
 
 def assert_unchanged(before: dict, after: dict) -> None:
@@ -106,9 +113,9 @@ def kv(tiny_qwen):
 # -- (a) reuse gives the logits of a cold prefill -------------------------------------
 
 
-def test_kvcache_selects_slices_mode(kv):
+def test_kvcache_layers_are_stored_as_slices(kv):
     _, make_cache, pc = kv
-    assert pc.mode == "slices"
+    assert pc.classes == [KV] and pc.exact_anywhere
     assert all(type(c) is KVCache for c in make_cache())
 
 
@@ -307,7 +314,7 @@ def test_quantized_kvcache_slices_match_cold_quantized_run(tiny_qwen_hd32):
         return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
 
     pc = PrefixCache(make_cache)
-    assert pc.mode == "slices"
+    assert pc.classes == [KV]
     a = toks(50, seed=40)
     assert_same_as_cold(pc, model, make_cache, a, expect_hit=0)
     assert_same_as_cold(pc, model, make_cache, a + toks(10, seed=41), expect_hit=50)
@@ -317,7 +324,7 @@ def test_quantized_kvcache_slices_match_cold_quantized_run(tiny_qwen_hd32):
     assert pc.total_bytes == (50 + 10 + 10 + 6) * bpt
     for n in pc.tree.nodes():
         assert n.payload.nbytes == len(n.key) * bpt
-        (keys, values) = n.payload.data[0]
+        (keys, values) = n.payload.kv[0]
         assert len(keys) == 3 and keys[0].dtype == mx.uint32  # (weights, scales, biases)
     hit = pc.fetch(a + [1])
     assert hit.length == 50 and all(isinstance(c, QuantizedKVCache) for c in hit.cache)
@@ -326,49 +333,6 @@ def test_quantized_kvcache_slices_match_cold_quantized_run(tiny_qwen_hd32):
 
 
 # -- (f) rotating caches: snapshots ----------------------------------------------------
-
-
-@pytest.fixture
-def rot(tiny_qwen):
-    def make_cache():
-        return make_prompt_cache(tiny_qwen, max_kv_size=64)
-
-    return tiny_qwen, make_cache, PrefixCache(make_cache)
-
-
-def snapshot_depths(pc: PrefixCache) -> dict[int, int]:
-    return {n.depth: cache_length(n.payload.data) for n in pc.tree.nodes() if n.payload}
-
-
-def test_rotating_cache_selects_snapshots_mode(rot):
-    _, make_cache, pc = rot
-    assert pc.mode == "snapshots"
-    assert all(type(c) is RotatingKVCache for c in make_cache())
-
-
-def test_snapshots_unrotated_equal_cold(rot):
-    model, make_cache, pc = rot
-    a = toks(30, seed=50)
-    assert_same_as_cold(pc, model, make_cache, a, expect_hit=0)
-    assert snapshot_depths(pc) == {30: 30}
-    # At the snapshot boundary.
-    b = a + toks(10, seed=51)
-    assert_same_as_cold(pc, model, make_cache, b, expect_hit=30)
-    assert snapshot_depths(pc) == {30: 30, 40: 40}
-    # Below a snapshot that was never rotated: trimmed to the match.
-    c = a[:20] + toks(8, seed=52)
-    assert_same_as_cold(pc, model, make_cache, c, expect_hit=20)
-    # Inserting c split a's edge at 20; the split point holds no snapshot (one is
-    # only taken where a turn ends), c's own end (28) does.
-    assert snapshot_depths(pc) == {30: 30, 40: 40, 28: 28}
-    # A new prompt ending exactly on the split boundary stores a snapshot there.
-    pc.insert(a[:20], _run(model, make_cache, a[:20]))
-    assert snapshot_depths(pc)[20] == 20
-    # A long continuation that rotates during its own prefill is still exact: the
-    # snapshot it starts from was not rotated, so nothing was dropped before it.
-    d = b + toks(40, seed=53)
-    assert_same_as_cold(pc, model, make_cache, d, expect_hit=40)
-    assert locked(pc) == []
 
 
 def _run(model, make_cache, tokens, chunks=None):
@@ -380,92 +344,6 @@ def _run(model, make_cache, tokens, chunks=None):
         pos += n
     assert pos == len(tokens)
     return cache
-
-
-def cache_state(cache) -> list[np.ndarray]:
-    out = []
-    for c in cache:
-        keys, values = c.keys, c.values
-        out += [np.array(keys), np.array(values), np.array([c.offset, c._idx])]
-    return out
-
-
-def test_snapshots_after_rotation_only_reuse_consistent_states(rot):
-    model, make_cache, pc = rot
-    a = toks(100, seed=60)
-    # Turn 1 covers a[:40] (not rotated); turn 2 all of a (rotated past 64 tokens).
-    pc.insert(a[:40], _run(model, make_cache, a[:40]))
-    pc.insert(a, _run(model, make_cache, a, chunks=[40, 60]))
-    assert snapshot_depths(pc) == {40: 40, 100: 100}
-    deep = pc.tree.match(a).path[-1].payload.data
-    assert not all(c.is_trimmable() for c in deep)  # the 100-token snapshot rotated
-    before = stored_arrays(pc)
-
-    # Matching past the rotated snapshot reuses it whole, and continuing from it is
-    # exactly continuing the original run.
-    more = toks(6, seed=61)
-    hit = pc.fetch(a + more)
-    assert hit.length == 100
-    reference = _run(model, make_cache, a, chunks=[40, 60])
-    for x, y in zip(cache_state(hit.cache), cache_state(reference), strict=True):
-        np.testing.assert_array_equal(x, y)
-    got = prefill(model, hit.cache, more)
-    pc.release(hit)
-    want = prefill(model, reference, more)
-    assert mx.allclose(got, want, atol=ATOL, rtol=0).item()
-
-    # Diverging inside the rotated edge: the rotated snapshot cannot be cut, so the
-    # hit falls back to the nearest snapshot at or below the match (40), which is
-    # exact, and the result equals a cold run.
-    diverge = a[:90] + toks(5, seed=62)
-    hit = pc.fetch(diverge)
-    assert hit.length == 40
-    for x, y in zip(
-        cache_state(hit.cache), cache_state(_run(model, make_cache, a[:40])), strict=True
-    ):
-        np.testing.assert_array_equal(x, y)
-    pc.release(hit)
-    assert_same_as_cold(pc, model, make_cache, diverge, expect_hit=40, insert=False)
-
-    # With no snapshot at or below the match, nothing is reused.
-    lone = PrefixCache(make_cache)
-    lone.insert(a, _run(model, make_cache, a))
-    hit = lone.fetch(a[:90] + [1])
-    assert hit.length == 0 and hit.path == [] and cache_length(hit.cache) == 0
-    lone.release(hit)
-
-    assert_unchanged(before, stored_arrays(pc))
-    assert locked(pc) == []
-
-
-def test_rotated_snapshot_after_decode_steps_is_exact(rot):
-    """Single-token decode rotates the buffer in place; the snapshot must be a copy."""
-    model, make_cache, pc = rot
-    prompt = toks(60, seed=70)
-    cache = _run(model, make_cache, prompt)
-    generated = []
-    logits = prefill(model, cache, [prompt[-1]])[-1]
-    for _ in range(10):  # crosses 64 tokens: in-place rotation
-        generated.append(int(mx.argmax(logits)))
-        logits = prefill(model, cache, generated[-1:])[-1]
-    tokens = prompt + [prompt[-1]] + generated
-    pc.insert(tokens, cache)
-    assert snapshot_depths(pc) == {71: 71}
-    before = stored_arrays(pc)
-    # The original run goes on; the snapshot must not follow it.
-    reference = copy.deepcopy(cache)
-    prefill(model, cache, [1, 2, 3])
-    assert_unchanged(before, stored_arrays(pc))
-
-    nxt = tokens + [5, 6, 7]
-    hit = pc.fetch(nxt)
-    assert hit.length == 71
-    got = prefill(model, hit.cache, nxt[71:])
-    pc.release(hit)
-    want = prefill(model, reference, nxt[71:])
-    assert mx.allclose(got, want, atol=ATOL, rtol=0).item()
-    # Using the fetched cache (in-place rotation again) left the snapshot alone.
-    assert_unchanged(before, stored_arrays(pc))
 
 
 # -- (g) eviction ------------------------------------------------------------------
@@ -535,26 +413,6 @@ def test_insert_reports_new_heads_as_added_and_cut_nodes_as_split(kv):
     assert pc.total_bytes == (30 + 4) * bpt
 
 
-def test_snapshot_insert_lists_each_node_once(rot):
-    model, make_cache, pc = rot
-    a = toks(20, seed=102)
-    pc.insert(a, _run(model, make_cache, a))
-    # Ending inside a stored edge: the cut-off head is new and gets the snapshot.
-    added, split = pc.insert(a[:10], _run(model, make_cache, a[:10]))
-    assert len(added) == 1 and len(split) == 1
-    assert added[0].depth == 10 and cache_length(added[0].payload.data) == 10
-    # Ending on a boundary that holds no snapshot (the head of a cut edge).
-    b = a[:5] + toks(3, seed=103)
-    pc.insert(b, _run(model, make_cache, b))
-    upper = pc.tree.match(a).path[0]
-    assert upper.depth == 5 and upper.payload is None
-    added, split = pc.insert(a[:5], _run(model, make_cache, a[:5]))
-    assert added == [upper] and split == [] and cache_length(upper.payload.data) == 5
-    assert pc.total_bytes == sum(
-        sum(c.nbytes for c in n.payload.data) for n in pc.tree.nodes() if n.payload
-    )
-
-
 def test_clear_drops_everything_and_never_reuses_ids(kv):
     model, make_cache, pc = kv
     a = toks(40, seed=104)
@@ -622,3 +480,26 @@ def test_random_operations_fetch_the_prefix_kv(tiny_qwen, ops):
         pc.tree.check()
         assert locked(pc) == []
         assert pc.total_bytes == bpt * sum(len(n.key) for n in pc.tree.nodes())
+
+
+def test_a_lent_hit_gives_the_same_kv_back_even_without_an_insert(kv):
+    """fetch(lend=True) hands whole path nodes' K/V to the turn's cache (held once);
+    release gives it back, copied from that cache, whatever the model wrote after it."""
+    model, make_cache, pc = kv
+    a = toks(60, seed=120)
+    warm(pc, model, a)
+    warm(pc, model, a + toks(20, seed=121))
+    before = stored_arrays(pc)
+    tokens = a + toks(20, seed=121) + toks(5, seed=122)
+    hit = pc.fetch(tokens, expect=len(tokens) + 300, lend=True)
+    assert hit.length == 80 and [n.depth for n in hit.lent] == [60, 80]
+    assert all(kv == (None, None) for n in hit.lent for kv in n.payload.kv)
+    assert hit.cache[0].keys.shape[2] == 512  # room for what the turn will add
+    reference = make_cache()
+    prefill(model, reference, tokens[:80])
+    got = prefill(model, hit.cache, tokens[80:])
+    want = prefill(model, reference, tokens[80:])
+    assert mx.allclose(got, want, atol=ATOL, rtol=0).item()
+    pc.release(hit)  # as after an error: no insert
+    assert_unchanged(before, stored_arrays(pc))
+    assert locked(pc) == [] and pc.total_bytes == 80 * bytes_per_token(make_cache, model)

@@ -1,0 +1,323 @@
+"""The turn's one collective, and every cache decision made from what it gathered.
+
+Before the turn every rank sends its numbers once (bytes held, budget, pressure, RAM,
+the turn's headroom, and its bytes per unit of each storage class); every rank then
+evicts the same entries by `policy.plan`. After the turn's insert, the same gathered
+numbers and the tree's counts give every rank's bytes exactly, so every rank also
+agrees, with no further collective, on what to evict (or cut off the conversation)
+to bring every rank within its budget.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from exokv.cache.layers import KV, STATE, StorageClass
+from exokv.cache.memory import MemorySample
+from exokv.cache.policy import Entry, RankLoad, plan
+from exokv.cache.prefix_cache import PrefixCache
+from exokv.cache.radix import Node
+from exokv.cluster.group import Group
+from exokv.errors import ExokvError
+from exokv.records import CacheEvent, EntryInfo, RankStats
+
+_FIXED = 9  # numbers before the per-class rates in the gathered vector
+_DIGEST = 8
+_MAX_WINDOWS = 7  # distinct sliding windows a model may use (startup agreement)
+
+
+def agree_classes(group: Group, local: Sequence[StorageClass]) -> list[StorageClass]:
+    """Every rank's storage classes, the same list on every rank (a startup gather).
+
+    A rank counts what every other rank holds, so it must know their classes even
+    where it has no layer of that class (a pipeline rank of a hybrid model).
+    """
+    windows = sorted(c for c in local if c[0] == "window")
+    if len(windows) > _MAX_WINDOWS:
+        raise ExokvError(f"the model uses {len(windows)} sliding windows; at most 7 are supported")
+    vector = [int(KV in local), int(STATE in local)]
+    for i in range(_MAX_WINDOWS):
+        vector += list(windows[i][1:]) if i < len(windows) else [-1, -1]
+    rows = group.gather(vector) if group.size > 1 else [vector]
+    out: set[StorageClass] = set(local)
+    for row in rows:
+        if row[0]:
+            out.add(KV)
+        if row[1]:
+            out.add(STATE)
+        out |= {("window", row[i], row[i + 1]) for i in range(2, len(row), 2) if row[i] >= 0}
+    return sorted(out)
+
+
+@dataclass
+class Gathered:
+    """One turn's numbers from every rank."""
+
+    rates: list[dict[StorageClass, int]]  # bytes per token (kv, window) or state, per rank
+    loads: list[RankLoad]
+    rows: list[list[int]]
+
+
+class Coordinator:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        group: Group,
+        rates: dict[StorageClass, int],
+        budget: int | None,
+        threshold: float,
+    ) -> None:
+        self.cache = cache
+        self.group = group
+        self.rates = {c: rates.get(c, 0) for c in cache.classes}  # this rank's
+        self.budget = budget
+        self.threshold = threshold
+        self.collectives = 0
+        self.last: Gathered | None = None
+        self._rates: list[dict[StorageClass, int]] | None = None  # gathered outside a turn
+
+    # -- bytes on every rank, from the tree's counts --------------------------------
+
+    def all_rates(self) -> list[dict[StorageClass, int]]:
+        """Every rank's rates as last gathered (this rank's alone before any turn)."""
+        if self.last is not None:
+            return self.last.rates
+        return self._rates or [self.rates] * self.group.size
+
+    def gather_rates(self) -> None:
+        """Every rank's rates, outside a turn (a collective: every rank calls it alike)."""
+        rows = self.group.gather([self.rates[c] for c in self.cache.classes])
+        self._rates = [dict(zip(self.cache.classes, row, strict=True)) for row in rows]
+
+    def node_bytes(self, node: Node) -> list[int]:
+        return _bytes(self.cache.counts(node), self.all_rates())
+
+    def held_bytes(self) -> list[int]:
+        return _bytes(self.cache.totals, self.all_rates())
+
+    def headroom(self, new_tokens: int, copied: int = 0) -> int:
+        """Most bytes this turn's inserts can add on this rank. A turn stores at most two
+        points (where it leaves the tree, and its end): every new token's K/V, at most a
+        window per point for each sliding window, and a state per point. `copied`:
+        tokens of full-attention K/V the turn's cache holds beside the tree's copy."""
+        total = 0
+        for c, rate in self.rates.items():
+            if c == KV:
+                total += (new_tokens + copied) * rate
+            elif c == STATE:
+                total += 2 * rate
+            else:
+                total += min(new_tokens + c[1], 2 * c[1]) * rate
+        return total
+
+    # -- before the turn: the one collective and the plan ---------------------------
+
+    def begin(
+        self,
+        decision: int,
+        new_tokens: int,
+        probe: MemorySample,
+        events: list[CacheEvent],
+        copied: int = 0,
+    ) -> None:
+        """Gather every rank's numbers once, plan, and evict the same entries everywhere."""
+        nodes = list(self.cache.tree.nodes())
+        local = [
+            self.cache.total_bytes,
+            -1 if self.budget is None else self.budget,
+            int(probe.pressure * 1_000_000),
+            probe.ram_total,
+            self.headroom(new_tokens, copied),
+            probe.rss,
+            probe.mlx_active,
+            sum(r for c, r in self.rates.items() if c != STATE),
+            _tree_digest(nodes),
+            *(self.rates[c] for c in self.cache.classes),
+        ]
+        self.collectives += 1
+        rows = self.group.gather(local)
+        if len({row[_DIGEST] for row in rows}) != 1:
+            raise ExokvError("ranks hold different cache trees (they diverged); restart the chat")
+        rates = [dict(zip(self.cache.classes, row[_FIXED:], strict=True)) for row in rows]
+        held = _bytes(self.cache.totals, rates)
+        loads = [
+            RankLoad(
+                cache_bytes=held[r],
+                budget=None if row[1] < 0 else row[1],
+                pressure=row[2] / 1_000_000,
+                ram=row[3],
+                headroom=row[4],
+            )
+            for r, row in enumerate(rows)
+        ]
+        self.last = Gathered(rates=rates, loads=loads, rows=rows)
+        self._evict(nodes, loads, decision, events)
+
+    # -- after the turn: every rank within its budget -------------------------------
+
+    def cap(
+        self, decision: int, live: list[Node], tokens: int, session: str, events: list[CacheEvent]
+    ) -> None:
+        """Evict, by the gathered numbers, until every rank holds at most its budget:
+        other entries first (least recently used), then the end of the live conversation
+        (`live`, the path of its `tokens` tokens), keeping its longest prefix that fits."""
+        g = self.last
+        if g is None or not self._over():  # the common case: a look at the totals only
+            return
+        loads = [
+            RankLoad(cache_bytes=b, budget=load.budget, pressure=0.0, ram=load.ram)
+            for b, load in zip(self.held_bytes(), g.loads, strict=True)
+        ]
+        nodes = list(self.cache.tree.nodes())
+        self._evict(nodes, loads, decision, events, pinned=set(live))
+        path = [n for n in live if n.payload is not None]
+        while path and self._over():
+            node = path[-1]
+            keep = self._longest_fit(node)
+            reason = f"over budget: kept {node.start + keep} of {tokens} tokens"
+            pressures = [load.pressure for load in g.loads]
+            if keep:
+                head = self.cache.cut(node, keep)
+                events.append(self.event("add", head, session, decision))
+            events.append(self._evict_event(node, decision, reason, pressures))
+            self.cache.evict(node)
+            path.pop()
+
+    def _over(self) -> bool:
+        budgets = [load.budget for load in self.last.loads]
+        return any(b is not None and h > b for h, b in zip(self.held_bytes(), budgets, strict=True))
+
+    def _longest_fit(self, node: Node) -> int:
+        """The most tokens of leaf `node` that every rank can keep (0: none).
+
+        Only where every layer can be cut at any token: elsewhere the cut-off head's
+        end would have no state or window there, so it could never be a hit."""
+        if not self.cache.exact_anywhere:
+            return 0
+        rates = self.all_rates()
+        budgets = [load.budget for load in self.last.loads]
+        without = [h - b for h, b in zip(self.held_bytes(), self.node_bytes(node), strict=True)]
+
+        def fits(k: int) -> bool:
+            head = _bytes(self.cache.head_counts(node, k), rates)
+            return all(
+                b is None or w + h <= b for w, h, b in zip(without, head, budgets, strict=True)
+            )
+
+        lo, hi = 0, len(node.key) - 1  # fits(lo) holds once the whole leaf is gone
+        if not fits(0):
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _evict(
+        self,
+        nodes: list[Node],
+        loads: list[RankLoad],
+        decision: int,
+        events: list[CacheEvent],
+        pinned: set[Node] | None = None,
+    ) -> None:
+        pinned = pinned or set()
+        sizes = [[0] * len(nodes) for _ in loads]
+        rates = self.last.rates
+        for i, node in enumerate(nodes):
+            for r, b in enumerate(_bytes(self.cache.counts(node), rates)):
+                sizes[r][i] = b
+        entries = [
+            Entry(
+                id=n.id,
+                parent=n.parent.id if n.parent is not None else None,
+                last_used=n.last_used,
+                locked=n.locks > 0 or n in pinned,
+            )
+            for n in nodes
+        ]
+        pressures = [load.pressure for load in self.last.loads]
+        by_id = {n.id: n for n in nodes}
+        for eviction in plan(entries, sizes, loads, self.threshold):
+            node = by_id[eviction.entry]
+            events.append(self._evict_event(node, decision, eviction.reason, pressures))
+            self.cache.evict(node)
+
+    def _evict_event(
+        self, node: Node, decision: int, reason: str, pressures: list[float]
+    ) -> CacheEvent:
+        return CacheEvent(
+            kind="evict",
+            decision=decision,
+            entry=node.id,
+            tokens=len(node.key),
+            bytes=self.node_bytes(node),
+            session=node.session,
+            reason=reason,
+            pressures=pressures,
+        )
+
+    # -- reporting ------------------------------------------------------------------
+
+    def event(self, kind: str, node: Node, session: str, decision: int, hit: int = 0) -> CacheEvent:
+        return CacheEvent(
+            kind=kind,
+            decision=decision,
+            entry=node.id,
+            tokens=len(node.key),
+            bytes=self.node_bytes(node),
+            session=session,
+            hit_length=hit,
+        )
+
+    def stats(self) -> list[RankStats]:
+        """Every rank's figures after the turn: bytes exact from the tree's counts."""
+        g = self.last
+        assert g is not None
+        held = self.held_bytes()
+        # This rank's own figure is what it holds, measured; the others' are computed
+        # from the tree's counts (equal when the accounting is exact, as tests check).
+        held[self.group.rank] = self.cache.total_bytes
+        entries = sum(1 for _ in self.cache.tree.nodes())
+        return [
+            RankStats(
+                rank=r,
+                cache_bytes=held[r],
+                entries=entries,
+                budget=None if row[1] < 0 else row[1],
+                pressure=row[2] / 1_000_000,
+                ram_total=row[3],
+                rss=row[5],
+                mlx_active=row[6],
+            )
+            for r, row in enumerate(g.rows)
+        ]
+
+    def entries(self) -> list[EntryInfo]:
+        return [
+            EntryInfo(
+                id=node.id,
+                parent=node.parent.id if node.parent and node.parent.parent else None,
+                session=node.session,
+                tokens=len(node.key),
+                depth=node.depth,
+                bytes=self.node_bytes(node),
+                hits=node.hits,
+                last_used=node.last_used,
+            )
+            for node in self.cache.tree.nodes()
+        ]
+
+
+def _bytes(counts: dict[StorageClass, int], rates: Sequence[dict[StorageClass, int]]) -> list[int]:
+    return [sum(n * rate.get(c, 0) for c, n in counts.items()) for rate in rates]
+
+
+def _tree_digest(nodes: Sequence[Node]) -> int:
+    """A checksum of the tree's shape, compared across ranks in the same collective."""
+    text = ";".join(f"{n.id}:{n.depth}:{n.parent.id if n.parent else -1}" for n in nodes)
+    return zlib.crc32(text.encode())

@@ -1,0 +1,68 @@
+"""Two ranks with uneven budgets and uneven layers, every layer a sliding window
+(--max-kv-size): each rank within its budget after every turn, the same evictions
+on both, and every rank's bytes as the others compute them equal to what it holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from chat_helpers import cache_json, home_with_models
+from test_cluster import rank_log, run_script
+
+# Four conversations sharing their start: each new one splits the tree's edges.
+SCRIPT = [
+    "Hello there, tell me about cats",
+    "And dogs?",
+    "/new b",
+    "Hello there, tell me about the sea",
+    "/new c",
+    "Hello there, tell me about winter",
+    "Shorter please",
+    "/new d",
+    "Hello there, tell me about rivers",
+    "/switch b",
+    "Thanks",
+]
+BUDGETS = (200_000, 16_000)
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    home = home_with_models(tmp_path / "two", models_dir)
+    env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
+    args = (
+        *("-n", "2", "--split", "3,1", "--max-kv-size", "48"),
+        *("--cache-budget", ",".join(str(b) for b in BUDGETS)),
+        *("--starting-port", "27510"),
+    )
+    turns = run_script(home, SCRIPT, *args, env=env)
+    logs = [rank_log(home, 0), rank_log(home, 1)]
+    assert len(logs[0]) == len(logs[1]) == len(turns) == 7
+
+    for t0, t1 in zip(*logs, strict=True):
+        own = [t0["rank_stats"][0]["cache_bytes"], t1["rank_stats"][1]["cache_bytes"]]
+        # After every turn each rank holds at most its budget ...
+        assert all(b <= budget for b, budget in zip(own, BUDGETS, strict=True)), own
+        # ... and what each rank computes the other holds is what that rank holds.
+        assert t1["rank_stats"][0]["cache_bytes"] == own[0]
+        assert t0["rank_stats"][1]["cache_bytes"] == own[1]
+        assert t0["events"] == t1["events"]  # every decision alike, evictions included
+        assert t0["collectives"]["gather"] == 1  # still one gather per turn
+
+    evictions = [e for t in logs[0] for e in t["events"] if e["kind"] == "evict"]
+    # Rank 1's small budget drives them all (when one conversation alone is over it,
+    # the tree keeps the longest prefix of it that fits, and says so).
+    reasons = {e["reason"] for e in evictions}
+    assert "budget rank 1" in reasons
+    assert all(r == "budget rank 1" or r.startswith("over budget: kept ") for r in reasons)
+    assert sum(1 for t in logs[0] for e in t["events"] if e["kind"] == "update") > 0  # splits
+    assert any(t["cached_tokens"] > 0 for t in turns)
+
+    # The figures the store keeps (and `exokv cache pressure` shows) are the ranks' own.
+    pressure = cache_json(home, "pressure")
+    rows = pressure if isinstance(pressure, list) else pressure.get("ranks", pressure)
+    last = {r["rank"]: r["cache_bytes"] for r in rows}
+    assert last == {0: logs[0][-1]["rank_stats"][0]["cache_bytes"], 1: own[1]}
