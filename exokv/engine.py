@@ -151,6 +151,7 @@ class Engine:
         if use_cache:
             live = self.cache.tree.match((tokens + generated)[:ran]).path
             self.coord.cap(self.decision, live, ran, request.session, events)
+        stats, entries = self.coord.stats(), self.coord.changed_entries()
         overhead += time.perf_counter() - tic
         return TurnResult(
             session=request.session,
@@ -166,8 +167,8 @@ class Engine:
             finish_reason=finish,
             decision=self.decision,
             events=events,
-            rank_stats=self.coord.stats(),
-            entries=self.coord.entries(),
+            rank_stats=stats,
+            entries=entries,
         )
 
     def _stops(self, n: int, hit: int, meets: int) -> list[int]:

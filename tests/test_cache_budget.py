@@ -145,7 +145,10 @@ def test_budget_is_a_cap_after_every_turn(kind, tokenizer):
         assert held <= budget, (held, budget)
         assert held == stored_bytes(engine.cache)  # our counter is what the arrays hold
         assert result.rank_stats[0].cache_bytes == held
-        assert sum(e.bytes[0] for e in result.entries) == held  # entries, from the counts
+        assert sum(e.bytes[0] for e in engine.entries()) == held  # entries, from the counts
+        assert engine.cache.tree.weight == held  # the tree's own running sum
+        live = {e.id: e for e in engine.entries()}
+        assert all(live[e.id] == e for e in result.entries)  # what the turn changed, current
 
     engine = engine_for(kind, tokenizer, budget=budget)
     results = play(engine, chats(3, 2), check=check)

@@ -10,13 +10,12 @@ to bring every rank within its budget.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from exokv.cache.layers import KV, STATE, StorageClass
 from exokv.cache.memory import MemorySample
-from exokv.cache.policy import Entry, RankLoad, plan
+from exokv.cache.policy import Entry, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node
 from exokv.cluster.group import Group
@@ -123,7 +122,6 @@ class Coordinator:
         copied: int = 0,
     ) -> None:
         """Gather every rank's numbers once, plan, and evict the same entries everywhere."""
-        nodes = list(self.cache.tree.nodes())
         local = [
             self.cache.total_bytes,
             -1 if self.budget is None else self.budget,
@@ -133,7 +131,7 @@ class Coordinator:
             probe.rss,
             probe.mlx_active,
             sum(r for c, r in self.rates.items() if c != STATE),
-            _tree_digest(nodes),
+            self.cache.tree.digest,  # kept by the tree as it changes
             *(self.rates[c] for c in self.cache.classes),
         ]
         self.collectives += 1
@@ -153,7 +151,7 @@ class Coordinator:
             for r, row in enumerate(rows)
         ]
         self.last = Gathered(rates=rates, loads=loads, rows=rows)
-        self._evict(nodes, loads, decision, events)
+        self._evict(loads, decision, events)
 
     # -- after the turn: every rank within its budget -------------------------------
 
@@ -170,8 +168,7 @@ class Coordinator:
             RankLoad(cache_bytes=b, budget=load.budget, pressure=0.0, ram=load.ram)
             for b, load in zip(self.held_bytes(), g.loads, strict=True)
         ]
-        nodes = list(self.cache.tree.nodes())
-        self._evict(nodes, loads, decision, events, pinned=set(live))
+        self._evict(loads, decision, events, pinned=set(live))
         path = [n for n in live if n.payload is not None]
         while path and self._over():
             node = path[-1]
@@ -219,31 +216,37 @@ class Coordinator:
 
     def _evict(
         self,
-        nodes: list[Node],
         loads: list[RankLoad],
         decision: int,
         events: list[CacheEvent],
         pinned: set[Node] | None = None,
     ) -> None:
+        """Evict by the plan: least recently used unlocked leaves, taken lazily from the
+        tree's own order, so the cost is the evictions', not the tree's size."""
         pinned = pinned or set()
-        sizes = [[0] * len(nodes) for _ in loads]
+        tree = self.cache.tree
         rates = self.last.rates
-        for i, node in enumerate(nodes):
-            for r, b in enumerate(_bytes(self.cache.counts(node), rates)):
-                sizes[r][i] = b
-        entries = [
-            Entry(
-                id=n.id,
-                parent=n.parent.id if n.parent is not None else None,
-                last_used=n.last_used,
-                locked=n.locks > 0 or n in pinned,
-            )
-            for n in nodes
-        ]
+
+        def entry(node: Node) -> Entry:
+            parent = node.parent.id if node.parent is not None and node.parent.parent else None
+            return Entry(node.id, parent, node.last_used, node.locks > 0 or node in pinned)
+
+        def entry_of(node_id: int) -> Entry | None:
+            node = tree.find(node_id)
+            return None if node is None else entry(node)
+
+        planned = plan_lru(
+            (entry(n) for n in tree.lru_leaves() if n not in pinned),
+            entry=entry_of,
+            children=lambda node_id: len(tree.find(node_id).children),
+            sizes_of=lambda node_id: _bytes(self.cache.counts(tree.find(node_id)), rates),
+            ranks=loads,
+            threshold=self.threshold,
+        )
         pressures = [load.pressure for load in self.last.loads]
-        by_id = {n.id: n for n in nodes}
-        for eviction in plan(entries, sizes, loads, self.threshold):
-            node = by_id[eviction.entry]
+        # The plan is complete before anything is evicted: the leaf order it read changes.
+        for eviction in planned:
+            node = tree.find(eviction.entry)
             events.append(self._evict_event(node, decision, eviction.reason, pressures))
             self.cache.evict(node)
 
@@ -282,7 +285,7 @@ class Coordinator:
         # This rank's own figure is what it holds, measured; the others' are computed
         # from the tree's counts (equal when the accounting is exact, as tests check).
         held[self.group.rank] = self.cache.total_bytes
-        entries = sum(1 for _ in self.cache.tree.nodes())
+        entries = len(self.cache.tree)
         return [
             RankStats(
                 rank=r,
@@ -298,26 +301,25 @@ class Coordinator:
         ]
 
     def entries(self) -> list[EntryInfo]:
-        return [
-            EntryInfo(
-                id=node.id,
-                parent=node.parent.id if node.parent and node.parent.parent else None,
-                session=node.session,
-                tokens=len(node.key),
-                depth=node.depth,
-                bytes=self.node_bytes(node),
-                hits=node.hits,
-                last_used=node.last_used,
-            )
-            for node in self.cache.tree.nodes()
-        ]
+        """Every live entry (a walk of the whole tree: for inspection, not per turn)."""
+        return [self._entry_info(node) for node in self.cache.tree.nodes()]
+
+    def changed_entries(self) -> list[EntryInfo]:
+        """The entries added or changed since the last call (the store keeps the rest)."""
+        return [self._entry_info(node) for node in self.cache.tree.drain_changed()]
+
+    def _entry_info(self, node: Node) -> EntryInfo:
+        return EntryInfo(
+            id=node.id,
+            parent=node.parent.id if node.parent and node.parent.parent else None,
+            session=node.session,
+            tokens=len(node.key),
+            depth=node.depth,
+            bytes=self.node_bytes(node),
+            hits=node.hits,
+            last_used=node.last_used,
+        )
 
 
 def _bytes(counts: dict[StorageClass, int], rates: Sequence[dict[StorageClass, int]]) -> list[int]:
     return [sum(n * rate.get(c, 0) for c, n in counts.items()) for rate in rates]
-
-
-def _tree_digest(nodes: Sequence[Node]) -> int:
-    """A checksum of the tree's shape, compared across ranks in the same collective."""
-    text = ";".join(f"{n.id}:{n.depth}:{n.parent.id if n.parent else -1}" for n in nodes)
-    return zlib.crc32(text.encode())

@@ -74,7 +74,8 @@ class PrefixCache:
         self.window_leaves = [leaf for leaf in self.leaves if leaf.cls[0] == "window"]
         self.state_leaves = [leaf for leaf in self.leaves if leaf.cls == STATE]
         self.window_classes = [c for c in self.classes if c[0] == "window"]
-        self.tree = RadixTree()
+        # The tree sums payload bytes and lists the nodes a turn changed (for the store).
+        self.tree = RadixTree(size_of=_payload_size)
         self.totals: dict[StorageClass, int] = dict.fromkeys(self.classes, 0)
         self._bytes = 0
 
@@ -252,6 +253,7 @@ class PrefixCache:
         for node in {*before, *path}:
             old_counts, old_bytes = before.get(node, ({}, 0))
             self._account(self.counts(node), node.payload.nbytes, old_counts, old_bytes)
+            self.tree.resize(node)  # payloads changed in place
         return added, changed
 
     def _split(self, payload: Payload, k: int) -> tuple[Payload, Payload]:
@@ -302,14 +304,14 @@ class PrefixCache:
         _drop(self, head)
         self._account(self.counts(head), head.payload.nbytes, {}, 0)
         self._account(self.counts(node), node.payload.nbytes, *old)
+        self.tree.resize(head)
+        self.tree.resize(node)
         return head
 
     def clear(self) -> None:
         """Drop every entry. The same tree goes on, so its id counter does: a new
         entry never reuses the id of a cleared one (ids key the run's entry log)."""
-        for node in list(self.tree.nodes()):
-            node.payload = None
-        self.tree.root.children.clear()
+        self.tree.clear()
         self.totals = dict.fromkeys(self.classes, 0)
         self._bytes = 0
 
@@ -397,3 +399,7 @@ def _slices(arrays: list[Any], held: list[spans.Span], want: list[spans.Span]) -
 
 def _payload_bytes(p: Payload) -> int:
     return layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
+
+
+def _payload_size(p: Payload | None) -> int:
+    return p.nbytes if p is not None else 0
