@@ -203,7 +203,7 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
         term.expect(prompt("s1"))
         back, st5 = say(term, "s1", "And the rivers?")
         term.type("/sessions\r")
-        term.expect(r"\* s1 +│ +\d+ │")
+        term.expect(r"\* s1 +\d+ +[\d,]+ ")
         term.expect(prompt("s1"))
         term.type("\x04")  # Ctrl-D: quit, saving s1's KV cache
         term.expect(r"saved the KV cache of 's1'")
@@ -397,7 +397,7 @@ def test_completion_of_commands_and_sessions() -> None:
     def complete(text: str) -> list[str]:
         return [c.text for c in ChatCompleter(chat).get_completions(Document(text), None)]
 
-    assert complete("/s") == ["/switch", "/sessions", "/system", "/stats", "/save"]
+    assert complete("/s") == ["/switch ", "/sessions ", "/system ", "/set ", "/stats", "/save"]
     assert complete("/switch ") == ["alpha", "main"]  # not the current one (beta)
     assert complete("/switch al") == ["alpha"]
     assert complete("hello /s") == []
