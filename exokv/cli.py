@@ -59,7 +59,10 @@ def _root(
 @app.command()
 def chat(
     prompt: list[str] = typer.Argument(
-        None, help="a message to answer in one turn, then exit (as `llm` and `ollama run`)"
+        None,
+        metavar="PROMPT",
+        help="a message to answer in one turn, then exit (as `llm` and `ollama run`)",
+        show_default=False,
     ),
     model: str = typer.Option(
         None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
@@ -194,7 +197,7 @@ def main() -> None:
     """Console entry point: one-line errors with exit codes, tracebacks only with EXOKV_DEBUG=1."""
     _mount_subcommands()
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name="exokv")
     except ExokvError as err:
         if debug_enabled():
             traceback.print_exc()
