@@ -82,7 +82,8 @@ def fit(
         # The least important column goes first; of equals, the rightmost.
         worst = max(droppable, key=lambda i: (columns[i].priority, i))
         keep.remove(worst)
-        dropped.append(columns[worst].header.strip() or "bar")
+        if columns[worst].header.strip():
+            dropped.append(columns[worst].header.strip())
     if not dropped:
         return table
     note = Text(f"(not shown at this width: {', '.join(reversed(dropped))})", style="dim")
@@ -92,20 +93,24 @@ def fit(
 def _stacked(
     columns: Sequence[Column], rows: Sequence[Sequence[Cell] | None], width: int
 ) -> RenderableType:
-    """One block per row, `header: value` per line: nothing cut however narrow."""
+    """One block per row, `header  value` per line (the value under its header when the
+    two do not fit on one line): nothing cut however narrow."""
     label = max(len(c.header) for c in columns)
     parts: list[RenderableType] = []
     for row in rows:
         if row is None:
             continue
-        block = Text()
         for c, value in zip(columns, row, strict=False):
             if not c.header.strip():
                 continue  # a drawing (the pressure bar) says nothing on its own line
-            block.append(f"{c.header:>{label}}  ", style="bold")
-            block.append_text(_cell(value))
-            block.append("\n")
-        parts.append(block)
+            cell = _cell(value)
+            line = Text(f"{c.header:>{label}}  ", style="bold", no_wrap=True, overflow="fold")
+            if label + 2 + cell.cell_len > width:
+                parts.append(Text(c.header, style="bold"))
+                line = Text("", no_wrap=True, overflow="fold")
+            line.append_text(cell)
+            parts.append(line)
+        parts.append(Text(""))
     return Group(*parts)
 
 
