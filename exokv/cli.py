@@ -217,4 +217,7 @@ def main() -> None:
             traceback.print_exc()
         print(f"exokv: error: {err} (set EXOKV_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(1)
+    if code == 130:
+        # Typer turns a KeyboardInterrupt into a quiet `return 130`: say what happened.
+        print("exokv: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)

@@ -73,7 +73,18 @@ def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClie
         )
     from exokv.cluster.client import ClusterClient
 
-    return ClusterClient(opts, budgets)
+    return ClusterClient(opts, budgets, progress=_startup_progress())
+
+
+def _startup_progress():  # noqa: ANN202 - a line printer, or None
+    """Ranks take seconds to start: on a terminal, say what happens (on stderr)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def say(text: str) -> None:
+        print(f"exokv: {text}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def interactive(opts: ChatOptions) -> bool:
