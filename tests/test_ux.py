@@ -214,3 +214,18 @@ def test_sessions_list_show_rename_rm(tmp_path: Path, models_dir: Path) -> None:
     assert missing.stderr.strip() == (
         "exokv: error: no session 'new': `exokv sessions list` shows them"
     )
+
+
+def test_pressure_of_a_rank_the_run_does_not_have_is_a_usage_error(tmp_path: Path) -> None:
+    from exokv.records import RankStats
+    from exokv.state import Store
+
+    with Store.open(tmp_path) as store:
+        run = store.start_run("builtin:tiny", 2, [None, None])
+        samples = [RankStats(r, 0, 0, None, 0.1, 8_000_000_000, 1, 1) for r in range(2)]
+        store.record_samples(run, samples)
+    for extra in ([], ["--json"]):
+        proc = exokv_text(tmp_path, "cache", "pressure", "--rank", "5", *extra)
+        assert proc.returncode == 2, proc.stdout
+        assert proc.stderr.strip() == "exokv: error: --rank 5: the current run has 2 ranks (from 0)"
+    assert exokv_text(tmp_path, "cache", "pressure", "--rank", "1").returncode == 0
