@@ -38,7 +38,13 @@ def _cell(value: Cell) -> Text:
 
 
 def _table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], keep: list[int]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1, 0, 0),
+        header_style="bold",
+    )
     for i in keep:
         c = columns[i]
         table.add_column(c.header, justify=c.justify, no_wrap=True)  # type: ignore[arg-type]
