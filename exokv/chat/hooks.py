@@ -21,9 +21,9 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.chat.kvsave import CacheFileReport
-from exokv.config import format_size
 from exokv.records import CacheEvent, TurnResult
 from exokv.state.store import Store
+from exokv.tables import size as format_size
 
 _UNSET = object()
 
