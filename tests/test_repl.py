@@ -586,3 +586,12 @@ def test_status_line_never_says_100_percent_while_it_prefilled() -> None:
     assert "999 cached (99%) · 1 prefilled" in status_line(almost)
     whole = TurnResult("s", "x", 1000, 1000, 0, 3, 0.1, 10.0, 0.0, 1)
     assert "1,000 cached (100%) · 0 prefilled" in status_line(whole)
+
+
+def test_sessions_shows_the_20_most_recent() -> None:
+    chat = ChatController(FakeClient(), TurnSettings(), "main")
+    for i in range(24):
+        chat.command(f"/new s{i}")
+    recent = chat.command("/sessions")
+    assert len(recent.data) == 20 and recent.message == "5 older sessions: /sessions all"
+    assert len(chat.command("/sessions all").data) == 25

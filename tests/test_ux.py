@@ -229,3 +229,31 @@ def test_pressure_of_a_rank_the_run_does_not_have_is_a_usage_error(tmp_path: Pat
         assert proc.returncode == 2, proc.stdout
         assert proc.stderr.strip() == "exokv: error: --rank 5: the current run has 2 ranks (from 0)"
     assert exokv_text(tmp_path, "cache", "pressure", "--rank", "1").returncode == 0
+
+
+def test_a_v3_database_keeps_its_sessions_and_gains_max_kv_size(tmp_path: Path) -> None:
+    import sqlite3
+
+    from exokv.state import Store, db_path
+    from exokv.state.schema import MIGRATIONS
+
+    tmp_path.mkdir(exist_ok=True)
+    db = sqlite3.connect(db_path(tmp_path), isolation_level=None)
+    db.execute("BEGIN")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for migration in MIGRATIONS[:3]:
+        migration(db)
+    db.execute("INSERT INTO schema_version VALUES (3)")
+    db.execute("INSERT INTO sessions VALUES (1, 'old', 'builtin:tiny', 'Be kind.', 1000.0, 1000.0)")
+    db.execute("COMMIT")
+    db.close()
+    with Store.open(tmp_path) as store:
+        info = store.session_info("old")
+        assert info is not None
+        assert (info["model"], info["system"], info["max_kv_size"]) == (
+            "builtin:tiny",
+            "Be kind.",
+            None,
+        )
+        store.set_session_options("old", 256)
+        assert store.session_info("old")["max_kv_size"] == 256

@@ -170,7 +170,9 @@ class ChatController:
             if arg not in ("", "all"):
                 return Outcome(name, "usage: /sessions [all]", error=True)
             rows = self.hooks.list_sessions(self)
-            return Outcome(name, "", data=rows if arg == "all" else rows[:RECENT_SESSIONS])
+            older = len(rows) - RECENT_SESSIONS if arg != "all" else 0
+            more = f"{plural(older, 'older session')}: /sessions all" if older > 0 else ""
+            return Outcome(name, more, data=rows if arg == "all" else rows[:RECENT_SESSIONS])
         if name == "/system":
             return self._system(arg)
         if name == "/set":

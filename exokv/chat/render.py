@@ -200,6 +200,8 @@ class Renderer:
             self.help()
         elif outcome.command == "/sessions" and outcome.data is not None:
             self.sessions(outcome.data)
+            if outcome.message:
+                self.note(outcome.message)
         elif outcome.command == "/stats" and outcome.data is not None:
             self.stats(outcome.data)
         elif outcome.command == "/evictions" and outcome.data is not None:
