@@ -205,7 +205,11 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
         term.expect(r"new session 's2'")
         term.expect(prompt("s2"))
         other, st4 = say(term, "s2", "What is two plus two?")
-        term.type("/switch s1\r")
+        term.type("/sw")  # Tab completes the command with its space: "/switch "
+        time.sleep(0.3)
+        term.type("\t")
+        time.sleep(0.3)
+        term.type("s1\r")
         term.expect(r"switched to 's1' \(2 turns\)")
         term.expect(prompt("s1"))
         back, st5 = say(term, "s1", "And the rivers?")
@@ -576,7 +580,8 @@ def test_slash_commands_people_expect(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_help_lists_commands_and_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _, out = drive("/help\r\x04", tmp_path, monkeypatch)
-    for text in ("/system [TEXT|clear]", "/set temp F", "//text", "Up / Down", "→", "Ctrl-D"):
+    keys = ("/sessions [all]", "/system [TEXT|clear]", "/set temp F", "//text", "Up / Down")
+    for text in (*keys, "→", "Ctrl-D"):
         assert text in out, text
     assert out.rstrip().endswith("bye")
 

@@ -20,7 +20,6 @@ from rich.text import Text
 
 from exokv import tables
 from exokv.chat.conversation import COMMANDS, Outcome
-from exokv.config import format_size
 from exokv.records import TurnResult
 
 # A prefill shorter than this, known at its start, gets no bar: it is over before it shows.
@@ -213,13 +212,14 @@ class Renderer:
         table = Table(box=None, show_header=False, pad_edge=False)
         table.add_column(style="bold", no_wrap=True)
         table.add_column()
+        # Text, not markup: `[all]` and `[NAME]` are words here, not styles.
         for name, text in COMMANDS.items():
             usage, _, what = text.partition("  ")
-            table.add_row(usage if what else name, what or text)
-        table.add_row("//text", "send a message that starts with /")
+            table.add_row(Text(usage if what else name), Text(what or text))
+        table.add_row(Text("//text"), Text("send a message that starts with /"))
         table.add_row("", "")
         for key, what in KEYS:
-            table.add_row(key, what)
+            table.add_row(Text(key), Text(what))
         self.console.print(table)
 
     def _width(self) -> int:
@@ -273,4 +273,4 @@ def _seconds(s: float) -> str:
 
 
 def _size(b: int | None) -> str:
-    return "-" if b is None else format_size(b)
+    return tables.size(b)
