@@ -195,6 +195,13 @@ def _mount_subcommands() -> None:
 
 def main() -> None:
     """Console entry point: one-line errors with exit codes, tracebacks only with EXOKV_DEBUG=1."""
+    if len(sys.argv) == 3 and sys.argv[1] == "_complete":
+        # Every Tab after --model or --session runs this: skip loading the whole app.
+        from exokv.completion import values
+
+        for value in values(sys.argv[2]):
+            print(value)
+        return
     _mount_subcommands()
     try:
         code = app(standalone_mode=False, prog_name="exokv")
