@@ -30,6 +30,9 @@ def _no_type_on_flags(self: typer.core.TyperOption, ctx: click.Context) -> str |
 
 
 typer.core.TyperOption.display_type_rich = _no_type_on_flags  # type: ignore[method-assign]
+typer.core.TyperArgument.display_type_rich = (  # type: ignore[method-assign]
+    lambda self, ctx: None  # an argument's metavar (PROMPT) says more than `<list[str]>`
+)
 
 
 def _print_version(value: bool) -> None:
@@ -157,7 +160,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
 
 @app.command()
 def completions(
-    shell: str = typer.Argument(..., help="bash|zsh|fish"),
+    shell: str = typer.Argument(..., metavar="SHELL", help="bash|zsh|fish"),
 ) -> None:
     """Print the shell completion script for bash, zsh or fish (install lines in the README)."""
     from exokv.completion import script
@@ -166,7 +169,7 @@ def completions(
 
 
 @app.command("_complete", hidden=True)
-def _complete(kind: str = typer.Argument(...)) -> None:
+def _complete(kind: str = typer.Argument(..., metavar="KIND")) -> None:
     # What the completion scripts call for values known only at run time.
     from exokv.completion import values
 

@@ -80,7 +80,7 @@ def list_sessions(
 
 @sessions_app.command()
 def show(
-    name: str = typer.Argument(..., help="the session"),
+    name: str = typer.Argument(..., metavar="NAME", help="the session"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """The conversation's transcript, with its model and system prompt."""
@@ -108,7 +108,7 @@ def show(
 
 @sessions_app.command()
 def rm(
-    name: str = typer.Argument(..., help="the session"),
+    name: str = typer.Argument(..., metavar="NAME", help="the session"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Delete a conversation, its turns and its saved KV cache (cache statistics stay)."""
@@ -132,8 +132,8 @@ def rm(
 
 @sessions_app.command()
 def rename(
-    old: str = typer.Argument(..., help="the session"),
-    new: str = typer.Argument(..., help="its new name"),
+    old: str = typer.Argument(..., metavar="OLD", help="the session"),
+    new: str = typer.Argument(..., metavar="NEW", help="its new name"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Rename a conversation; its saved KV cache on this machine follows it."""
