@@ -174,11 +174,14 @@ def _no_echo() -> Iterator[None]:
     """
     try:
         import termios
-
+    except ImportError:
+        yield
+        return
+    try:
         fd = sys.stdin.fileno()
         saved = termios.tcgetattr(fd)
-    except (ImportError, OSError, ValueError, AttributeError):
-        yield
+    except (termios.error, OSError, ValueError, AttributeError):
+        yield  # not a terminal (a test's pipe): nothing is echoed anyway
         return
     quiet = list(saved)
     quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
@@ -206,7 +209,8 @@ class Transcript:
         if outcome.result is None:
             return
         if outcome.command != "/retry":
-            self.out.write(f"user: {line}\n")
+            sent = line.lstrip()[1:] if line.lstrip().startswith("//") else line
+            self.out.write(f"user: {sent}\n")
         else:
             self.out.write("(retried)\n")
         self.out.write(f"assistant: {outcome.result.reply}\n\n")
