@@ -137,22 +137,19 @@ def test_resume_keeps_model_system_and_max_kv_size(tmp_path: Path, models_dir: P
     assert stored == ("builtin:tiny", "Be brief.", 512)
 
 
-def test_naming_another_model_says_so(tmp_path: Path) -> None:
+def test_naming_another_model_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from exokv.chat.resume import resolve
     from exokv.state import Store
 
-    os.environ["EXOKV_HOME"] = str(tmp_path)
-    try:
-        with Store.open(tmp_path) as store:
-            store.ensure_session("pasta", "builtin:tiny")
-        other = resolve("pasta", "builtin:base", None)
-        assert other.model == "builtin:base"
-        assert "was on builtin:tiny" in other.notes[0]
-        kept = resolve("pasta", None, None)
-        assert kept.model == "builtin:tiny" and "resuming" in kept.notes[0]
-        assert resolve("pasta", "builtin:tiny", None).notes == []
-    finally:
-        del os.environ["EXOKV_HOME"]
+    monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
+    with Store.open(tmp_path) as store:
+        store.ensure_session("pasta", "builtin:tiny")
+    other = resolve("pasta", "builtin:base", None)
+    assert other.model == "builtin:base"
+    assert "was on builtin:tiny" in other.notes[0]
+    kept = resolve("pasta", None, None)
+    assert kept.model == "builtin:tiny" and "resuming" in kept.notes[0]
+    assert resolve("pasta", "builtin:tiny", None).notes == []
 
 
 def test_sessions_are_made_by_their_first_turn_with_unique_names(
