@@ -2,11 +2,46 @@
 # Install: source this file from ~/.bashrc, or copy it to
 # ~/.local/share/bash-completion/completions/exokv
 
+_exokv_values() {
+    # Names known only now (models, sessions): asked of exokv itself.
+    local IFS=$'
+'
+    COMPREPLY=($(compgen -W "$(command exokv _complete "$1" 2>/dev/null)" -- "$cur"))
+    # Readline replaces only what follows the last ':' (see _exokv_words).
+    if [[ $cur == *:* && $COMP_WORDBREAKS == *:* ]]; then
+        local colon_word="${cur%"${cur##*:}"}" i
+        for i in "${!COMPREPLY[@]}"; do
+            COMPREPLY[i]="${COMPREPLY[i]#"$colon_word"}"
+        done
+    fi
+}
+
+_exokv_words() {
+    # Bash splits `builtin:tiny` into three words at ':' (COMP_WORDBREAKS): join them.
+    local i w join=0
+    words=()
+    for ((i = 0; i < ${#COMP_WORDS[@]}; i++)); do
+        w="${COMP_WORDS[i]}"
+        if ((i > 0 && ${#words[@]} > 0)) && [[ $w == : || $join == 1 ]]; then
+            words[${#words[@]} - 1]+="$w"
+            [[ $w == : ]] && join=1 || join=0
+        else
+            words+=("$w")
+            join=0
+        fi
+        ((i == COMP_CWORD)) && cword=$((${#words[@]} - 1))
+    done
+    cur="${words[cword]}"
+}
+
 _exokv_completion() {
-    local cur="${COMP_WORDS[COMP_CWORD]}"
-    local path="exokv" skip=0 i word prev=""
-    for ((i = 1; i < COMP_CWORD; i++)); do
-        word="${COMP_WORDS[i]}"
+    local cur="" prev="" cword=0
+    local -a words
+    _exokv_words
+    local path="exokv" skip=0 i word
+    prev=""
+    for ((i = 1; i < cword; i++)); do
+        word="${words[i]}"
         if ((skip)); then
             skip=0
             continue
@@ -15,7 +50,9 @@ _exokv_completion() {
             "exokv:bench") path="exokv bench" ;;
             "exokv:cache") path="exokv cache" ;;
             "exokv:chat") path="exokv chat" ;;
+            "exokv:completions") path="exokv completions" ;;
             "exokv:models") path="exokv models" ;;
+            "exokv:sessions") path="exokv sessions" ;;
             "exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget") skip=1 ;;
             "exokv cache:clear") path="exokv cache clear" ;;
             "exokv cache:entries") path="exokv cache entries" ;;
@@ -26,23 +63,41 @@ _exokv_completion() {
             "exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             "exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
             "exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
+            "exokv sessions:list") path="exokv sessions list" ;;
+            "exokv sessions:rename") path="exokv sessions rename" ;;
+            "exokv sessions:rm") path="exokv sessions rm" ;;
+            "exokv sessions:show") path="exokv sessions show" ;;
+            "exokv sessions list:--limit"|"exokv sessions list:-l") skip=1 ;;
         esac
     done
-    ((COMP_CWORD > 1)) && prev="${COMP_WORDS[COMP_CWORD - 1]}"
+    ((cword > 1)) && prev="${words[cword - 1]}"
     if ((skip)); then
         COMPREPLY=()
         case "$path:$prev" in
+            "exokv bench:--model"|"exokv bench:-m") _exokv_values model ;;
+            "exokv bench:--scenario") COMPREPLY=($(compgen -W "linear switch branch shared-prefix all" -- "$cur")) ;;
             "exokv bench:--plot") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
+            "exokv cache entries:--session"|"exokv cache entries:-s") _exokv_values session ;;
+            "exokv chat:--model"|"exokv chat:-m") _exokv_values model ;;
             "exokv chat:--hostfile") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
             "exokv chat:--backend") COMPREPLY=($(compgen -W "ring jaccl mpi" -- "$cur")) ;;
             "exokv chat:--parallel") COMPREPLY=($(compgen -W "pipeline tensor" -- "$cur")) ;;
+            "exokv chat:--session") _exokv_values session ;;
         esac
         return 0
     fi
+    if [[ $cur != -* ]]; then
+        case "$path" in
+        "exokv completions") COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur")) ; return 0 ;;
+        "exokv sessions rename") _exokv_values session ; return 0 ;;
+        "exokv sessions rm") _exokv_values session ; return 0 ;;
+        "exokv sessions show") _exokv_values session ; return 0 ;;
+        esac
+    fi
     local subs="" opts=""
     case "$path" in
-        "exokv") subs="bench cache chat models"
-            opts="--help" ;;
+        "exokv") subs="bench cache chat completions models sessions"
+            opts="--version -V --help" ;;
         "exokv bench") subs=""
             opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --help" ;;
         "exokv cache") subs="clear entries evictions pressure stats"
@@ -59,7 +114,19 @@ _exokv_completion() {
             opts="--json --help" ;;
         "exokv chat") subs=""
             opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --session --json --starting-port --help" ;;
+        "exokv completions") subs=""
+            opts="--help" ;;
         "exokv models") subs=""
+            opts="--json --help" ;;
+        "exokv sessions") subs="list rename rm show"
+            opts="--help" ;;
+        "exokv sessions list") subs=""
+            opts="--limit -l --json --help" ;;
+        "exokv sessions rename") subs=""
+            opts="--json --help" ;;
+        "exokv sessions rm") subs=""
+            opts="--json --help" ;;
+        "exokv sessions show") subs=""
             opts="--json --help" ;;
     esac
     if [[ $cur == -* || -z $subs ]]; then

@@ -16,8 +16,12 @@ function __exokv_path
                 set p "exokv cache"
             case "exokv:chat"
                 set p "exokv chat"
+            case "exokv:completions"
+                set p "exokv completions"
             case "exokv:models"
                 set p "exokv models"
+            case "exokv:sessions"
+                set p "exokv sessions"
             case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget"
                 set skip 1
             case "exokv cache:clear"
@@ -38,6 +42,16 @@ function __exokv_path
                 set skip 1
             case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--session" "exokv chat:--starting-port"
                 set skip 1
+            case "exokv sessions:list"
+                set p "exokv sessions list"
+            case "exokv sessions:rename"
+                set p "exokv sessions rename"
+            case "exokv sessions:rm"
+                set p "exokv sessions rm"
+            case "exokv sessions:show"
+                set p "exokv sessions show"
+            case "exokv sessions list:--limit" "exokv sessions list:-l"
+                set skip 1
         end
     end
     echo $p
@@ -50,17 +64,20 @@ end
 complete -c exokv -f
 complete -c exokv -n '__exokv_at exokv' -a 'bench' -d 'Compare cold, carried, mlx-lm-lru and exokv on the same conversations'
 complete -c exokv -n '__exokv_at exokv' -a 'cache' -d 'Inspect the prefix cache: stats, entries, pressure, evictions'
-complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REPL on a terminal, script mode otherwise'
+complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT'
+complete -c exokv -n '__exokv_at exokv' -a 'completions' -d 'Print the shell completion script for bash, zsh or fish (install lines in the README)'
 complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the builtin models and the models found locally'
+complete -c exokv -n '__exokv_at exokv' -a 'sessions' -d 'The stored conversations: list, show, rm, rename'
+complete -c exokv -n '__exokv_at exokv' -l version -s V -d 'print the version and exit'
 complete -c exokv -n '__exokv_at exokv' -l help -d 'Show this message and exit'
-complete -c exokv -n '__exokv_at exokv bench' -l model -s m -x -d 'builtin:tiny|small|base, a path or a HF repo id'
+complete -c exokv -n '__exokv_at exokv bench' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'builtin:tiny|small|base, a path or a HF repo id'
 complete -c exokv -n '__exokv_at exokv bench' -l ranks -s n -x -d 'ranks on this machine, started by mlx.launch'
 complete -c exokv -n '__exokv_at exokv bench' -l parallel -x -d 'pipeline|tensor (how --ranks > 1 shard the model)'
 complete -c exokv -n '__exokv_at exokv bench' -l starting-port -x -d 'first port of the ranks'\'' ring (default: free ports)'
 complete -c exokv -n '__exokv_at exokv bench' -l turns -x -d 'turns per conversation'
 complete -c exokv -n '__exokv_at exokv bench' -l context -x -d 'prompt tokens of the last turn'
 complete -c exokv -n '__exokv_at exokv bench' -l reply-tokens -x -d 'most tokens per reply'
-complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -d 'linear|switch|branch|shared-prefix|all (or a comma list)'
+complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -a 'linear switch branch shared-prefix all' -d 'linear|switch|branch|shared-prefix|all (or a comma list)'
 complete -c exokv -n '__exokv_at exokv bench' -l repeat -x -d 'runs per scenario; medians are reported'
 complete -c exokv -n '__exokv_at exokv bench' -l seed -x -d 'seed of the generated conversations'
 complete -c exokv -n '__exokv_at exokv bench' -l json -d 'print one JSON document to stdout'
@@ -76,7 +93,7 @@ complete -c exokv -n '__exokv_at exokv cache' -l help -d 'Show this message and 
 complete -c exokv -n '__exokv_at exokv cache clear' -l yes -s y -d 'Do not ask for confirmation'
 complete -c exokv -n '__exokv_at exokv cache clear' -l json -d 'Print one JSON document instead of a table'
 complete -c exokv -n '__exokv_at exokv cache clear' -l help -d 'Show this message and exit'
-complete -c exokv -n '__exokv_at exokv cache entries' -l session -s s -x -d 'Only this session'\''s entries'
+complete -c exokv -n '__exokv_at exokv cache entries' -l session -s s -x -a '(command exokv _complete session 2>/dev/null)' -d 'Only this session'\''s entries'
 complete -c exokv -n '__exokv_at exokv cache entries' -l json -d 'Print one JSON document instead of a table'
 complete -c exokv -n '__exokv_at exokv cache entries' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache evictions' -l rank -s r -x -d 'Show bytes freed on this rank'
@@ -90,7 +107,7 @@ complete -c exokv -n '__exokv_at exokv cache pressure' -l json -d 'Print one JSO
 complete -c exokv -n '__exokv_at exokv cache pressure' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache stats' -l json -d 'Print one JSON document instead of a table'
 complete -c exokv -n '__exokv_at exokv cache stats' -l help -d 'Show this message and exit'
-complete -c exokv -n '__exokv_at exokv chat' -l model -s m -x -d 'builtin:tiny|small|base, a path or a HF repo id'
+complete -c exokv -n '__exokv_at exokv chat' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'builtin:tiny|small|base, a path or a HF repo id'
 complete -c exokv -n '__exokv_at exokv chat' -l system -x -d 'system prompt'
 complete -c exokv -n '__exokv_at exokv chat' -l max-tokens -x -d 'most tokens per reply'
 complete -c exokv -n '__exokv_at exokv chat' -l temp -x -d 'sampling temperature'
@@ -105,9 +122,28 @@ complete -c exokv -n '__exokv_at exokv chat' -l cache-budget -x -d 'bytes per ra
 complete -c exokv -n '__exokv_at exokv chat' -l memory-threshold -x -d 'RAM fraction that triggers eviction'
 complete -c exokv -n '__exokv_at exokv chat' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
 complete -c exokv -n '__exokv_at exokv chat' -l no-cache -d 'prefill the whole prompt every turn'
-complete -c exokv -n '__exokv_at exokv chat' -l session -x -d 'name the conversation; resumes it if it exists'
+complete -c exokv -n '__exokv_at exokv chat' -l session -x -a '(command exokv _complete session 2>/dev/null)' -d 'name the conversation; resumes it if it exists'
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv completions' -a 'bash zsh fish'
+complete -c exokv -n '__exokv_at exokv completions' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv models' -l json -d 'one JSON document'
 complete -c exokv -n '__exokv_at exokv models' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv sessions' -a 'list' -d 'Every conversation, most recently used first: turns, tokens, model, last used'
+complete -c exokv -n '__exokv_at exokv sessions' -a 'rename' -d 'Rename a conversation; its saved KV cache on this machine follows it'
+complete -c exokv -n '__exokv_at exokv sessions' -a 'rm' -d 'Delete a conversation, its turns and its saved KV cache (cache statistics stay)'
+complete -c exokv -n '__exokv_at exokv sessions' -a 'show' -d 'The conversation'\''s transcript, with its model and system prompt'
+complete -c exokv -n '__exokv_at exokv sessions' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv sessions list' -l limit -s l -x -d 'At most this many, newest first'
+complete -c exokv -n '__exokv_at exokv sessions list' -l json -d 'Print JSON instead of text'
+complete -c exokv -n '__exokv_at exokv sessions list' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv sessions rename' -a '(command exokv _complete session)'
+complete -c exokv -n '__exokv_at exokv sessions rename' -l json -d 'Print JSON instead of text'
+complete -c exokv -n '__exokv_at exokv sessions rename' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv sessions rm' -a '(command exokv _complete session)'
+complete -c exokv -n '__exokv_at exokv sessions rm' -l json -d 'Print JSON instead of text'
+complete -c exokv -n '__exokv_at exokv sessions rm' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv sessions show' -a '(command exokv _complete session)'
+complete -c exokv -n '__exokv_at exokv sessions show' -l json -d 'Print JSON instead of text'
+complete -c exokv -n '__exokv_at exokv sessions show' -l help -d 'Show this message and exit'

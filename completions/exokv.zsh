@@ -3,6 +3,13 @@
 # Install: copy to a directory in $fpath as _exokv (then compinit), or source it
 # after compinit.
 
+_exokv_values() {
+    # Names known only now (models, sessions): asked of exokv itself.
+    local -a found
+    found=(${(f)"$(command exokv _complete $1 2>/dev/null)"})
+    compadd -- $found
+}
+
 _exokv() {
     local cmdpath="exokv" skip=0 i word prev=""
     local cur="${words[CURRENT]}"
@@ -16,7 +23,9 @@ _exokv() {
             "exokv:bench") cmdpath="exokv bench" ;;
             "exokv:cache") cmdpath="exokv cache" ;;
             "exokv:chat") cmdpath="exokv chat" ;;
+            "exokv:completions") cmdpath="exokv completions" ;;
             "exokv:models") cmdpath="exokv models" ;;
+            "exokv:sessions") cmdpath="exokv sessions" ;;
             ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget") skip=1 ;;
             "exokv cache:clear") cmdpath="exokv cache clear" ;;
             "exokv cache:entries") cmdpath="exokv cache entries" ;;
@@ -27,23 +36,41 @@ _exokv() {
             ("exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             ("exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
             ("exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
+            "exokv sessions:list") cmdpath="exokv sessions list" ;;
+            "exokv sessions:rename") cmdpath="exokv sessions rename" ;;
+            "exokv sessions:rm") cmdpath="exokv sessions rm" ;;
+            "exokv sessions:show") cmdpath="exokv sessions show" ;;
+            ("exokv sessions list:--limit"|"exokv sessions list:-l") skip=1 ;;
         esac
     done
     ((CURRENT > 2)) && prev="${words[CURRENT - 1]}"
     if ((skip)); then
         case "$cmdpath:$prev" in
+            ("exokv bench:--model"|"exokv bench:-m") _exokv_values model ;;
+            ("exokv bench:--scenario") compadd -- 'linear' 'switch' 'branch' 'shared-prefix' 'all' ;;
             ("exokv bench:--plot") _files ;;
+            ("exokv cache entries:--session"|"exokv cache entries:-s") _exokv_values session ;;
+            ("exokv chat:--model"|"exokv chat:-m") _exokv_values model ;;
             ("exokv chat:--hostfile") _files ;;
             ("exokv chat:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
             ("exokv chat:--parallel") compadd -- 'pipeline' 'tensor' ;;
+            ("exokv chat:--session") _exokv_values session ;;
         esac
         return 0
+    fi
+    if [[ $cur != -* ]]; then
+        case "$cmdpath" in
+        "exokv completions") compadd -- bash zsh fish; return 0 ;;
+        "exokv sessions rename") _exokv_values session; return 0 ;;
+        "exokv sessions rm") _exokv_values session; return 0 ;;
+        "exokv sessions show") _exokv_values session; return 0 ;;
+        esac
     fi
     local -a subs opts
     case "$cmdpath" in
         "exokv")
-            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise' 'models:List the builtin models and the models found locally')
-            opts=('--help:Show this message and exit') ;;
+            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT' 'completions:Print the shell completion script for bash, zsh or fish (install lines in the README)' 'models:List the builtin models and the models found locally' 'sessions:The stored conversations: list, show, rm, rename')
+            opts=('--version:print the version and exit' '-V:print the version and exit' '--help:Show this message and exit') ;;
         "exokv bench")
             subs=()
             opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine, started by mlx.launch' '-n:ranks on this machine, started by mlx.launch' '--parallel:pipeline|tensor (how --ranks > 1 shard the model)' '--starting-port:first port of the ranks'\'' ring (default: free ports)' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--cache-budget:the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected' '--help:Show this message and exit') ;;
@@ -68,9 +95,27 @@ _exokv() {
         "exokv chat")
             subs=()
             opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--system:system prompt' '--max-tokens:most tokens per reply' '--temp:sampling temperature' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--session:name the conversation; resumes it if it exists' '--json:script mode: one JSON object per turn' '--starting-port:first port for the ranks' '--help:Show this message and exit') ;;
+        "exokv completions")
+            subs=()
+            opts=('--help:Show this message and exit') ;;
         "exokv models")
             subs=()
             opts=('--json:one JSON document' '--help:Show this message and exit') ;;
+        "exokv sessions")
+            subs=('list:Every conversation, most recently used first: turns, tokens, model, last used' 'rename:Rename a conversation; its saved KV cache on this machine follows it' 'rm:Delete a conversation, its turns and its saved KV cache (cache statistics stay)' 'show:The conversation'\''s transcript, with its model and system prompt')
+            opts=('--help:Show this message and exit') ;;
+        "exokv sessions list")
+            subs=()
+            opts=('--limit:At most this many, newest first' '-l:At most this many, newest first' '--json:Print JSON instead of text' '--help:Show this message and exit') ;;
+        "exokv sessions rename")
+            subs=()
+            opts=('--json:Print JSON instead of text' '--help:Show this message and exit') ;;
+        "exokv sessions rm")
+            subs=()
+            opts=('--json:Print JSON instead of text' '--help:Show this message and exit') ;;
+        "exokv sessions show")
+            subs=()
+            opts=('--json:Print JSON instead of text' '--help:Show this message and exit') ;;
     esac
     if [[ $cur == -* || ${#subs} -eq 0 ]]; then
         _describe -t options option opts

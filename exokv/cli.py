@@ -7,21 +7,66 @@ import traceback
 
 import click
 import typer
+import typer.core
 
+from exokv import __version__
 from exokv.config import debug_enabled
 from exokv.errors import ExokvError, UsageError
 
 app = typer.Typer(
     name="exokv",
     help="Chat with a model split across several Macs, with a rank-coherent KV prefix cache.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
+_display_type = typer.core.TyperOption.display_type_rich
+
+
+def _no_type_on_flags(self: typer.core.TyperOption, ctx: click.Context) -> str | None:
+    # Typer's rich help labels every option with its type; a plain flag (--json, --help)
+    # takes no value, so `<bool>` beside it only misleads.
+    return None if self.is_flag else _display_type(self, ctx)
+
+
+typer.core.TyperOption.display_type_rich = _no_type_on_flags  # type: ignore[method-assign]
+typer.core.TyperArgument.display_type_rich = (  # type: ignore[method-assign]
+    lambda self, ctx: None  # an argument's metavar (PROMPT) says more than `<list[str]>`
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"exokv {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        help="print the version and exit",
+        callback=_print_version,
+        is_eager=True,
+    ),
+) -> None:
+    """Chat with a model split across several Macs, with a rank-coherent KV prefix cache."""
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit(0)
+
 
 @app.command()
 def chat(
+    prompt: list[str] = typer.Argument(
+        None,
+        metavar="PROMPT",
+        help="a message to answer in one turn, then exit (as `llm` and `ollama run`)",
+        show_default=False,
+    ),
     model: str = typer.Option(
         None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
     ),
@@ -51,20 +96,21 @@ def chat(
     json_out: bool = typer.Option(False, "--json", help="script mode: one JSON object per turn"),
     starting_port: int = typer.Option(None, "--starting-port", help="first port for the ranks"),
 ) -> None:
-    """Chat with the model: a REPL on a terminal, script mode otherwise."""
+    """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
+    from exokv.chat.resume import resolve
     from exokv.chat.run import ChatOptions, run_chat
-    from exokv.config import default_model
 
     if backend not in ("ring", "jaccl", "mpi"):
         raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
-    if model is None:
-        model = default_model()
-        print(
-            f"exokv: using {model} (choose a real one with --model PATH_OR_REPO or EXOKV_MODEL)",
-            file=sys.stderr,
-        )
+    one_shot = " ".join(prompt or []).strip() or None
+    if prompt and one_shot is None:
+        raise UsageError("the PROMPT argument is empty: give a message, or no argument")
+    settled = resolve(session, model, max_kv_size)
+    model, max_kv_size = settled.model, settled.max_kv_size
+    for note in settled.notes:
+        print(f"exokv: {note}", file=sys.stderr)
     opts = ChatOptions(
         model=model,
         system=system,
@@ -84,6 +130,7 @@ def chat(
         session=session,
         json=json_out,
         starting_port=starting_port,
+        prompt=one_shot,
     )
     raise typer.Exit(run_chat(opts))
 
@@ -111,11 +158,39 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
     Console().print(table)
 
 
+@app.command()
+def completions(
+    shell: str = typer.Argument(..., metavar="SHELL", help="bash|zsh|fish"),
+) -> None:
+    """Print the shell completion script for bash, zsh or fish (install lines in the README)."""
+    from exokv.completion import script
+
+    print(script(shell), end="")
+
+
+@app.command("_complete", hidden=True)
+def _complete(kind: str = typer.Argument(..., metavar="KIND")) -> None:
+    # What the completion scripts call for values known only at run time.
+    from exokv.completion import values
+
+    for value in values(kind):
+        print(value)
+
+
+_mounted = False
+
+
 def _mount_subcommands() -> None:
     # Each command lives in its own module; importing them here keeps cli.py thin.
+    global _mounted
+    if _mounted:
+        return
+    _mounted = True
     from exokv import inspect as inspect_cmds
+    from exokv.sessions_cli import sessions_app
 
     app.add_typer(inspect_cmds.cache_app, name="cache")
+    app.add_typer(sessions_app, name="sessions")
     from exokv.bench_cli import bench
 
     app.command()(bench)
@@ -123,9 +198,16 @@ def _mount_subcommands() -> None:
 
 def main() -> None:
     """Console entry point: one-line errors with exit codes, tracebacks only with EXOKV_DEBUG=1."""
+    if len(sys.argv) == 3 and sys.argv[1] == "_complete":
+        # Every Tab after --model or --session runs this: skip loading the whole app.
+        from exokv.completion import values
+
+        for value in values(sys.argv[2]):
+            print(value)
+        return
     _mount_subcommands()
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name="exokv")
     except ExokvError as err:
         if debug_enabled():
             traceback.print_exc()
@@ -145,4 +227,7 @@ def main() -> None:
             traceback.print_exc()
         print(f"exokv: error: {err} (set EXOKV_DEBUG=1 for the traceback)", file=sys.stderr)
         sys.exit(1)
+    if code == 130:
+        # Typer turns a KeyboardInterrupt into a quiet `return 130`: say what happened.
+        print("exokv: interrupted", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)

@@ -13,18 +13,17 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
 from typing import Any
 
 import typer
-from rich import box
 from rich.console import Console
-from rich.progress_bar import ProgressBar
-from rich.table import Table
+from rich.text import Text
 
-from exokv.config import exokv_home, format_size
+from exokv import tables
+from exokv.config import exokv_home
 from exokv.errors import ExokvError, UsageError
 from exokv.state import Store, caches_dir, clear_saved_caches, queries, running_chats
+from exokv.tables import Column
 
 cache_app = typer.Typer(
     help="Inspect the prefix cache: stats, entries, pressure, evictions.",
@@ -75,15 +74,6 @@ def _console() -> Console:
     return Console(highlight=False, width=160 if wide else None)
 
 
-def _table(*columns: str) -> Table:
-    """A compact table; a column named with a leading '<' is left-aligned (text), else numbers."""
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for name in columns:
-        left = name.startswith("<")
-        table.add_column(name.lstrip("<"), justify="left" if left else "right", no_wrap=True)
-    return table
-
-
 def _plural(n: int, word: str) -> str:
     if n == 1:
         return f"{n} {word}"
@@ -91,29 +81,20 @@ def _plural(n: int, word: str) -> str:
 
 
 def _when(stamp: str | None) -> str:
-    if stamp is None:
-        return "-"
-    local = datetime.fromisoformat(stamp).astimezone()
-    if local.date() == datetime.now().astimezone().date():
-        return local.strftime("%H:%M:%S")
-    return local.strftime("%Y-%m-%d %H:%M")
-
-
-def _size(n: int | None) -> str:
-    return "-" if n is None else format_size(n)
-
-
-def _pct(value: float | None, scale: float = 1.0) -> str:
-    return "-" if value is None else f"{value * scale:.0f}%"
-
-
-def _share(part: int | None, whole: int | None) -> str:
-    return "-" if part is None or not whole else f"{100 * part / whole:.0f}%"
+    return tables.when(stamp)
 
 
 def _sparkline(values: list[float]) -> str:
     top = len(_SPARKS) - 1
     return "".join(_SPARKS[max(0, min(top, int(v * len(_SPARKS))))] for v in values)
+
+
+def _bar(level: float, width: int = 10) -> Text:
+    """A pressure gauge in plain characters: it keeps its width in any table."""
+    filled = round(width * min(max(level, 0.0), 1.0))
+    bar = Text("━" * filled, style=_level(level))
+    bar.append("━" * (width - filled), style="grey35")
+    return bar
 
 
 def _level(pressure: float) -> str:
@@ -162,47 +143,17 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
     if _say_empty(has_db, doc["runs"]):
         return
     many = len(doc["runs"]) > 1
-    table = _table(
-        "<Run/rank" if many else "<Rank",
-        "Entries",
-        "Tokens",
-        "Bytes",
-        "Budget",
-        "Used",
-        "Hits",
-        "Misses",
-        "Hit rate",
-        "Saved",
-        "Evicted",
-    )
-
-    def cells(row: dict[str, Any], label: str) -> list[str]:
-        return [
-            label,
-            str(row["entries"]),
-            str(row["cached_tokens"]),
-            _size(row["bytes"]),
-            _size(row["budget"]),
-            _pct(row["budget_pct"]),
-            str(row["hits"]),
-            str(row["misses"]),
-            _pct(row["hit_rate"], 100),
-            str(row["tokens_saved"]),
-            str(row["evictions"]),
-        ]
-
-    for i, row in enumerate(doc["ranks"]):
-        last = i == len(doc["ranks"]) - 1
-        table.add_row(*cells(row, _rank_label(row, many)), end_section=last)
-    table.add_row(*cells(doc["total"], "[bold]total[/]"))
     console = _console()
+    labels = [_rank_label(row, many) for row in doc["ranks"]]
+    table = tables.stats_table(doc["ranks"], console.width, doc["total"], labels)
     for line in _run_lines(doc["runs"]):
         console.print(line)
     console.print(table)
     console.print(
         f"{_plural(doc['total']['turns'], 'turn')}, {_plural(doc['sessions'], 'session')}. "
         "Saved: prompt tokens not prefilled thanks to hits. Ranks take the same cache "
-        "decisions, so their hits and evictions match."
+        "decisions, so their hits and evictions match.",
+        style="dim",
     )
 
 
@@ -228,24 +179,26 @@ def entries(
         return
     many = len(runs) > 1
     width = max(len(r["bytes"]) for r in rows)
-    table = _table(
-        *(["Run"] if many else []),
-        "Id",
-        "Parent",
-        "<Session",
-        "Tokens",
-        "Depth",
-        *[f"Bytes r{rank}" for rank in range(width)],
-        "Hits",
-        "<Last used",
-    )
+    columns = [
+        *([Column("Run", priority=2)] if many else []),
+        Column("Id"),
+        Column("Parent", priority=2),
+        Column("Session", "left"),
+        Column("Tokens"),
+        Column("Depth", priority=2),
+        *[Column(f"Bytes r{k}", priority=0 if k == 0 else 3) for k in range(width)],
+        Column("Hits", priority=1),
+        Column("Last used", "left", priority=1),
+    ]
+    cells = []
     for r in rows:
-        sizes = [_size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in range(width)]
+        sizes = [tables.size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in range(width)]
         parent = "-" if r["parent"] is None else str(r["parent"])
-        cells = [str(r["id"]), parent, r["session"], str(r["tokens"]), str(r["depth"]), *sizes]
-        cells += [str(r["hits"]), _when(r["last_used"])]
-        table.add_row(*([str(r["run"])] if many else []), *cells)
+        row = [str(r["id"]), parent, r["session"], tables.num(r["tokens"]), tables.num(r["depth"])]
+        row += [*sizes, tables.num(r["hits"]), tables.when(r["last_used"])]
+        cells.append([*([str(r["run"])] if many else []), *row])
     console = _console()
+    table = tables.fit(columns, cells, console.width)
     for line in _run_lines(runs):
         console.print(line)
     console.print(table)
@@ -263,50 +216,53 @@ def pressure(
     with _snapshot() as (db, has_db):
         runs = queries.current_runs(db)
         rows = queries.pressure(db, rank, history)
+    if rank is not None and runs and rank >= (count := max(run["ranks"] for run in runs)):
+        raise UsageError(f"--rank {rank}: the current run has {_plural(count, 'rank')} (from 0)")
     if as_json:
         _emit_json({"runs": runs, "ranks": rows})
         return
     if _say_empty(has_db, runs):
         return
     many = len(runs) > 1
-    table = _table(
-        "<Run/rank" if many else "<Rank",
-        "Pressure",
-        "<",
-        "Cache",
-        "Budget",
-        "Used",
-        "RSS",
-        "MLX active",
-        "RAM",
-        f"<Last {history} samples",
-        "<At",
-    )
+    columns = [
+        Column("Run/rank" if many else "Rank", "left"),
+        Column("Pressure"),
+        Column("", "left", priority=4),
+        Column("Cache"),
+        Column("Budget", priority=1),
+        Column("Used"),
+        Column("RSS", priority=2),
+        Column("MLX", priority=3),
+        Column("RAM", priority=2),
+        Column(f"Last {history}", "left", priority=3),
+        Column("At", "left", priority=1),
+    ]
+    cells = []
     for r in rows:
         level = r["pressure"] if r["pressure"] is not None else 0.0
-        bar = ProgressBar(total=1.0, completed=min(level, 1.0), width=16)
-        bar.complete_style = _level(level)
         spark = _sparkline([h["pressure"] for h in r["history"]])
-        table.add_row(
-            _rank_label(r, many),
-            _pct(r["pressure"], 100),
-            bar,
-            _size(r["cache_bytes"]),
-            _size(r["budget"]),
-            _share(r["cache_bytes"], r["budget"]),
-            _size(r["rss"]),
-            _size(r["mlx_active"]),
-            _size(r["ram_total"]),
-            f"[{_level(level)}]{spark}[/]",
-            _when(r["time"]),
+        cells.append(
+            [
+                _rank_label(r, many),
+                tables.pct(r["pressure"], 100),
+                _bar(level),
+                tables.size(r["cache_bytes"]),
+                tables.size(r["budget"]),
+                tables.share(r["cache_bytes"], r["budget"]),
+                tables.size(r["rss"]),
+                tables.size(r["mlx_active"]),
+                tables.size(r["ram_total"]),
+                Text(spark, style=_level(level)),
+                tables.when(r["time"]),
+            ]
         )
     console = _console()
     for line in _run_lines(runs):
         console.print(line)
     if not rows:
-        console.print(f"No rank {rank} in the current run.")
+        console.print("No memory samples in the current run yet.")
         return
-    console.print(table)
+    console.print(tables.fit(columns, cells, console.width))
 
 
 @cache_app.command()
@@ -331,31 +287,8 @@ def evictions(
     if not rows:
         _console().print("No evictions" + (f" since {since}." if since else " yet."))
         return
-    ranks = [rank] if rank is not None else list(range(max(len(r["bytes"]) for r in rows)))
-    table = _table(
-        "<When",
-        "Decision",
-        "Entry",
-        "<Session",
-        "Tokens",
-        *[f"Freed r{k}" for k in ranks],
-        "<Reason",
-        "<Pressure at decision",
-    )
-    for r in rows:
-        freed = [_size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in ranks]
-        pressures = " ".join(f"r{k} {_pct(p, 100)}" for k, p in enumerate(r["pressures"]))
-        table.add_row(
-            _when(r["time"]),
-            str(r["decision"]),
-            str(r["entry"]),
-            r["session"],
-            str(r["tokens"]),
-            *freed,
-            r["reason"] or "-",
-            pressures or "-",
-        )
-    _console().print(table)
+    console = _console()
+    console.print(tables.evictions_table(rows, console.width, rank))
 
 
 def _stdin_is_interactive() -> bool:

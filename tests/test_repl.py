@@ -86,13 +86,20 @@ def _take_terminal() -> None:  # runs in the child, after setsid: the pty become
 class Terminal:
     """A pseudo-terminal running one command; `expect` reads its screen output as text."""
 
-    def __init__(self, args: list[str], env: dict[str, str], rows: int = 50, cols: int = 200):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        rows: int = 50,
+        cols: int = 200,
+        stdout: Any = None,
+    ):
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
         self.proc = subprocess.Popen(
             args,
             stdin=slave,
-            stdout=slave,
+            stdout=slave if stdout is None else stdout,
             stderr=slave,
             env={**env, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"},
             start_new_session=True,
@@ -198,12 +205,16 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
         term.expect(r"new session 's2'")
         term.expect(prompt("s2"))
         other, st4 = say(term, "s2", "What is two plus two?")
-        term.type("/switch s1\r")
+        term.type("/sw")  # Tab completes the command with its space: "/switch "
+        time.sleep(0.3)
+        term.type("\t")
+        time.sleep(0.3)
+        term.type("s1\r")
         term.expect(r"switched to 's1' \(2 turns\)")
         term.expect(prompt("s1"))
         back, st5 = say(term, "s1", "And the rivers?")
         term.type("/sessions\r")
-        term.expect(r"\* s1 +│ +\d+ │")
+        term.expect(r"\* s1 +\d+ +[\d,]+ ")
         term.expect(prompt("s1"))
         term.type("\x04")  # Ctrl-D: quit, saving s1's KV cache
         term.expect(r"saved the KV cache of 's1'")
@@ -397,7 +408,7 @@ def test_completion_of_commands_and_sessions() -> None:
     def complete(text: str) -> list[str]:
         return [c.text for c in ChatCompleter(chat).get_completions(Document(text), None)]
 
-    assert complete("/s") == ["/switch", "/sessions", "/system", "/stats", "/save"]
+    assert complete("/s") == ["/switch ", "/sessions ", "/system ", "/set ", "/stats", "/save"]
     assert complete("/switch ") == ["alpha", "main"]  # not the current one (beta)
     assert complete("/switch al") == ["alpha"]
     assert complete("hello /s") == []
@@ -445,3 +456,147 @@ def test_status_line_and_control_characters() -> None:
     assert line.startswith("200 prompt · 150 cached (75%) · 50 prefilled · 7 generated")
     assert "TTFT 250 ms" in line and "42.0 tok/s" in line
     assert visible("a\x1b[2Jb\nc\td") == "a\ufffd[2Jb\nc\td"
+
+
+# -- the chat as people use it: resume, Ctrl-C, typed-ahead keys, redirected output ---------
+
+
+def test_resume_without_model_keeps_the_sessions_model(tmp_path: Path, models: Path) -> None:
+    home = home_with_models(tmp_path / "home", models, link=True)
+    made = subprocess.run(
+        [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--session", "pasta",
+         "--max-tokens", "6", "Hello, who are you?"],
+        capture_output=True, env=exokv_env(home), timeout=120,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr.decode()
+    env = exokv_env(home)
+    env.pop("EXOKV_MODEL", None)
+    term = Terminal([sys.executable, "-m", "exokv", "chat", "--session", "pasta",
+                     "--max-tokens", "6"], env)  # fmt: skip
+    try:
+        term.expect(r"resuming 'pasta' on builtin:tiny")
+        term.expect(r"exokv · builtin:tiny · 1 rank")
+        term.expect(r"resumed 'pasta': 1 turn\b")
+        term.expect(r"loaded its KV cache: [\d,]+ tokens")
+        _, status = say(term, "pasta", "And then?")
+        term.type("/quit\r")
+        term.expect(r"saved the KV cache of 'pasta'")
+        term.expect(r"bye")
+    finally:
+        code = term.close()
+    assert code == 0, term.text[-2000:]
+    assert "builtin:small" not in term.text
+    assert _num(status.group(2)) > 0  # the saved KV cache of the same model served the turn
+
+
+def test_repeated_ctrl_c_stops_the_reply_and_never_exits(tmp_path: Path, models: Path) -> None:
+    home = home_with_models(tmp_path / "home", models, link=True)
+    term = chat_terminal(home, "--max-tokens", "2000", "--session", "c")
+    try:
+        term.expect(prompt("c"))
+        term.type("Tell me a long story.\r")
+        term.expect(prompt("c") + r"Tell me a long story\.\s*\n")
+        start = term.pos
+        term.expect(r"\S{20}")  # the reply is streaming
+        term.type("typed ahead")  # not echoed into the reply...
+        for _ in range(4):  # impatient: four quick Ctrl-C
+            term.type("\x03")
+            time.sleep(0.05)
+        status = term.expect(STATUS.pattern + r"interrupted")
+        reply = term.text[start : status.start()]
+        term.expect(prompt("c"))
+        time.sleep(1.0)
+        assert term.proc.poll() is None, "Ctrl-C left exokv"
+        term.type("\x15")  # Ctrl-U: whatever reached the prompt goes
+        _, status2 = say(term, "c", "Go on.")
+        term.type("\x04")
+        term.expect(r"saved the KV cache of 'c'")
+        term.expect(r"bye")
+    finally:
+        code = term.close()
+    assert code == 0, term.text[-2000:]
+    assert "typed ahead" not in reply and "^C" not in reply
+    assert "RuntimeWarning" not in term.text and "Traceback" not in term.text
+    assert _num(status2.group(2)) > 0
+    assert [m["role"] for m in _db_messages(home, "c")] == ["user", "assistant"] * 2
+
+
+def test_redirected_stdout_gets_a_transcript(tmp_path: Path, models: Path) -> None:
+    home = home_with_models(tmp_path / "home", models, link=True)
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        term = Terminal([sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny",
+                         "--session", "r", "--max-tokens", "6"], exokv_env(home),
+                        stdout=out)  # fmt: skip
+        try:
+            term.expect(prompt("r"))
+            term.type("Hello there\r")
+            status = term.expect(STATUS.pattern)  # the status line stays on the terminal
+            term.expect(prompt("r"))
+            term.type("/quit\r")
+            term.expect("bye")
+        finally:
+            code = term.close()
+    assert code == 0, term.text[-2000:]
+    assert status
+    reply = _db_messages(home, "r")[1]["content"]
+    assert log.read_text() == f"user: Hello there\nassistant: {reply}\n\n"
+
+
+def test_slash_commands_people_expect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = FakeClient()
+    chat = ChatController(client, TurnSettings(), "main")
+    sent = chat.handle("//etc/hosts is a file")
+    assert sent is not None and sent.result is not None
+    assert client.requests[-1].messages[-1]["content"] == "/etc/hosts is a file"
+
+    assert chat.command("/system").message == "system prompt: (none)"
+    chat.command("/system Be brief.")
+    assert chat.command("/system").message == "system prompt: Be brief."
+    assert chat.current.system == "Be brief."
+    assert chat.command("/system clear").message == "system prompt cleared"
+    assert chat.current.system is None
+
+    assert chat.command("/set temp 0.7").message == "temp 0.7"
+    assert chat.command("/set max-tokens 32").message == "max-tokens 32"
+    assert chat.command("/set temp hot").error
+    chat.handle("again")
+    assert (client.requests[-1].temp, client.requests[-1].max_tokens) == (0.7, 32)
+    chat.command("/set temp 0")
+
+    retried = chat.command("/retry")
+    assert retried.result is not None and "/retry --temp 0.7" in retried.message
+    chat.command("/retry --temp 0.9")
+    assert client.requests[-1].temp == 0.9 and chat.settings.temp == 0
+
+    wrong = chat.command("/sesions")
+    assert wrong.error and "did you mean /sessions?" in wrong.message
+    chat.command("/new other")
+    assert chat.command("/switch main").message == "switched to 'main' (2 turns)"
+    chat.command("/undo")
+    assert chat.command("/switch other").message == "switched to 'other' (0 turns)"
+    assert chat.command("/switch main").message == "switched to 'main' (1 turn)"
+
+
+def test_help_lists_commands_and_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, out = drive("/help\r\x04", tmp_path, monkeypatch)
+    keys = ("/sessions [all]", "/system [TEXT|clear]", "/set temp F", "//text", "Up / Down")
+    for text in (*keys, "→", "Ctrl-D"):
+        assert text in out, text
+    assert out.rstrip().endswith("bye")
+
+
+def test_status_line_never_says_100_percent_while_it_prefilled() -> None:
+    almost = TurnResult("s", "x", 1000, 999, 1, 3, 0.1, 10.0, 0.0, 1)
+    assert "999 cached (99%) · 1 prefilled" in status_line(almost)
+    whole = TurnResult("s", "x", 1000, 1000, 0, 3, 0.1, 10.0, 0.0, 1)
+    assert "1,000 cached (100%) · 0 prefilled" in status_line(whole)
+
+
+def test_sessions_shows_the_20_most_recent() -> None:
+    chat = ChatController(FakeClient(), TurnSettings(), "main")
+    for i in range(24):
+        chat.command(f"/new s{i}")
+    recent = chat.command("/sessions")
+    assert len(recent.data) == 20 and recent.message == "5 older sessions: /sessions all"
+    assert len(chat.command("/sessions all").data) == 25

@@ -6,26 +6,60 @@ what happened (a turn or a command's message) and the front end renders it.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+import difflib
+import secrets
+import string
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from exokv.records import TurnRequest, TurnResult
 
 COMMANDS = {
-    "/help": "list the commands",
+    "/help": "list the commands and keys",
     "/new": "/new [NAME]  start a new conversation",
     "/switch": "/switch NAME  go back to another conversation",
-    "/sessions": "list the conversations",
-    "/retry": "regenerate the last reply",
+    "/sessions": "/sessions [all]  the 20 most recent conversations (or all)",
+    "/retry": "/retry [--temp F]  regenerate the last reply",
     "/undo": "drop the last exchange",
-    "/system": "/system TEXT  set the system prompt of this conversation",
+    "/system": "/system [TEXT|clear]  show, set or clear the system prompt",
+    "/set": "/set temp F | max-tokens N  change the sampling settings",
     "/stats": "the cache on each rank",
     "/evictions": "the latest evictions",
     "/save": "save this conversation's KV cache",
-    "/quit": "leave (the conversation is kept)",
+    "/quit": "leave (the conversation and its KV cache are saved)",
 }
+# Commands that take an argument: Tab completes them with the space after.
+TAKES_ARGUMENT = {"/new", "/switch", "/system", "/set", "/sessions", "/retry"}
+RECENT_SESSIONS = 20
+
+
+def plural(n: int, word: str) -> str:
+    """`1 turn`, `2 turns`."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def nearest_command(name: str) -> str | None:
+    """The slash command a mistyped one most likely meant, if any is close."""
+    close = difflib.get_close_matches(name, list(COMMANDS), n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    prefixed = [c for c in COMMANDS if c.startswith(name) and len(name) > 1]
+    return prefixed[0] if len(prefixed) == 1 else None
+
+
+def fresh_name(taken: Iterable[str]) -> str:
+    """A short default session name, unique among `taken` (and across chats started together).
+
+    Random rather than a timestamp: two chats started in the same second, or a /new in
+    the same second as the start, must not share (and so merge) a conversation.
+    """
+    used = set(taken)
+    alphabet = string.ascii_lowercase + string.digits
+    while True:
+        name = "chat-" + "".join(secrets.choice(alphabet) for _ in range(4))
+        if name not in used:
+            return name
 
 
 class Client(Protocol):
@@ -90,8 +124,9 @@ class ChatController:
         self.settings = settings
         self.hooks = hooks or ChatHooks()
         self.sessions: dict[str, Conversation] = {}
-        self.current = self._open(session or _fresh_name(), system)
         self.last_result: TurnResult | None = None
+        self._opened_detail: str | None = None
+        self.current = self._open(session or fresh_name(self.known_sessions()), system)
 
     # -- input ------------------------------------------------------------------
 
@@ -104,7 +139,9 @@ class ChatController:
         text = line.strip()
         if not text:
             return None
-        if text.startswith("/"):
+        if text.startswith("//"):
+            line = line.lstrip()[1:]  # `//text` sends `/text` as a message
+        elif text.startswith("/"):
             return self.command(text, on_text, on_progress)
         self.current.messages.append({"role": "user", "content": line.rstrip("\n")})
         return self._run(on_text, on_progress)
@@ -125,22 +162,21 @@ class ChatController:
         if name == "/new":
             if arg and arg in self.known_sessions():
                 return Outcome(name, f"session {arg!r} exists; /switch {arg}", error=True)
-            self.current = self._open(arg or _fresh_name(), conv.system)
+            self.current = self._open(arg or fresh_name(self.known_sessions()), conv.system)
             return Outcome(name, f"new session {self.current.name!r}")
         if name == "/switch":
-            if not arg:
-                return Outcome(name, "usage: /switch NAME", error=True)
-            if arg not in self.known_sessions():
-                return Outcome(name, f"no session {arg!r}; /sessions lists them", error=True)
-            self.current = self._open(arg, None)
-            return Outcome(name, f"switched to {arg!r} ({self.current.turns} turns)")
+            return self._switch(arg)
         if name == "/sessions":
+            if arg not in ("", "all"):
+                return Outcome(name, "usage: /sessions [all]", error=True)
             rows = self.hooks.list_sessions(self)
-            return Outcome(name, "", data=rows)
+            older = len(rows) - RECENT_SESSIONS if arg != "all" else 0
+            more = f"{plural(older, 'older session')}: /sessions all" if older > 0 else ""
+            return Outcome(name, more, data=rows if arg == "all" else rows[:RECENT_SESSIONS])
         if name == "/system":
-            conv.system = arg or None
-            self.hooks.save_messages(conv)
-            return Outcome(name, "system prompt set" if arg else "system prompt cleared")
+            return self._system(arg)
+        if name == "/set":
+            return self._set(arg)
         if name == "/undo":
             if not conv.messages:
                 return Outcome(name, "nothing to undo", error=True)
@@ -149,19 +185,91 @@ class ChatController:
             if conv.messages and conv.messages[-1]["role"] == "user":
                 conv.messages.pop()
             self.hooks.save_messages(conv)
-            return Outcome(name, f"dropped the last exchange ({conv.turns} turns left)")
+            return Outcome(name, f"dropped the last exchange ({plural(conv.turns, 'turn')} left)")
         if name == "/retry":
-            if not conv.messages or conv.messages[-1]["role"] != "assistant":
-                return Outcome(name, "nothing to retry", error=True)
-            previous = conv.messages.pop()
-            return self._run(on_text, on_progress, command=name, previous=previous)
+            return self._retry(arg, on_text, on_progress)
         if name == "/stats":
             return Outcome(name, "", data=self.hooks.stats(self))
         if name == "/evictions":
             return Outcome(name, "", data=self.hooks.evictions(self))
         if name == "/save":
             return Outcome(name, self.hooks.save_cache(self))
-        return Outcome(name, f"unknown command {name}; /help lists them", error=True)
+        guess = nearest_command(name)
+        hint = f"did you mean {guess}? " if guess else ""
+        return Outcome(
+            name, f"unknown command {name}; {hint}/help lists them (//text sends /text)", error=True
+        )
+
+    def _switch(self, arg: str) -> Outcome:
+        if not arg:
+            return Outcome("/switch", "usage: /switch NAME", error=True)
+        if arg not in self.known_sessions():
+            return Outcome("/switch", f"no session {arg!r}; /sessions lists them", error=True)
+        if arg == self.current.name:
+            return Outcome("/switch", f"already in {arg!r}")
+        self._opened_detail = None
+        self.current = self._open(arg, None, announce=False)
+        turns = plural(self.current.turns, "turn")
+        extra = f"; {self._opened_detail}" if self._opened_detail else ""
+        return Outcome("/switch", f"switched to {arg!r} ({turns}{extra})")
+
+    def _system(self, arg: str) -> Outcome:
+        conv = self.current
+        if not arg:
+            shown = conv.system if conv.system else "(none)"
+            return Outcome("/system", f"system prompt: {shown}")
+        conv.system = None if arg == "clear" else arg
+        self.hooks.save_messages(conv)
+        return Outcome("/system", "system prompt set" if conv.system else "system prompt cleared")
+
+    def _set(self, arg: str) -> Outcome:
+        key, _, value = arg.partition(" ")
+        value = value.strip()
+        s = self.settings
+        if not key:
+            return Outcome("/set", f"temp {s.temp:g} · max-tokens {s.max_tokens}")
+        try:
+            if key == "temp":
+                temp = float(value)
+                if temp < 0:
+                    raise ValueError
+                s.temp = temp
+                return Outcome("/set", f"temp {s.temp:g}")
+            if key in ("max-tokens", "max_tokens"):
+                count = int(value)
+                if count < 1:
+                    raise ValueError
+                s.max_tokens = count
+                return Outcome("/set", f"max-tokens {s.max_tokens}")
+        except ValueError:
+            return Outcome("/set", f"/set {key}: {value!r} is not a valid value", error=True)
+        return Outcome("/set", "usage: /set temp F | /set max-tokens N", error=True)
+
+    def _retry(
+        self,
+        arg: str,
+        on_text: Callable[[str], None] | None,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> Outcome:
+        conv = self.current
+        temp = self.settings.temp
+        if arg:
+            flag, _, value = arg.partition(" ")
+            try:
+                if flag != "--temp" or float(value) < 0:
+                    raise ValueError
+                temp = float(value)
+            except ValueError:
+                return Outcome("/retry", "usage: /retry [--temp F]", error=True)
+        if not conv.messages or conv.messages[-1]["role"] != "assistant":
+            return Outcome("/retry", "nothing to retry", error=True)
+        previous = conv.messages.pop()
+        outcome = self._run(on_text, on_progress, command="/retry", previous=previous, temp=temp)
+        if temp == 0 and outcome.result is not None:
+            outcome.message = (
+                "at --temp 0 a retry gives the same reply; /retry --temp 0.7 samples another"
+            )
+        return outcome
 
     def known_sessions(self) -> set[str]:
         return set(self.sessions) | set(self.hooks.stored_sessions())
@@ -174,6 +282,7 @@ class ChatController:
         on_progress: Callable[[int, int], None] | None,
         command: str | None = None,
         previous: dict[str, str] | None = None,
+        temp: float | None = None,
     ) -> Outcome:
         """Run a turn on the current conversation, which ends with the user's message.
 
@@ -185,7 +294,7 @@ class ChatController:
             session=conv.name,
             messages=conv.prompt(),
             max_tokens=self.settings.max_tokens,
-            temp=self.settings.temp,
+            temp=self.settings.temp if temp is None else temp,
             seed=self.settings.seed,
             use_cache=self.settings.use_cache,
         )
@@ -212,14 +321,14 @@ class ChatController:
         elif conv.messages and conv.messages[-1]["role"] == "user" and command is None:
             conv.messages.pop()
 
-    def _open(self, name: str, system: str | None) -> Conversation:
+    def _open(self, name: str, system: str | None, announce: bool = True) -> Conversation:
         if name not in self.sessions:
             stored = self.hooks.load(name)
             conv = stored or Conversation(name=name, system=system)
             if stored is None or (system and not stored.messages):
                 conv.system = system if system is not None else conv.system
             self.sessions[name] = conv
-            self.hooks.opened(conv)
+            self._opened_detail = self.hooks.opened(conv, announce)
         return self.sessions[name]
 
 
@@ -229,8 +338,9 @@ class ChatHooks:
     def load(self, name: str) -> Conversation | None:
         return None
 
-    def opened(self, conv: Conversation) -> None:
-        pass
+    def opened(self, conv: Conversation, announce: bool = True) -> str | None:
+        """A session was opened; unless `announce`, returns what to say about it in one line."""
+        return None
 
     def stored_sessions(self) -> list[str]:
         return []
@@ -254,7 +364,3 @@ class ChatHooks:
 
     def save_cache(self, chat: ChatController) -> str:
         return "saving KV caches is not available in this mode"
-
-
-def _fresh_name() -> str:
-    return time.strftime("chat-%Y%m%d-%H%M%S")

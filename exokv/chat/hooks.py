@@ -19,11 +19,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from exokv.chat.conversation import ChatController, ChatHooks, Conversation
+from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.chat.kvsave import CacheFileReport
-from exokv.config import format_size
 from exokv.records import CacheEvent, TurnResult
 from exokv.state.store import Store
+from exokv.tables import size as format_size
 
 _UNSET = object()
 
@@ -41,8 +41,11 @@ class StoreHooks(ChatHooks):
         client: Any = None,
         model_id: str | None = None,
         use_cache: bool = True,
+        max_kv_size: int | None = None,
     ) -> None:
         self.store = store
+        self.max_kv_size = max_kv_size
+        self._options_written: set[str] = set()  # sessions whose settings are stored
         self.run_id = run_id
         self.model = model
         self.client = client
@@ -90,26 +93,41 @@ class StoreHooks(ChatHooks):
         self._restore_replies(conv)
         return conv
 
-    def opened(self, conv: Conversation) -> None:
+    def opened(self, conv: Conversation, announce: bool = True) -> str | None:
         if conv.name not in self._system:
-            return  # new: written with its first turn (an empty session leaves no row)
-        self.store.ensure_session(conv.name, self.model)  # marks it used
-        if conv.messages:
-            self.note(f"resumed {conv.name!r}: {conv.turns} turns")
-            self._load_cache(conv)
+            return None  # new: written with its first turn (an empty session leaves no row)
+        self._options_written.add(conv.name)  # an existing session keeps its settings
+        info = self.store.session_info(conv.name) or {}
+        self.store.ensure_session(conv.name, "")  # marks it used, keeps its model
+        if not conv.messages:
+            return None
+        if announce:
+            self.note(f"resumed {conv.name!r}: {plural(conv.turns, 'turn')}")
+        was = info.get("model") or ""
+        if was and was != self.model:
+            # Its saved KV cache belongs to the other model: nothing to load.
+            return None if announce else f"it was on {was}, continues on {self.model}"
+        loaded = self._load_cache(conv)
+        if announce:
+            if loaded:
+                self.note(f"loaded its KV cache: {loaded}")
+            return None
+        return f"KV cache loaded: {loaded}" if loaded else None
 
-    def _load_cache(self, conv: Conversation) -> None:
+    def _load_cache(self, conv: Conversation) -> str | None:
+        """Load a resumed session's saved KV cache; what was loaded, in words, or None."""
         load = getattr(self.client, "load_cache", None)
         if not self.use_cache or load is None:
-            return
+            return None
         report = load(conv.name, conv.prompt(), self.model_id)
         self.loaded[conv.name] = report
+        if report.events:
+            self.store.record_events(self.run_id, [CacheEvent.from_dict(e) for e in report.events])
         if report.warning:
             self.warn(f"{report.warning}; ignored, the next turn recomputes it")
         elif report.tokens:
-            self.note(f"loaded its KV cache: {report.tokens:,} tokens in {report.seconds:.2f} s")
-        if report.events:
-            self.store.record_events(self.run_id, [CacheEvent.from_dict(e) for e in report.events])
+            return f"{report.tokens:,} tokens in {report.seconds:.2f} s"
+        return None
 
     def stored_sessions(self) -> list[str]:
         return self.store.session_names()
@@ -120,6 +138,8 @@ class StoreHooks(ChatHooks):
             self._system[conv.name] = conv.system
 
     def save_messages(self, conv: Conversation) -> None:
+        if conv.name not in self._system and conv.name not in self._options_written:
+            return  # not stored yet: its first turn writes it, system prompt included
         self._sync_system(conv)
         self.store.set_messages(conv.name, self._with_tokens(conv))
         self._dirty.add(conv.name)
@@ -129,6 +149,10 @@ class StoreHooks(ChatHooks):
         self._sync_system(conv)
         messages = self._with_tokens(conv)
         self.store.record_turn(self.run_id, conv.name, messages, result, self.model)
+        if conv.name not in self._options_written:
+            # The session's first turn created it: it remembers this run's settings.
+            self.store.set_session_options(conv.name, self.max_kv_size)
+            self._options_written.add(conv.name)
         self._dirty.add(conv.name)
 
     # -- replies' exact tokens ----------------------------------------------------------
@@ -179,6 +203,7 @@ class StoreHooks(ChatHooks):
                 "turns": r["messages"] // 2,
                 "tokens": r["tokens"],
                 "cached_tokens": r["cached_tokens"],
+                "model": r["model"],
                 "last_used": r["last_used"],
             }
             for r in self.store.sessions()
@@ -190,6 +215,7 @@ class StoreHooks(ChatHooks):
         for conv in chat.sessions.values():
             if conv.name not in stored:  # opened in this run, no turn yet
                 row = {"name": conv.name, "turns": conv.turns, "tokens": 0, "cached_tokens": 0}
+                row["model"] = self.model
                 rows.insert(0, {**row, "last_used": None})
         for row in rows:
             row["current"] = row["name"] == chat.current.name

@@ -11,7 +11,6 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from rich.console import Console
@@ -19,8 +18,8 @@ from rich.progress import Progress, ProgressColumn, Task, TextColumn, TimeElapse
 from rich.table import Table
 from rich.text import Text
 
+from exokv import tables
 from exokv.chat.conversation import COMMANDS, Outcome
-from exokv.config import format_size
 from exokv.records import TurnResult
 
 # A prefill shorter than this, known at its start, gets no bar: it is over before it shows.
@@ -28,6 +27,16 @@ BAR_MIN_TOKENS = 1024
 # ...unless it is still running after this long (a slow model or a cluster).
 BAR_AFTER_S = 0.5
 BAR_WIDTH = 36
+
+KEYS = (
+    ("Enter", "send the line"),
+    ("Esc+Enter, \\", "new line (Esc then Enter, or end the line with \\)"),
+    ("Tab", "complete a command, a session name after /switch"),
+    ("Up / Down", "walk the history (kept across runs)"),
+    ("→", "take the grey suggestion from history"),
+    ("Ctrl-C", "stop the reply (the part so far is kept: /retry or /undo)"),
+    ("Ctrl-D", "quit (the session and its KV cache are saved)"),
+)
 
 # C0/C1 control characters but tab and newline: a reply must not drive the terminal.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -184,10 +193,14 @@ class Renderer:
         """Everything a handled line shows after its streamed reply (if any)."""
         if outcome.result is not None:
             self.status(outcome.result)
+            if outcome.message:
+                self.note(outcome.message)
         elif outcome.command == "/help":
             self.help()
         elif outcome.command == "/sessions" and outcome.data is not None:
             self.sessions(outcome.data)
+            if outcome.message:
+                self.note(outcome.message)
         elif outcome.command == "/stats" and outcome.data is not None:
             self.stats(outcome.data)
         elif outcome.command == "/evictions" and outcome.data is not None:
@@ -197,105 +210,45 @@ class Renderer:
 
     def help(self) -> None:
         table = Table(box=None, show_header=False, pad_edge=False)
-        table.add_column(style="bold")
+        table.add_column(style="bold", no_wrap=True)
         table.add_column()
+        # Text, not markup: `[all]` and `[NAME]` are words here, not styles.
         for name, text in COMMANDS.items():
-            table.add_row(name, text)
+            usage, _, what = text.partition("  ")
+            table.add_row(Text(usage if what else name), Text(what or text))
+        table.add_row(Text("//text"), Text("send a message that starts with /"))
         table.add_row("", "")
-        table.add_row("Enter", "send the line")
-        table.add_row("Esc+Enter, \\", "new line (Esc then Enter, or end the line with \\)")
-        table.add_row("Tab", "complete a command or a session name")
-        table.add_row("Ctrl-C", "stop the reply (the part so far is kept: /retry or /undo)")
-        table.add_row("Ctrl-D", "quit (the KV cache of this session is saved)")
+        for key, what in KEYS:
+            table.add_row(Text(key), Text(what))
         self.console.print(table)
+
+    def _width(self) -> int:
+        return self.console.width
 
     def sessions(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             self.note("no sessions yet")
             return
-        table = Table(title=None, header_style="bold")
-        for name, justify in (
-            ("session", "left"),
-            ("turns", "right"),
-            ("tokens", "right"),
-            ("cached tokens", "right"),
-            ("last used", "left"),
-        ):
-            table.add_column(name, justify=justify)  # type: ignore[arg-type]
-        for r in rows:
-            name = ("* " if r.get("current") else "  ") + r["name"]
-            table.add_row(
-                name,
-                str(r.get("turns", 0)),
-                f"{r.get('tokens', 0) or 0:,}",
-                f"{r.get('cached_tokens', 0) or 0:,}",
-                _when(r.get("last_used")),
-            )
-        self.console.print(table)
+        self.console.print(tables.sessions_table(rows, self._width()))
 
     def stats(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             self.note("no cache statistics yet: send a message first")
             return
-        table = Table(header_style="bold")
-        for name in ("rank", "entries", "cached tokens", "bytes", "budget", "% budget"):
-            table.add_column(name, justify="right")
-        for name in ("hits", "misses", "hit rate", "evictions"):
-            table.add_column(name, justify="right")
-        for r in rows:
-            budget = r.get("budget")
-            pct = r.get("budget_pct")
-            rate = r.get("hit_rate")
-            table.add_row(
-                str(r.get("rank", 0)),
-                f"{r.get('entries', 0):,}",
-                f"{r.get('cached_tokens', 0) or 0:,}",
-                _size(r.get("bytes", r.get("cache_bytes"))),
-                _size(budget),
-                "-" if pct is None else f"{pct:.1f}%",
-                _num(r.get("hits")),
-                _num(r.get("misses")),
-                "-" if rate is None else f"{100 * rate:.0f}%",
-                _num(r.get("evictions")),
-            )
-        self.console.print(table)
+        self.console.print(tables.stats_table(rows, self._width()))
 
     def evictions(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             self.note("no evictions yet")
             return
-        table = Table(header_style="bold")
-        for name, justify in (
-            ("when", "left"),
-            ("decision", "right"),
-            ("entry", "right"),
-            ("session", "left"),
-            ("tokens", "right"),
-            ("freed per rank", "right"),
-            ("reason", "left"),
-            ("pressure per rank", "right"),
-        ):
-            table.add_column(name, justify=justify)  # type: ignore[arg-type]
-        for r in rows:
-            table.add_row(
-                _when(r.get("time")),
-                str(r.get("decision", "")),
-                str(r.get("entry", "")),
-                r.get("session") or "",
-                f"{r.get('tokens', 0):,}",
-                ", ".join(_size(b) for b in r.get("bytes", [])),
-                r.get("reason") or "",
-                ", ".join(f"{100 * p:.0f}%" for p in r.get("pressures", [])),
-            )
-        self.console.print(table)
+        self.console.print(tables.evictions_table(rows, self._width()))
 
 
 def status_line(r: TurnResult) -> str:
     """One line of numbers after a reply; `N cached (P%)` is what the tests read."""
-    pct = 100 * r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0.0
     parts = [
         f"{r.prompt_tokens:,} prompt",
-        f"{r.cached_tokens:,} cached ({pct:.0f}%)",
+        f"{r.cached_tokens:,} cached ({cached_share(r.cached_tokens, r.prompt_tokens)}%)",
         f"{r.prefilled_tokens:,} prefilled",
         f"{r.generated_tokens:,} generated",
         f"TTFT {_seconds(r.ttft_s)}",
@@ -310,23 +263,14 @@ def status_line(r: TurnResult) -> str:
     return " · ".join(parts)
 
 
+def cached_share(cached: int, prompt: int) -> int:
+    """The cached percentage, rounded down: 100 only when nothing was prefilled."""
+    return 100 * cached // prompt if prompt else 0
+
+
 def _seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _size(b: int | None) -> str:
-    return "-" if b is None else format_size(b)
-
-
-def _num(n: Any) -> str:
-    return "-" if n is None else f"{n:,}"
-
-
-def _when(iso: str | None) -> str:
-    if not iso:
-        return "-"
-    try:
-        t = datetime.fromisoformat(iso).astimezone()
-    except ValueError:
-        return iso
-    return t.strftime("%Y-%m-%d %H:%M:%S")
+    return tables.size(b)

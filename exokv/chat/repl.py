@@ -10,10 +10,14 @@ Keys (also in the README and /help):
   prefill chunk) and returns to the prompt. The part of the reply produced so far
   is KEPT in the conversation (it is on screen, and it is in the KV cache): `/retry`
   regenerates it in full, `/undo` drops the exchange. A reply stopped before its
-  first token leaves nothing. A second Ctrl-C says what is happening; a third
-  leaves exokv at once (the conversation is already saved, the KV cache is not).
+  first token leaves nothing. More Ctrl-C only say that the reply is stopping: no
+  number of them leaves exokv, so a session is never lost to an impatient key.
 - Ctrl-C at the prompt clears the line; Ctrl-D on an empty line (or /quit) quits,
-  saving the current session's KV cache.
+  saving the current session's KV cache, then says `bye`.
+- While a reply streams, what is typed is not echoed into it (nor is ^C); it waits
+  for the next prompt.
+- With standard output redirected (`exokv chat > log.txt`) the reply, the bar and the
+  status line stay on the terminal (standard error) and the file gets a transcript.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
@@ -35,13 +40,12 @@ from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import Output
 from prompt_toolkit.styles import Style
 
-from exokv.chat.conversation import COMMANDS, ChatController
+from exokv.chat.conversation import COMMANDS, TAKES_ARGUMENT, ChatController, Outcome
 from exokv.chat.render import BannerInfo, Renderer
-from exokv.config import exokv_home
+from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
 
 HISTORY_FILE = "history"
-QUIT_AFTER_INTERRUPTS = 3
 
 STYLE = Style.from_dict({"session": "ansicyan", "arrow": "ansibrightblack"})
 
@@ -59,7 +63,11 @@ class ChatCompleter(Completer):
         if " " not in text:
             for name, meta in COMMANDS.items():
                 if name.startswith(text):
-                    yield Completion(name, start_position=-len(text), display_meta=meta)
+                    # A command that takes an argument comes with its space, ready for it.
+                    full = name + " " if name in TAKES_ARGUMENT else name
+                    yield Completion(
+                        full, start_position=-len(text), display=name, display_meta=meta
+                    )
             return
         command, _, arg = text.partition(" ")
         if command != "/switch":
@@ -111,27 +119,42 @@ def _history() -> History:
 
 
 class _Interrupts:
-    """SIGINT while a turn runs: stop the reply, then explain, then leave."""
+    """SIGINT for the whole REPL: during a turn it stops the reply; it never leaves exokv.
+
+    At the prompt, Ctrl-C is a key for prompt-toolkit (the terminal is in raw mode), so
+    this handler sees only the Ctrl-C pressed while a turn runs or between turns, where
+    Python's default would raise KeyboardInterrupt and end the chat without saving.
+    """
 
     def __init__(self, client: Any, renderer: Renderer) -> None:
         self.client = client
         self.renderer = renderer
         self.count = 0
+        self.in_turn = False
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if not self.in_turn:
+            return
         self.count += 1
         if self.count == 1:
             stop = getattr(self.client, "stop", None)
             if stop is not None:
                 stop()
-        elif self.count < QUIT_AFTER_INTERRUPTS:
-            self.renderer.note("\n(stopping at the next step; Ctrl-C once more leaves exokv now)")
-        else:
-            raise KeyboardInterrupt
+        elif self.count == 2:
+            self.renderer.note("\n(stopping at the next step; the session is kept)")
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        self.count = 0
+        self.in_turn = True
+        try:
+            with _no_echo():
+                yield
+        finally:
+            self.in_turn = False
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        self.count = 0
         if threading.current_thread() is not threading.main_thread():
             yield  # signals reach the main thread only (e.g. an in-process test)
             return
@@ -140,6 +163,58 @@ class _Interrupts:
             yield
         finally:
             signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def _no_echo() -> Iterator[None]:
+    """While a reply streams, keys typed ahead (and ^C) are not echoed into it.
+
+    The typed text stays in the terminal's input queue (TCSANOW, no flush), so the next
+    prompt gets it.
+    """
+    try:
+        import termios
+    except ImportError:
+        yield
+        return
+    try:
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError, AttributeError):
+        yield  # not a terminal (a test's pipe): nothing is echoed anyway
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    except termios.error:
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, saved)
+        except termios.error:
+            pass
+
+
+class Transcript:
+    """`exokv chat > log.txt`: the user's lines and the replies, as plain text."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+
+    def turn(self, line: str, outcome: Outcome) -> None:
+        if outcome.result is None:
+            return
+        if outcome.command != "/retry":
+            sent = line.lstrip()[1:] if line.lstrip().startswith("//") else line
+            self.out.write(f"user: {sent}\n")
+        else:
+            self.out.write("(retried)\n")
+        self.out.write(f"assistant: {outcome.result.reply}\n\n")
+        self.out.flush()
 
 
 def banner_info(chat: ChatController, client: Any, opts: Any) -> BannerInfo:
@@ -164,12 +239,18 @@ def run_repl(
     output: Output | None = None,
     renderer: Renderer | None = None,
 ) -> int:
-    """Read lines until /quit or Ctrl-D; returns the exit code."""
+    """Read lines until /quit or Ctrl-D; saves the session's KV cache, says bye; exit code."""
+    transcript = None
     if output is None and not sys.stdout.isatty() and sys.stderr.isatty():
-        # Replies go to the redirected stdout; the prompt stays on the terminal.
+        # Everything for the eyes stays on the terminal; the redirected stdout gets a
+        # transcript.
         from prompt_toolkit.output import create_output
+        from rich.console import Console
 
         output = create_output(stdout=sys.stderr)
+        transcript = Transcript(sys.stdout)
+        if renderer is None:
+            renderer = Renderer(Console(stderr=True, highlight=False))
     renderer = renderer or Renderer()
     renderer.banner(banner_info(chat, client, opts))
     attach = getattr(chat.hooks, "attach", None)
@@ -189,6 +270,26 @@ def run_repl(
         enable_open_in_editor=False,
     )
     interrupts = _Interrupts(client, renderer)
+    with interrupts.installed(), warnings.catch_warnings():
+        # A warning from a library (asyncio's "never awaited" after a signal) is noise
+        # on the chat's screen; EXOKV_DEBUG=1 shows them.
+        if not debug_enabled():
+            warnings.simplefilter("ignore", RuntimeWarning)
+        _loop(chat, session, renderer, interrupts, transcript)
+        finish = getattr(chat.hooks, "finish", None)
+        if finish is not None:
+            finish(chat)
+    renderer.note("bye")
+    return 0
+
+
+def _loop(
+    chat: ChatController,
+    session: PromptSession[str],
+    renderer: Renderer,
+    interrupts: _Interrupts,
+    transcript: Transcript | None,
+) -> None:
     while True:
         message = [("class:session", chat.current.name), ("class:arrow", " › ")]
         try:
@@ -197,12 +298,12 @@ def run_repl(
             renderer.note("(Ctrl-D or /quit leaves; Ctrl-C while a reply streams stops it)")
             continue
         except EOFError:
-            break
+            return
         if not line.strip():
             continue
         renderer.begin_turn()
         try:
-            with interrupts.installed():
+            with interrupts.turn():
                 outcome = chat.handle(
                     line, on_text=renderer.on_text, on_progress=renderer.on_progress
                 )
@@ -213,7 +314,8 @@ def run_repl(
         renderer.end_turn()
         if outcome is None:
             continue
-        renderer.outcome(outcome)
         if outcome.quit:
-            break
-    return 0
+            return
+        renderer.outcome(outcome)
+        if transcript is not None:
+            transcript.turn(line, outcome)

@@ -31,6 +31,7 @@ class ChatOptions:
     session: str | None = None
     json: bool = False
     starting_port: int | None = None
+    prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
 
     def rank_count(self) -> int:
         if self.hosts:
@@ -72,12 +73,23 @@ def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClie
         )
     from exokv.cluster.client import ClusterClient
 
-    return ClusterClient(opts, budgets)
+    return ClusterClient(opts, budgets, progress=_startup_progress())
+
+
+def _startup_progress():  # noqa: ANN202 - a line printer, or None
+    """Ranks take seconds to start: on a terminal, say what happens (on stderr)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def say(text: str) -> None:
+        print(f"exokv: {text}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def interactive(opts: ChatOptions) -> bool:
     """The REPL needs a terminal to read from and one to draw the prompt on."""
-    if opts.json or not sys.stdin.isatty():
+    if opts.json or opts.prompt is not None or not sys.stdin.isatty():
         return False
     return sys.stdout.isatty() or sys.stderr.isatty()
 
@@ -117,6 +129,7 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
                     client=client,
                     model_id=_model_id(opts.model),
                     use_cache=not opts.no_cache,
+                    max_kv_size=opts.max_kv_size,
                 )
             settings = TurnSettings(
                 max_tokens=opts.max_tokens,
@@ -131,15 +144,18 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
                 if interactive(opts):
                     from exokv.chat.repl import run_repl
 
-                    code = run_repl(chat, client, opts)
+                    code = run_repl(chat, client, opts)  # it saves when the user leaves
                 else:
-                    from exokv.chat.script import run_script
+                    from exokv.chat.script import run_one, run_script
 
                     if isinstance(hooks, StoreHooks):
                         hooks.attach(warn=stderr_warning)
-                    code = run_script(chat, opts.json)
-                if isinstance(hooks, StoreHooks):
-                    hooks.finish(chat)
+                    if opts.prompt is not None:
+                        code = run_one(chat, opts.prompt, opts.json)
+                    else:
+                        code = run_script(chat, opts.json)
+                    if isinstance(hooks, StoreHooks):
+                        hooks.finish(chat)
             return code
         finally:
             try:

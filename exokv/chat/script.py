@@ -49,6 +49,18 @@ def turn_json(outcome: Outcome) -> dict[str, Any]:
     return doc
 
 
+def outcome_json(outcome: Outcome) -> dict[str, Any]:
+    """A turn's object, or `{"command", "ok", "message"|"data"}` for a slash command."""
+    if outcome.result is not None:
+        return turn_json(outcome)
+    doc: dict[str, Any] = {"command": outcome.command, "ok": not outcome.error}
+    if outcome.data is None:
+        doc["message"] = outcome.message
+    else:
+        doc["data"] = outcome.data
+    return doc
+
+
 def read_lines(stream: IO[bytes]) -> Any:
     """Lines of stdin as text; bytes that are not UTF-8 become U+FFFD, with a warning."""
     for raw in stream:
@@ -59,6 +71,40 @@ def read_lines(stream: IO[bytes]) -> Any:
                 "exokv: warning: input line is not valid UTF-8; bad bytes replaced", file=sys.stderr
             )
             yield raw.decode("utf-8", errors="replace")
+
+
+def _renderer() -> Any:
+    from rich.console import Console
+
+    from exokv.chat.render import Renderer
+
+    return Renderer(Console(file=sys.stdout, highlight=False))
+
+
+def run_one(chat: ChatController, prompt: str, as_json: bool) -> int:
+    """`exokv chat PROMPT`: one turn (or one slash command), printed; 1 if it failed."""
+    out = sys.stdout
+    if as_json:
+        outcome = chat.handle(prompt)
+        if outcome is not None:
+            out.write(json.dumps(outcome_json(outcome)) + "\n")
+        return 1 if outcome is not None and outcome.error else 0
+
+    def on_text(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    outcome = chat.handle(prompt, on_text=on_text)
+    if outcome is None:
+        return 0
+    if outcome.result is not None:
+        out.write("\n")
+    elif outcome.data is not None:
+        _renderer().outcome(outcome)
+    elif outcome.message:
+        (sys.stderr if outcome.error else out).write(outcome.message + "\n")
+    out.flush()
+    return 1 if outcome.error else 0
 
 
 def run_script(chat: ChatController, as_json: bool, stream: IO[bytes] | None = None) -> int:
@@ -74,18 +120,15 @@ def run_script(chat: ChatController, as_json: bool, stream: IO[bytes] | None = N
         if outcome is None:
             continue
         if as_json:
-            if outcome.result is not None:
-                out.write(json.dumps(turn_json(outcome)) + "\n")
-            else:
-                doc = {"command": outcome.command, "ok": not outcome.error}
-                doc["message" if outcome.data is None else "data"] = (
-                    outcome.message if outcome.data is None else outcome.data
-                )
-                out.write(json.dumps(doc) + "\n")
+            out.write(json.dumps(outcome_json(outcome)) + "\n")
         elif outcome.result is not None:
             out.write("\n")
+            if outcome.message:
+                sys.stderr.write(outcome.message + "\n")
         elif outcome.data is not None:
-            out.write(json.dumps(outcome.data, indent=2) + "\n")
+            # The same human tables as the REPL's (--json gives the data).
+            out.flush()
+            _renderer().outcome(outcome)
         elif outcome.message:
             target = sys.stderr if outcome.error else out
             target.write(outcome.message + "\n")

@@ -56,8 +56,18 @@ _PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errn
 class ClusterClient:
     """Runs turns on ranks started by mlx.launch; the same interface as LocalClient."""
 
-    def __init__(self, opts: Any, budgets: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        opts: Any,
+        budgets: list[int] | None = None,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.opts = opts
+        self._progress = progress  # start-up progress for the user (stderr on a terminal)
+        self._started = time.monotonic()
+        self._up: set[int] = set()  # ranks whose first beat came
+        self._loaded: set[int] = set()  # ranks that said their shard is loaded
+        self._ready = False
         self._closed = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._server: channel.ChannelServer | None = None
@@ -97,6 +107,8 @@ class ClusterClient:
             check_reachable(self.plan)
         command = self._rank_args(opts, seed, split, budgets)
         self.plan.argv += command
+        self._started = time.monotonic()
+        self._say(f"starting {self.ranks} ranks…")
         try:
             self._start()
         except BaseException:
@@ -257,6 +269,29 @@ class ClusterClient:
 
     # -- starting ---------------------------------------------------------------
 
+    def _say(self, text: str) -> None:
+        if self._progress is not None and not self._ready:
+            self._progress(text)
+
+    def _startup_beat(self, rank: int, loaded: bool) -> None:
+        """Start-up progress from the ranks' beats: each rank up, then its shard loaded."""
+        took = time.monotonic() - self._started
+        if loaded and rank not in self._loaded:
+            self._loaded.add(rank)
+            self._say(f"rank {rank} loaded its part of the model ({took:.1f} s)")
+        elif not loaded and rank not in self._up:
+            self._up.add(rank)
+            self._say(f"rank {rank} is up ({took:.1f} s)")
+
+    def _say_ready(self) -> None:
+        # The ranks' last lines come through the launcher in its own time: give them a
+        # moment, so "ready" is the last line before the banner.
+        deadline = time.monotonic() + 1.0
+        while len(self._loaded) < self.ranks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._say(f"ready in {time.monotonic() - self._started:.1f} s")
+        self._ready = True
+
     def _prepare_model(self, name: str, split: list[int] | None) -> None:
         """Resolve (and for builtins, generate) the model once, before the ranks race to."""
         from exokv.model.resolve import resolve_model
@@ -293,6 +328,7 @@ class ClusterClient:
             args += ["--max-kv-size", str(opts.max_kv_size)]
         if self.plan.local:  # a pid means nothing on another host
             args += ["--front-end-pid", str(os.getpid())]
+            args += ["--ranks-here", str(self.ranks)]  # they share this machine's RAM
         return args
 
     def _start(self) -> None:
@@ -336,6 +372,8 @@ class ClusterClient:
         while True:
             message = self._next()
             if message["type"] == "ready":
+                if self._progress is not None:
+                    self._say_ready()
                 self._budgets = list(message.get("budgets") or [])
                 nudge_ranks(self._proc)  # every rank is past release_stdin by now
                 return
@@ -430,6 +468,7 @@ class ClusterClient:
             beat = _BEAT.search(line)
             if beat:
                 self._beats[int(beat.group(1))] = time.monotonic()
+                self._startup_beat(int(beat.group(1)), line.endswith(" loaded"))
                 continue
             if token:
                 line = line.replace(token, "***")  # a pty may echo the bootstrap line

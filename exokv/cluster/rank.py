@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-kv-size", type=int, default=None)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
+    p.add_argument("--ranks-here", type=int, default=1, help="ranks sharing this machine's memory")
     return p.parse_args(argv)
 
 
@@ -126,6 +127,20 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
         except OSError:
             os._exit(1)  # nobody reads us any more
         time.sleep(HEARTBEAT_S)
+
+
+def _shared_budget(args: argparse.Namespace, rank: int, model: Any) -> int | None:
+    """The default budget when several ranks share one machine: each gets its share of the
+    RAM (else every rank would count on the whole machine's). None: the engine's default."""
+    if args.ranks_here <= 1:
+        return None
+    from mlx.utils import tree_flatten
+
+    from exokv.cache import memory
+
+    ram = memory.sample(rank).ram_total // args.ranks_here
+    shard = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return memory.default_budget(args.memory_threshold, ram, shard)
 
 
 def _alive(pid: int) -> bool:
@@ -260,14 +275,17 @@ class Rank:
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
         model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
+        # A beat that also says the shard is loaded: the front end shows start-up progress.
+        os.write(1, f"{BEAT_MARK}{self.rank} loaded\n".encode())
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
+        budget = budgets[self.rank] if budgets else _shared_budget(args, self.rank, model)
         group = CountingGroup(MlxGroup(self.world))
         engine = Engine(
             model,
             tokenizer,
             group=group,
             options=EngineOptions(
-                budget=budgets[self.rank] if budgets else None,
+                budget=budget,
                 memory_threshold=args.memory_threshold,
                 max_kv_size=args.max_kv_size,
                 seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0

@@ -304,8 +304,12 @@ def evictions(
     return out
 
 
-def sessions(db: sqlite3.Connection) -> list[dict[str, Any]]:
-    """Every session, most recently used first; ``tokens`` is its context at the last turn."""
+def sessions(db: sqlite3.Connection, name: str | None = None) -> list[dict[str, Any]]:
+    """Every session (or the one named), most recently used first.
+
+    ``tokens`` is its context at the last turn.
+    """
+    where = "" if name is None else "WHERE s.name = ? "
     rows = db.execute(
         "SELECT s.*, "
         "(SELECT COUNT(*) FROM messages m WHERE m.session_id = s.id) AS messages, "
@@ -314,13 +318,15 @@ def sessions(db: sqlite3.Connection) -> list[dict[str, Any]]:
         " AS cached, "
         "(SELECT prompt_tokens + generated_tokens FROM turns t WHERE t.session_id = s.id "
         " ORDER BY t.id DESC LIMIT 1) AS tokens "
-        "FROM sessions s ORDER BY s.last_used DESC, s.id DESC"
+        f"FROM sessions s {where}ORDER BY s.last_used DESC, s.id DESC",
+        () if name is None else (name,),
     ).fetchall()
     return [
         {
             "name": r["name"],
             "model": r["model"],
             "system": r["system"],
+            "max_kv_size": r["max_kv_size"] if "max_kv_size" in r.keys() else None,
             "messages": r["messages"],
             "turns": r["turns"],
             "tokens": r["tokens"] or 0,

@@ -159,7 +159,14 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN tokens TEXT")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
+def _v4_session_options(db: sqlite3.Connection) -> None:
+    # A session remembers the --max-kv-size it was started with (its model and system
+    # prompt already have columns), so resuming it without flags keeps its settings.
+    # NULL: not given (an unbounded KV cache) or written by an older exokv.
+    db.execute("ALTER TABLE sessions ADD COLUMN max_kv_size INTEGER")
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4_session_options]
 LATEST = len(MIGRATIONS)
 
 

@@ -365,6 +365,41 @@ class Store:
         with self._write() as db:
             self._replace_messages(db, self._session_id(db, session, None, time.time()), messages)
 
+    # -- session metadata, rename, remove ------------------------------------
+
+    def session_info(self, session: str) -> dict[str, Any] | None:
+        """A session's stored settings and counts (as ``sessions()`` rows), or None."""
+        with self.snapshot() as db:
+            return next((r for r in queries.sessions(db, session) if r["name"] == session), None)
+
+    def set_session_options(self, session: str, max_kv_size: int | None) -> None:
+        """Remember the session's ``--max-kv-size`` (the session must exist)."""
+        with self._write() as db:
+            db.execute("UPDATE sessions SET max_kv_size = ? WHERE name = ?", (max_kv_size, session))
+
+    def rename_session(self, old: str, new: str) -> None:
+        """Rename a session; its saved KV cache directory follows it on this machine."""
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM sessions WHERE name = ?", (new,)).fetchone():
+                raise ExokvError(f"a session named {new!r} exists already")
+            cur = db.execute("UPDATE sessions SET name = ? WHERE name = ?", (new, old))
+            if cur.rowcount == 0:
+                raise ExokvError(f"no session {old!r}: `exokv sessions list` shows them")
+            db.execute("UPDATE cache_entries SET session = ? WHERE session = ?", (new, old))
+            db.execute("UPDATE cache_events SET session = ? WHERE session = ?", (new, old))
+
+    def delete_session(self, session: str) -> int:
+        """Delete a session with its messages and turns; returns how many messages went."""
+        with self._write() as db:
+            row = db.execute("SELECT id FROM sessions WHERE name = ?", (session,)).fetchone()
+            if row is None:
+                raise ExokvError(f"no session {session!r}: `exokv sessions list` shows them")
+            count = db.execute(
+                "SELECT COUNT(*) FROM messages WHERE session_id = ?", (row[0],)
+            ).fetchone()[0]
+            db.execute("DELETE FROM sessions WHERE id = ?", (row[0],))
+        return int(count)
+
     # -- the cache ---------------------------------------------------------
 
     @staticmethod
