@@ -399,7 +399,9 @@ class Engine:
         self.model(mx.array([[0]]), cache=cache)
         mx.eval([c.state for c in cache])
         # Buffers are (batch, heads, capacity, dim): bytes per unit of capacity.
-        buffers = [a for c in cache for a in _leaves(c.keys) + _leaves(c.values)]
+        buffers = [
+            a for c in cache if hasattr(c, "keys") for a in _leaves(c.keys) + _leaves(c.values)
+        ]
         return int(sum(a.nbytes // max(a.shape[2], 1) for a in buffers))
 
     # -- reporting --------------------------------------------------------------

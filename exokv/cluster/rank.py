@@ -193,40 +193,18 @@ def read_bootstrap(timeout: float) -> dict[str, Any]:
 
 
 def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: list[int] | None):
-    """This rank's shard of the model and the tokenizer, through mlx-lm's own pieces."""
-    from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+    """This rank's shard of the model and the tokenizer, every weight it needs checked.
 
+    Pipeline: mlx-lm's own pipeline where the family has one, else exokv's generic
+    one (exokv/model/pipeline.py). Tensor: mlx-lm's ``shard()``.
+    """
+    from exokv.model.loading import load_checkpoint
     from exokv.model.resolve import resolve_model
 
-    path = Path(resolve_model(name))
-    config = json.loads((path / "config.json").read_text())
-    if parallel == "tensor":
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 0)
-        if heads % world.size():
-            raise ExokvError(
-                f"--parallel tensor splits attention heads: {heads} KV heads do not divide "
-                f"among {world.size()} ranks; use --parallel pipeline or another -n"
-            )
-        return sharded_load(str(path), None, world)
-    if split is None:
-        return sharded_load(str(path), world, None)
-    # sharded_load has no split; do its steps with the split given to pipeline().
     # resolve_model only returns a model that is all here, so nothing is downloaded.
-    model, config = load_model(path, lazy=True, strict=False)
-    layers = len(model.model.layers)
-    if sum(split) != layers:
-        raise ExokvError(f"--split {_fmt(split)} has {sum(split)} layers; the model has {layers}")
-    model.model.pipeline(world, split)
-    tokenizer = load_tokenizer(
-        path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None)
-    )
-    mx.eval(model.parameters())  # lazy loading: only this rank's layers are read
+    model, tokenizer = load_checkpoint(Path(resolve_model(name)), world, parallel, split)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=world, stream=mx.cpu))
     return model, tokenizer
-
-
-def _fmt(split: list[int]) -> str:
-    return ",".join(map(str, split))
 
 
 class Rank:

@@ -17,7 +17,7 @@ from typing import Any
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError, UsageError
-from exokv.model import builtin
+from exokv.model import builtin, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
 BUILTIN_PREFIX = "builtin:"
@@ -44,17 +44,33 @@ _IDENTITY_FILES = (
 
 
 def _builtin_list() -> str:
-    return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)
+    return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES) + " or builtin:<family>-tiny"
 
 
 def _builtin_name(name: str) -> str | None:
-    """'builtin:tiny' -> 'tiny'; None if ``name`` is not a builtin reference."""
+    """'builtin:tiny' -> 'tiny', 'builtin:llama-tiny' -> 'llama-tiny'; None if not a builtin."""
     if not name.startswith(BUILTIN_PREFIX):
         return None
     short = name[len(BUILTIN_PREFIX) :]
-    if short not in BUILTIN_NAMES:
-        raise UsageError(f"unknown builtin model {name!r}: choose one of {_builtin_list()}")
+    if short not in BUILTIN_NAMES and zoo.family_of(short) is None:
+        zoo_list = ", ".join(BUILTIN_PREFIX + n for n in zoo.zoo_names())
+        raise UsageError(
+            f"unknown builtin model {name!r}: choose one of "
+            f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)} or of the zoo: {zoo_list}"
+        )
     return short
+
+
+def _ensure(short: str) -> Path:
+    if zoo.family_of(short) is not None:
+        return zoo.ensure_zoo(short)
+    return builtin.ensure_builtin(short)
+
+
+def _marker(short: str) -> dict[str, Any] | None:
+    if zoo.family_of(short) is not None:
+        return zoo.read_zoo_marker(short)
+    return builtin.read_marker(builtin.builtin_dir(short))
 
 
 def hf_cache_dir() -> Path:
@@ -93,7 +109,7 @@ def resolve_model(name: str) -> Path:
     short = _builtin_name(name)
     if short is not None:
         try:
-            return builtin.ensure_builtin(short)
+            return _ensure(short)
         except OSError as e:
             raise ExokvError(
                 f"could not generate {name} under {builtin.builtin_dir(short).parent}: {e}; "
@@ -132,15 +148,19 @@ def _one_line(error: BaseException) -> str:
 
 
 def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
-    """(model, tokenizer) loaded by mlx-lm; any failure becomes a one-line ExokvError."""
+    """(model, tokenizer) loaded by mlx-lm, all weights checked; failures are one line.
+
+    ``lazy`` is accepted for compatibility: every weight is read (and checked) here.
+    """
+    from exokv.model.loading import load_checkpoint
+
     path = resolve_model(name)
     try:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(path), lazy=lazy)
+        return load_checkpoint(path)
+    except ExokvError:
+        raise
     except Exception as e:
         raise ExokvError(f"could not load model '{name}' from {path}: {_one_line(e)}"[:400]) from e
-    return model, tokenizer
 
 
 def _files_digest(path: Path) -> str:
@@ -168,7 +188,7 @@ def model_id(name: str) -> str:
     path = resolve_model(name)
     short = _builtin_name(name.strip())
     if short is not None:
-        marker = builtin.read_marker(path)
+        marker = _marker(short)
         if marker is None:
             raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
         return f"{BUILTIN_PREFIX}{short}@{marker['fingerprint'][:12]}"
