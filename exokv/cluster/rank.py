@@ -16,6 +16,7 @@ environment.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -207,6 +208,34 @@ def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: lis
     return model, tokenizer
 
 
+def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) -> dict[str, Any]:
+    """Rank 0's next message on every rank, checked to be the step this rank expects.
+
+    Rank 0 stamps the message with its step (broadcasts so far) and turn count. A
+    rank whose collectives no longer pair with rank 0's (a different number of
+    calls since the last message) receives bytes from some other collective, or a
+    message for another step: it stops with one line instead of decoding garbage.
+    """
+    if group.rank == 0:
+        message = {**(message or {}), "step": step, "turn_no": turn}
+    try:
+        got = group.broadcast(message)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ExokvError(
+            f"rank {group.rank} is out of step with rank 0 at message {step} (turn {turn + 1}): "
+            f"the broadcast did not decode ({type(err).__name__})"
+        ) from err
+    if not isinstance(got, dict) or (got.get("step"), got.get("turn_no")) != (step, turn):
+        stamp = (
+            (got.get("step"), got.get("turn_no"), got.get("type")) if isinstance(got, dict) else got
+        )
+        raise ExokvError(
+            f"rank {group.rank} is out of step with rank 0: expected message {step} after turn "
+            f"{turn}, got {stamp!r}"[:300]
+        )
+    return got
+
+
 class Rank:
     def __init__(
         self, args: argparse.Namespace, world: mx.distributed.Group, link: channel.Connection | None
@@ -264,12 +293,12 @@ class Rank:
                 }
             )
         turn = 0
-        while True:
+        for step in itertools.count(1):
             before = dict(group.counts)
             before_s = dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None
-            message = group.broadcast(message)
-            kind = message.get("type") if isinstance(message, dict) else None
+            message = in_step(group, message, step, turn)
+            kind = message.get("type")
             if kind == "remember":
                 # A resumed session's replies as the exact tokens once generated: every
                 # rank must render them alike, so this travels like a turn.
