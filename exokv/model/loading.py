@@ -52,7 +52,7 @@ def load_checkpoint(
         needed = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
         if ranks > 1 and parallel == "tensor":
             check_tensor(model, config, ranks)
-            _check_complete(path, needed, seen, rank)
+            _check_complete(path, needed, seen)
             model.shard(group)
         elif ranks > 1:
             layers = _layer_count(model)
@@ -64,10 +64,10 @@ def load_checkpoint(
                 )
             start, end = pipeline.local_range(split, rank)
             mine = {k: s for k, s in needed.items() if _in_range(k, start, end)}
-            _check_complete(path, mine, seen, rank)
+            _check_complete(path, mine, seen)
             pipeline.apply_pipeline(model, group, split)
         else:
-            _check_complete(path, needed, seen, rank)
+            _check_complete(path, needed, seen)
         tokenizer = _load_tokenizer(safe, config)
         mx.eval(model.parameters())  # lazy loading: only this rank's weights are read
     return model, tokenizer
@@ -130,8 +130,12 @@ def _recording(seen: dict[str, tuple[int, ...]]) -> Any:
 
 
 def _check_complete(
-    path: Path, needed: dict[str, tuple[int, ...]], seen: dict[str, tuple[int, ...]], rank: int
+    path: Path, needed: dict[str, tuple[int, ...]], seen: dict[str, tuple[int, ...]]
 ) -> None:
+    """One line unless every weight in ``needed`` was loaded, with its shape.
+
+    On several ranks the front end prefixes the rank that failed.
+    """
     missing = sorted(k for k in needed if k not in seen)
     wrong = sorted(k for k in needed if k in seen and seen[k] != needed[k])
     if not missing and not wrong:
@@ -144,7 +148,7 @@ def _check_complete(
         what = f"weights of the wrong shape for {len(wrong)} parameters (e.g. {k}: {seen[k]})"
     cause = f"; missing file{'s' if len(files) > 1 else ''}: {', '.join(files)}" if files else ""
     raise ExokvError(
-        f"rank {rank}: the checkpoint in {path} has {what}{cause}; refusing to run on "
+        f"the checkpoint in {path} has {what}{cause}; refusing to run on "
         "random weights: download or convert the model again"
     )
 
