@@ -13,6 +13,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,10 @@ def one_rank(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable
     return get
 
 
+def _home(path: Path, models: Path) -> Path:
+    return home_with_models(path, models, link=True)
+
+
 def _port(family: str, offset: int) -> str:
     return str(27000 + 20 * FAMILIES.index(family) + offset)
 
@@ -84,18 +89,19 @@ def test_cache_no_cache_and_pipeline_agree(
     # The replies depend on the prompt: a degenerate model would prove nothing.
     assert len(set(replies(hot))) >= 3 and all(len(set(r)) > 2 for r in replies(hot))
 
-    code, cold, err = zoo_chat(
-        home_with_models(tmp_path / "cold", models, True), model, "--no-cache"
-    )
+    split = SPLITS[family]
+    extra = ["-n", "2", "--parallel", "pipeline", "--starting-port", _port(family, 0)]
+    extra += ["--split", split] if split else []
+    # The two runs are independent: side by side, they share the machine's two cores.
+    with ThreadPoolExecutor(2) as pool:
+        cold_run = pool.submit(zoo_chat, _home(tmp_path / "cold", models), model, "--no-cache")
+        two_run = pool.submit(zoo_chat, _home(tmp_path / "two", models), model, *extra)
+        (code, cold, err), (code2, two, err2) = cold_run.result(), two_run.result()
     assert code == 0, err
     assert replies(cold) == replies(hot)
     assert all(t["cached_tokens"] == 0 for t in cold)
 
-    split = SPLITS[family]
-    extra = ["-n", "2", "--parallel", "pipeline", "--starting-port", _port(family, 0)]
-    extra += ["--split", split] if split else []
-    code, two, err = zoo_chat(home_with_models(tmp_path / "two", models, True), model, *extra)
-    assert code == 0, err
+    assert code2 == 0, err2
     assert replies(two) == replies(hot)
     assert [t["cached_tokens"] for t in two] == [t["cached_tokens"] for t in hot]
     assert all(t["ranks"] == 2 for t in two)
