@@ -141,21 +141,15 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
     import json
 
     from rich.console import Console
-    from rich.table import Table
 
-    from exokv.config import format_size
-    from exokv.model.resolve import list_models
+    from exokv.model.resolve import list_models, models_table
 
     found = list_models()
     if json_out:
         print(json.dumps(found, indent=2))
         return
-    table = Table("name", "kind", "params", "size", "path")
-    for m in found:
-        size = format_size(m["size_bytes"]) if m.get("size_bytes") else "not generated yet"
-        params = f"{m['params']:,}" if m.get("params") else "?"
-        table.add_row(m["name"], m["kind"], params, size, str(m.get("path") or ""))
-    Console().print(table)
+    Console().print(models_table(found))
+    print("builtin: and zoo models are generated on first use; --json adds paths and params")
 
 
 @app.command()

@@ -13,7 +13,7 @@ import pytest
 
 import exokv
 from exokv.errors import ExokvError, UsageError
-from exokv.model import builtin
+from exokv.model import builtin, zoo
 from exokv.model.resolve import (
     BUILTIN_NAMES,
     list_models,
@@ -339,7 +339,7 @@ def test_local_directory_and_hf_cache(tiny_dir: Path, home: Path, tmp_path: Path
 def test_list_models_reports_builtins(home: Path) -> None:
     before = {m["name"]: m for m in list_models()}
     assert [n for n in before if n.startswith("builtin:")] == [
-        f"builtin:{n}" for n in BUILTIN_NAMES
+        f"builtin:{n}" for n in (*BUILTIN_NAMES, *zoo.zoo_names())
     ]
     assert not before["builtin:tiny"]["generated"]
     assert before["builtin:tiny"]["size_bytes"] is None
@@ -349,4 +349,4 @@ def test_list_models_reports_builtins(home: Path) -> None:
     assert tiny_entry["generated"] and tiny_entry["size_bytes"] > 4 * tiny_entry["params"]
     assert tiny_entry["params"] == builtin.builtin_params("tiny")
     assert not after["builtin:base"]["generated"]
-    assert len(after) == len(BUILTIN_NAMES)
+    assert len(after) == len(BUILTIN_NAMES) + len(zoo.zoo_names())

@@ -402,7 +402,7 @@ class Oracle:
             trim_prompt_cache(cache, cache_length(cache) - length)
         else:
             length, cache = 0, make_prompt_cache(self.model)
-        mx.eval([c.state for c in cache if c.keys is not None])
+        mx.eval([c.state for c in cache if not c.empty()])
         start = time.perf_counter()
         prefill(self.model, cache, tokens[length:-1])
         steps = generate_step(

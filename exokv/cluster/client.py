@@ -294,6 +294,7 @@ class ClusterClient:
 
     def _prepare_model(self, name: str, split: list[int] | None) -> None:
         """Resolve (and for builtins, generate) the model once, before the ranks race to."""
+        from exokv.model.families import check_parallel
         from exokv.model.resolve import resolve_model
 
         path = resolve_model(name)
@@ -301,6 +302,7 @@ class ClusterClient:
             config = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return
+        check_parallel(config, self.opts.parallel, self.ranks)  # before any rank starts
         layers = config.get("num_hidden_layers")
         if split is not None and isinstance(layers, int) and sum(split) != layers:
             raise UsageError(f"--split adds up to {sum(split)} layers; the model has {layers}")

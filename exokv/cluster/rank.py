@@ -16,6 +16,7 @@ environment.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -208,40 +209,46 @@ def read_bootstrap(timeout: float) -> dict[str, Any]:
 
 
 def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: list[int] | None):
-    """This rank's shard of the model and the tokenizer, through mlx-lm's own pieces."""
-    from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+    """This rank's shard of the model and the tokenizer, every weight it needs checked.
 
+    Pipeline: mlx-lm's own pipeline where the family has one, else exokv's generic
+    one (exokv/model/pipeline.py). Tensor: mlx-lm's ``shard()``.
+    """
+    from exokv.model.loading import load_checkpoint
     from exokv.model.resolve import resolve_model
 
-    path = Path(resolve_model(name))
-    config = json.loads((path / "config.json").read_text())
-    if parallel == "tensor":
-        heads = config.get("num_key_value_heads") or config.get("num_attention_heads", 0)
-        if heads % world.size():
-            raise ExokvError(
-                f"--parallel tensor splits attention heads: {heads} KV heads do not divide "
-                f"among {world.size()} ranks; use --parallel pipeline or another -n"
-            )
-        return sharded_load(str(path), None, world)
-    if split is None:
-        return sharded_load(str(path), world, None)
-    # sharded_load has no split; do its steps with the split given to pipeline().
     # resolve_model only returns a model that is all here, so nothing is downloaded.
-    model, config = load_model(path, lazy=True, strict=False)
-    layers = len(model.model.layers)
-    if sum(split) != layers:
-        raise ExokvError(f"--split {_fmt(split)} has {sum(split)} layers; the model has {layers}")
-    model.model.pipeline(world, split)
-    tokenizer = load_tokenizer(
-        path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None)
-    )
-    mx.eval(model.parameters())  # lazy loading: only this rank's layers are read
+    model, tokenizer = load_checkpoint(Path(resolve_model(name)), world, parallel, split)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=world, stream=mx.cpu))
     return model, tokenizer
 
 
-def _fmt(split: list[int]) -> str:
-    return ",".join(map(str, split))
+def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) -> dict[str, Any]:
+    """Rank 0's next message on every rank, checked to be the step this rank expects.
+
+    Rank 0 stamps the message with its step (broadcasts so far) and turn count. A
+    rank whose collectives no longer pair with rank 0's (a different number of
+    calls since the last message) receives bytes from some other collective, or a
+    message for another step: it stops with one line instead of decoding garbage.
+    """
+    if group.rank == 0:
+        message = {**(message or {}), "step": step, "turn_no": turn}
+    try:
+        got = group.broadcast(message)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ExokvError(
+            f"rank {group.rank} is out of step with rank 0 at message {step} (turn {turn + 1}): "
+            f"the broadcast did not decode ({type(err).__name__})"
+        ) from err
+    if not isinstance(got, dict) or (got.get("step"), got.get("turn_no")) != (step, turn):
+        stamp = (
+            (got.get("step"), got.get("turn_no"), got.get("type")) if isinstance(got, dict) else got
+        )
+        raise ExokvError(
+            f"rank {group.rank} is out of step with rank 0: expected message {step} after turn "
+            f"{turn}, got {stamp!r}"[:300]
+        )
+    return got
 
 
 class Rank:
@@ -304,12 +311,12 @@ class Rank:
                 }
             )
         turn = 0
-        while True:
+        for step in itertools.count(1):
             before = dict(group.counts)
             before_s = dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None
-            message = group.broadcast(message)
-            kind = message.get("type") if isinstance(message, dict) else None
+            message = in_step(group, message, step, turn)
+            kind = message.get("type")
             if kind == "remember":
                 # A resumed session's replies as the exact tokens once generated: every
                 # rank must render them alike, so this travels like a turn.

@@ -13,10 +13,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ CHAT_TEMPLATE = (
 )
 
 _STALE_TMP_SECONDS = 3600
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -113,13 +115,13 @@ def builtin_dir(name: str) -> Path:
     return exokv_home() / "models" / name
 
 
-def read_marker(path: Path) -> dict[str, Any] | None:
-    """The completion marker of a generated builtin, or None if incomplete or stale."""
+def read_marker(path: Path, version: int = GENERATOR_VERSION) -> dict[str, Any] | None:
+    """The completion marker of a generated model dir, or None if incomplete or stale."""
     try:
         marker = json.loads((path / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(marker, dict) or marker.get("generator_version") != GENERATOR_VERSION:
+    if not isinstance(marker, dict) or marker.get("generator_version") != version:
         return None
     files = marker.get("files")
     if not isinstance(files, dict) or not files:
@@ -141,29 +143,37 @@ def ensure_builtin(name: str) -> Path:
     """Generate builtin ``name`` under EXOKV_HOME/models once; return its directory."""
     if name not in SPECS:
         raise KeyError(name)
-    final = builtin_dir(name)
-    if read_marker(final) is not None:
+    return ensure_generated(builtin_dir(name), GENERATOR_VERSION, lambda out: _generate(name, out))
+
+
+def ensure_generated(final: Path, version: int, generate: Callable[[Path], None]) -> Path:
+    """Run ``generate(tmp_dir)`` once and move the result to ``final``, across processes.
+
+    ``generate`` must write the marker file last (see ``write_marker``).
+    """
+    if read_marker(final, version) is not None:
         return final
+    name = final.name
     models = final.parent
     models.mkdir(parents=True, exist_ok=True)
     with _generation_lock(models / f".{name}.lock"):
         # Another process may have finished while we waited for the lock.
-        if read_marker(final) is not None:
+        if read_marker(final, version) is not None:
             return final
         _remove_stale_tmp(models, name)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-{os.getpid()}-", dir=models))
         try:
             tmp.chmod(0o755)
-            _generate(name, tmp)
+            generate(tmp)
             # A complete dir that appeared meanwhile came from a process that did
             # not see our lock (e.g. no flock on this filesystem): it is as good as
             # ours and may already be in use, so it stays.
-            if read_marker(final) is None:
+            if read_marker(final, version) is None:
                 _move_aside(final)
                 try:
                     os.rename(tmp, final)
                 except OSError:
-                    if read_marker(final) is None:
+                    if read_marker(final, version) is None:
                         raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -207,8 +217,8 @@ def _remove_stale_tmp(models: Path, name: str) -> None:
     """Delete temp dirs left by interrupted generations (dead pid, or very old)."""
     now = time.time()
     for entry in models.glob(f".tmp-{name}-*"):
-        parts = entry.name.split("-")
-        pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else -1
+        parts = entry.name[len(f".tmp-{name}-") :].split("-")
+        pid = int(parts[0]) if len(parts) > 1 and parts[0].isdigit() else -1
         try:
             age = now - entry.stat().st_mtime
         except OSError:
@@ -230,13 +240,22 @@ def _move_aside(final: Path) -> None:
 
 def _generate(name: str, out: Path) -> None:
     config = builtin_config(name)
-    _write_json(out / "config.json", config)
-    _write_json(
+    write_json(out / "config.json", config)
+    write_generation_config(config, out)
+    write_tokenizer(out)
+    write_weights(_init_weights(config), out)
+    write_marker(out, name, GENERATOR_VERSION, builtin_params(name))
+
+
+def write_generation_config(config: dict[str, Any], out: Path) -> None:
+    write_json(
         out / "generation_config.json",
         {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]},
     )
-    _write_tokenizer(out)
-    _write_weights(config, out)
+
+
+def write_marker(out: Path, name: str, version: int, params: int) -> None:
+    """Written last: its presence is what makes the dir count as complete."""
     files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
     digest = hashlib.sha256()
     for fname in sorted(files):
@@ -245,16 +264,15 @@ def _generate(name: str, out: Path) -> None:
     marker = {
         "name": name,
         "seed": SEED,
-        "generator_version": GENERATOR_VERSION,
+        "generator_version": version,
         "fingerprint": digest.hexdigest(),
-        "params": builtin_params(name),
+        "params": params,
         "files": files,
     }
-    # Written last: its presence is what makes the dir count as complete.
-    _write_json(out / MARKER, marker)
+    write_json(out / MARKER, marker)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     text = json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     path.write_text(text, encoding="utf-8")
 
@@ -262,7 +280,7 @@ def _write_json(path: Path, data: Any) -> None:
 # --- weights ---------------------------------------------------------------------------
 
 
-def _uniform(shape: tuple[int, ...], half_width: float, key_name: str) -> Any:
+def uniform(shape: tuple[int, ...], half_width: float, key_name: str) -> Any:
     """Uniform(-w, w) from SHAKE-256 bits: identical on every platform and library version."""
     import mlx.core as mx
     import numpy as np
@@ -294,26 +312,25 @@ def _init_weights(config: dict[str, Any]) -> dict[str, Any]:
         elif key.endswith("embed_tokens.weight"):
             # Same variance as mlx's N(0, 1/dims) embedding init, times the gain.
             width = WEIGHT_GAIN * (3.0 / shape[1]) ** 0.5
-            weights[key] = _uniform(shape, width, key)
+            weights[key] = uniform(shape, width, key)
         elif len(shape) == 2:
-            weights[key] = _uniform(shape, WEIGHT_GAIN * shape[1] ** -0.5, key)
+            weights[key] = uniform(shape, WEIGHT_GAIN * shape[1] ** -0.5, key)
         else:
             # A bias: mlx's Linear init bound for its layer, no gain.
             fan_in = shapes[key[: -len("bias")] + "weight"][1]
-            weights[key] = _uniform(shape, fan_in**-0.5, key)
+            weights[key] = uniform(shape, fan_in**-0.5, key)
     return weights
 
 
-def _write_weights(config: dict[str, Any], out: Path) -> None:
+def write_weights(weights: dict[str, Any], out: Path) -> None:
     import mlx.core as mx
 
-    weights = _init_weights(config)
     # One file for the embeddings/norm/head and one per layer, so a pipeline stage
     # reads only the files of its own layers.
     groups: dict[str, dict[str, Any]] = {"shared": {}}
     for key, value in weights.items():
-        parts = key.split(".")
-        group = f"layer{int(parts[2]):04d}" if parts[1] == "layers" else "shared"
+        layer = _LAYER_KEY.search(key)
+        group = f"layer{int(layer.group(1)):04d}" if layer else "shared"
         groups.setdefault(group, {})[key] = value
     order = ["shared"] + sorted(g for g in groups if g != "shared")
     total = len(order)
@@ -326,7 +343,7 @@ def _write_weights(config: dict[str, Any], out: Path) -> None:
         for key, value in tensors.items():
             weight_map[key] = fname
             total_size += value.nbytes
-    _write_json(
+    write_json(
         out / "model.safetensors.index.json",
         {"metadata": {"total_size": total_size}, "weight_map": weight_map},
     )
@@ -335,7 +352,7 @@ def _write_weights(config: dict[str, Any], out: Path) -> None:
 # --- tokenizer -------------------------------------------------------------------------
 
 
-def _write_tokenizer(out: Path) -> None:
+def write_tokenizer(out: Path) -> None:
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -385,7 +402,7 @@ def _write_tokenizer(out: Path) -> None:
         "single_word": False,
         "special": True,
     }
-    _write_json(
+    write_json(
         out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -403,7 +420,7 @@ def _write_tokenizer(out: Path) -> None:
             "split_special_tokens": False,
         },
     )
-    _write_json(
+    write_json(
         out / "special_tokens_map.json",
         {
             "additional_special_tokens": [SPECIAL_TOKENS[1], SPECIAL_TOKENS[2]],

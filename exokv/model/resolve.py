@@ -17,7 +17,7 @@ from typing import Any
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError, UsageError
-from exokv.model import builtin
+from exokv.model import builtin, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
 BUILTIN_PREFIX = "builtin:"
@@ -44,17 +44,33 @@ _IDENTITY_FILES = (
 
 
 def _builtin_list() -> str:
-    return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)
+    return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES) + " or builtin:<family>-tiny"
 
 
 def _builtin_name(name: str) -> str | None:
-    """'builtin:tiny' -> 'tiny'; None if ``name`` is not a builtin reference."""
+    """'builtin:tiny' -> 'tiny', 'builtin:llama-tiny' -> 'llama-tiny'; None if not a builtin."""
     if not name.startswith(BUILTIN_PREFIX):
         return None
     short = name[len(BUILTIN_PREFIX) :]
-    if short not in BUILTIN_NAMES:
-        raise UsageError(f"unknown builtin model {name!r}: choose one of {_builtin_list()}")
+    if short not in BUILTIN_NAMES and zoo.family_of(short) is None:
+        zoo_list = ", ".join(BUILTIN_PREFIX + n for n in zoo.zoo_names())
+        raise UsageError(
+            f"unknown builtin model {name!r}: choose one of "
+            f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)} or of the zoo: {zoo_list}"
+        )
     return short
+
+
+def _ensure(short: str) -> Path:
+    if zoo.family_of(short) is not None:
+        return zoo.ensure_zoo(short)
+    return builtin.ensure_builtin(short)
+
+
+def _marker(short: str) -> dict[str, Any] | None:
+    if zoo.family_of(short) is not None:
+        return zoo.read_zoo_marker(short)
+    return builtin.read_marker(builtin.builtin_dir(short))
 
 
 def hf_cache_dir() -> Path:
@@ -93,7 +109,7 @@ def resolve_model(name: str) -> Path:
     short = _builtin_name(name)
     if short is not None:
         try:
-            return builtin.ensure_builtin(short)
+            return _ensure(short)
         except OSError as e:
             raise ExokvError(
                 f"could not generate {name} under {builtin.builtin_dir(short).parent}: {e}; "
@@ -132,15 +148,19 @@ def _one_line(error: BaseException) -> str:
 
 
 def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
-    """(model, tokenizer) loaded by mlx-lm; any failure becomes a one-line ExokvError."""
+    """(model, tokenizer) loaded by mlx-lm, all weights checked; failures are one line.
+
+    ``lazy`` is accepted for compatibility: every weight is read (and checked) here.
+    """
+    from exokv.model.loading import load_checkpoint
+
     path = resolve_model(name)
     try:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(path), lazy=lazy)
+        return load_checkpoint(path)
+    except ExokvError:
+        raise
     except Exception as e:
         raise ExokvError(f"could not load model '{name}' from {path}: {_one_line(e)}"[:400]) from e
-    return model, tokenizer
 
 
 def _files_digest(path: Path) -> str:
@@ -168,7 +188,7 @@ def model_id(name: str) -> str:
     path = resolve_model(name)
     short = _builtin_name(name.strip())
     if short is not None:
-        marker = builtin.read_marker(path)
+        marker = _marker(short)
         if marker is None:
             raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
         return f"{BUILTIN_PREFIX}{short}@{marker['fingerprint'][:12]}"
@@ -255,7 +275,19 @@ def _local_entry(name: str, kind: str, path: Path) -> dict[str, Any] | None:
         "size_bytes": _dir_size(path),
         "params": _safetensors_params(path, config),
         "model_type": config.get("model_type"),
+        **_family_fields(config),
     }
+
+
+def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """family, cache_kind, pipeline, tensor (None where mlx-lm cannot build the model)."""
+    from exokv.model.families import describe
+
+    try:
+        return describe(config)
+    except Exception:  # noqa: BLE001 - a listing never fails on one odd model
+        fields: dict[str, Any] = {"cache_kind": None, "pipeline": None, "tensor": None}
+        return {"family": config.get("model_type"), **fields}
 
 
 def _hf_models() -> list[dict[str, Any]]:
@@ -278,34 +310,81 @@ def _hf_models() -> list[dict[str, Any]]:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """The builtins, then local models: EXOKV_HOME/models/* and the Hugging Face cache.
+    """The builtins and the zoo, then local models: EXOKV_HOME/models/* and the HF cache.
 
-    Each entry: name (what --model takes), kind (builtin|local|huggingface), path,
+    Each entry: name (what --model takes), kind (builtin|zoo|local|huggingface), path,
     generated (False only for a builtin not generated yet), size_bytes (on disk;
-    None until generated), params, model_type.
+    None until generated), params, model_type, and what its family supports:
+    family, cache_kind (slices|snapshots|mixed), pipeline (mlx-lm|generic), tensor.
     """
     models: list[dict[str, Any]] = []
     for short in BUILTIN_NAMES:
-        path = builtin.builtin_dir(short)
-        generated = builtin.read_marker(path) is not None
+        config = builtin.builtin_config(short)
         models.append(
-            {
-                "name": BUILTIN_PREFIX + short,
-                "kind": "builtin",
-                "path": str(path),
-                "generated": generated,
-                "size_bytes": _dir_size(path) if generated else None,
-                "params": builtin.builtin_params(short),
-                "model_type": "qwen2",
-            }
+            _generated_entry(
+                short, "builtin", builtin.builtin_dir(short), builtin.builtin_params(short), config
+            )
         )
+    for short in zoo.zoo_names():
+        config = zoo.zoo_config(short)
+        params = sum(v.size for _, v in _flat(zoo.build_model(config).parameters()))
+        models.append(_generated_entry(short, "zoo", zoo.zoo_dir(short), params, config))
+    generated = set(BUILTIN_NAMES) | set(zoo.zoo_names())
     models_dir = exokv_home() / "models"
     if models_dir.is_dir():
         for path in sorted(models_dir.iterdir()):
-            if path.name.startswith(".") or path.name in BUILTIN_NAMES or not path.is_dir():
+            if path.name.startswith(".") or path.name in generated or not path.is_dir():
                 continue
             entry = _local_entry(str(path), "local", path)
             if entry is not None:
                 models.append(entry)
     models.extend(_hf_models())
     return models
+
+
+def _generated_entry(
+    short: str, kind: str, path: Path, params: int, config: dict[str, Any]
+) -> dict[str, Any]:
+    generated = _marker(short) is not None
+    return {
+        "name": BUILTIN_PREFIX + short,
+        "kind": kind,
+        "path": str(path),
+        "generated": generated,
+        "size_bytes": _dir_size(path) if generated else None,
+        "params": params,
+        "model_type": config["model_type"],
+        **_family_fields(config),
+    }
+
+
+def _flat(params: Any) -> list[tuple[str, Any]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+def models_table(found: list[dict[str, Any]]) -> Any:
+    """`exokv models` as a rich table that fits 80 columns and never cuts a name."""
+    from rich import box
+    from rich.table import Table
+
+    from exokv.config import format_size
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1))
+    table.add_column("name", no_wrap=True)
+    for header in ("family", "cache", "pipeline", "tensor"):
+        table.add_column(header, overflow="fold")
+    table.add_column("size", justify="right", overflow="fold")
+    for m in found:
+        size = format_size(m["size_bytes"]) if m.get("size_bytes") else "-"
+        tensor = {True: "yes", False: "no"}.get(m.get("tensor"), "?")
+        table.add_row(
+            m["name"],
+            m.get("family") or "?",
+            m.get("cache_kind") or "?",
+            m.get("pipeline") or "-",
+            tensor,
+            size,
+        )
+    return table

@@ -1,0 +1,180 @@
+"""Pipeline parallelism for every model whose inner model has a list of layers.
+
+Where the family has mlx-lm's own pipeline (``PipelineMixin``: ``model.model.pipeline``)
+that is used. Otherwise exokv's generic pipeline, after mlx-lm's convention: rank 0
+runs the LAST layers, ``split`` lists layers per rank with rank 0 first, the first
+layer of a rank's slice receives the hidden state from the rank after it, the last
+one sends it on, and every rank ends with the final hidden state (an all_gather), so
+every rank computes the same logits.
+
+The inner model keeps only its slice, so ``model.layers`` and ``make_cache`` give a
+cache for this rank's layers only; the bookkeeping a family keeps by layer index
+(llama's and gpt-oss's ``layer_types`` and mask indices, gemma3's sliding pattern)
+is re-sliced to the local layers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+
+def inner_model(model: Any) -> Any | None:
+    """The module that holds the decoder layers (``model.model``), or None."""
+    inner = getattr(model, "model", None)
+    return inner if isinstance(getattr(inner, "layers", None), list) else None
+
+
+def pipeline_kind(model: Any) -> str | None:
+    """'mlx-lm' where mlx-lm has a pipeline for the class, 'generic' for ours, else None."""
+    inner = inner_model(model)
+    if inner is None:
+        return None
+    return "mlx-lm" if hasattr(inner, "pipeline") else "generic"
+
+
+def even_split(layers: int, ranks: int) -> list[int]:
+    """mlx-lm's default: as even as possible, the low ranks get the extra layers."""
+    base, extra = divmod(layers, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
+def local_range(split: list[int], rank: int) -> tuple[int, int]:
+    """The [start, end) layers of ``rank``: rank r runs the layers after ranks r+1.."""
+    start = sum(split[rank + 1 :])
+    return start, start + split[rank]
+
+
+def apply_pipeline(model: Any, group: mx.distributed.Group, split: list[int]) -> str:
+    """Keep this rank's layers of ``model`` and wire the hidden state between ranks."""
+    inner = inner_model(model)
+    if inner is None:
+        raise ValueError("the model has no list of layers to split")
+    if hasattr(inner, "pipeline"):
+        inner.pipeline(group, split)
+        return "mlx-lm"
+    rank, size = group.rank(), group.size()
+    total = len(inner.layers)
+    start, end = local_range(split, rank)
+    inner.layers = inner.layers[start:end]
+    _RESLICE.get(type(inner).__name__, _reslice_indices)(model, inner, start, end, total)
+    last = {"send": rank != 0, "gather": size > 1}
+    if len(inner.layers) == 1:  # one layer both receives and sends
+        _make_stage(inner.layers[0], group, receive=rank < size - 1, **last)
+    else:
+        _make_stage(inner.layers[0], group, receive=rank < size - 1)
+        _make_stage(inner.layers[-1], group, **last)
+    return "generic"
+
+
+# -- the hidden state between ranks ---------------------------------------------------
+
+
+def _make_stage(
+    layer: nn.Module,
+    group: mx.distributed.Group,
+    receive: bool = False,
+    send: bool = False,
+    gather: bool = False,
+) -> None:
+    """Give ``layer`` (in place: same parameters) the pipeline's receive/send steps."""
+    base = type(layer)
+    prev = group.rank() + 1
+    nxt = group.rank() - 1
+    signature = inspect.signature(base.__call__)
+
+    def __call__(self: nn.Module, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        if receive:
+            x = mx.distributed.recv_like(x, prev, group=group)
+        out = base.__call__(self, x, *args, **kwargs)
+        if send:
+            out = mx.distributed.send(out, nxt, group=group)
+            # Prefill evaluates only the caches: make them depend on the send, or
+            # this rank would never send and the next one would wait forever.
+            bound = signature.bind(self, x, *args, **kwargs)
+            _depend(bound.arguments.get("cache"), out)
+        if gather:
+            out = mx.distributed.all_gather(out, group=group)[: out.shape[0]]
+        return out
+
+    stage = type(f"Pipeline{base.__name__}", (base,), {"__call__": __call__})
+    stage.__module__ = base.__module__
+    # A subclass keeps every attribute (use_sliding, is_sliding, ...) and the weights.
+    layer.__class__ = stage
+
+
+def _depend(cache: Any, out: mx.array) -> None:
+    if cache is None:
+        return
+    if getattr(cache, "keys", None) is not None:
+        cache.keys = mx.depends(cache.keys, out)
+    elif isinstance(getattr(cache, "cache", None), list) and cache.cache[0] is not None:
+        cache.cache[0] = mx.depends(cache.cache[0], out)
+
+
+# -- per-family bookkeeping ------------------------------------------------------------
+
+
+def _first(items: list[Any], pred: Callable[[Any], bool], default: Any) -> Any:
+    return next((i for i, item in enumerate(items) if pred(item)), default)
+
+
+def _reslice_indices(model: Any, inner: Any, start: int, end: int, total: int) -> None:
+    """``layer_types`` and the mask indices that llama, mistral and gpt-oss keep.
+
+    A mask index with no local layer of its kind points at layer 0: the mask is
+    then built but never used.
+    """
+    types = getattr(inner, "layer_types", None)
+    if not isinstance(types, list) or len(types) != total:
+        return
+    inner.layer_types = types = types[start:end]
+    kinds = (("fa_idx", "full_attention"), ("ga_idx", "full_attention"))
+    for name, kind in (*kinds, ("swa_idx", "sliding_attention")):
+        if getattr(inner, name, None) is not None:
+            setattr(inner, name, _first(types, lambda t, k=kind: t == k, 0))
+
+
+def _gemma3(model: Any, inner: Any, start: int, end: int, total: int) -> None:
+    """Gemma 3 picks a layer's kind by its index modulo the sliding pattern."""
+    inner.__class__ = type("PipelineGemma3Model", (type(inner),), {"__call__": _gemma3_call})
+    model.__class__ = type("PipelineGemma3", (type(model),), {"make_cache": _gemma3_cache})
+
+
+def _gemma3_call(
+    self: Any, inputs: mx.array, cache: Any = None, input_embeddings: Any = None
+) -> mx.array:
+    # gemma3_text's own forward pass, with each layer's kind read from the layer
+    # itself instead of from its position in the (now local) list.
+    h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+    h *= mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+    if cache is None:
+        cache = [None] * len(self.layers)
+    sliding = [layer.self_attn.is_sliding for layer in self.layers]
+    global_at = _first(sliding, lambda s: not s, 0)
+    local_at = _first(sliding, lambda s: s, 0)
+    global_mask = create_attention_mask(h, cache[global_at])
+    window_mask = create_attention_mask(h, cache[local_at], window_size=self.window_size)
+    for layer, c, slides in zip(self.layers, cache, sliding, strict=True):
+        h = layer(h, window_mask if slides else global_mask, c)
+    return self.norm(h)
+
+
+def _gemma3_cache(self: Any) -> list[Any]:
+    return [
+        RotatingKVCache(max_size=self.args.sliding_window)
+        if layer.self_attn.is_sliding
+        else KVCache()
+        for layer in self.layers
+    ]
+
+
+_RESLICE: dict[str, Callable[[Any, Any, int, int, int], None]] = {
+    "Gemma3Model": _gemma3,
+}
