@@ -27,8 +27,8 @@ from exokv.model.families import supports_tensor
 # None: the even split of `-n 2 --parallel pipeline` (llama's is the README's own
 # example). Otherwise an uneven one that leaves a rank without one layer kind:
 # gemma3 3,1 puts its global layer (2) in the middle of rank 0's slice; gpt-oss 3,1
-# leaves rank 1 with only a sliding layer. The splits in KNOWN_CACHE_GAPS fail today
-# in the prefix cache, not in the pipeline; see test_splits_the_prefix_cache_cannot_serve.
+# leaves rank 1 with only a sliding layer; qwen3-next 3,1 leaves rank 1 with only
+# linear-attention layers. UNEVEN_KINDS adds the other way round for gpt-oss.
 SPLITS: dict[str, str | None] = {
     "llama": None,
     "qwen3": "3,1",
@@ -37,13 +37,11 @@ SPLITS: dict[str, str | None] = {
     "gpt-oss": "3,1",
     "ministral3": "3,1",
     "deepseek-v3": "1,3",
-    "qwen3-next": None,
+    "qwen3-next": "3,1",
 }
-# (family, split): a rank whose layers are all KVCache picks the "slices" storage
-# while the other picks "snapshots" (gpt-oss 1,3); a rank holding only linear-attention
-# layers has no cache offset, so it stores nothing (qwen3-next 3,1). Either way the
-# ranks' cache trees differ after turn 1 and the chat stops with one line.
-KNOWN_CACHE_GAPS = [("qwen3-next", "3,1")]  # gpt-oss 1,3 fails the same way
+# A rank whose layers are all KVCache beside one that holds sliding layers (gpt-oss
+# 1,3): the ranks must still agree on every storage class (cache/coordinate.py).
+UNEVEN_KINDS = [("gpt-oss", "1,3")]
 
 
 @pytest.fixture(scope="module")
@@ -183,13 +181,8 @@ def test_bench_runs_on_a_zoo_path(family: str, models: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason="exokv/cache/prefix_cache.py picks its storage per rank from that rank's layers; "
-    "remove this mark once the per-layer-kind cache storage is merged and it passes",
-)
-@pytest.mark.parametrize("family, split", KNOWN_CACHE_GAPS)
-def test_splits_the_prefix_cache_cannot_serve(
+@pytest.mark.parametrize("family, split", UNEVEN_KINDS)
+def test_ranks_holding_different_layer_kinds_agree(
     family: str, split: str, models: Path, one_rank: Callable[[str], Any], tmp_path: Path
 ) -> None:
     port = _port(family, 15)
