@@ -1,6 +1,7 @@
-"""Two ranks with uneven budgets and uneven layers, every layer a sliding window
-(--max-kv-size): each rank within its budget after every turn, the same evictions
-on both, and every rank's bytes as the others compute them equal to what it holds."""
+"""Two ranks with uneven budgets and uneven layers (every layer a sliding window under
+--max-kv-size, and the zoo's families of every cache kind): each rank within its
+budget after every turn, the same evictions on both, and every rank's bytes as the
+others compute them equal to what it holds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from chat_helpers import cache_json, home_with_models
 from test_cluster import rank_log, run_script
+from zoo_helpers import zoo_models
 
 # Four conversations sharing their start: each new one splits the tree's edges.
 SCRIPT = [
@@ -24,19 +26,31 @@ SCRIPT = [
     "/switch b",
     "Thanks",
 ]
-BUDGETS = (200_000, 16_000)
+# (model, extra flags, budgets per rank): rank 1 holds one layer of four, with the
+# tighter budget, so its budget drives the evictions.
+CASES = {
+    "max-kv-size": ("builtin:tiny", ("--max-kv-size", "48"), (200_000, 16_000)),
+    "gemma3": ("builtin:gemma3-tiny", (), (200_000, 24_000)),
+    "gpt-oss": ("builtin:gpt-oss-tiny", (), (200_000, 24_000)),
+    "qwen3-next": ("builtin:qwen3-next-tiny", (), (200_000, 24_000)),
+    "deepseek-v3": ("builtin:deepseek-v3-tiny", (), (200_000, 10_000)),
+}
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
-    tmp_path: Path, models_dir: Path
+    case: str, tmp_path: Path, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    home = home_with_models(tmp_path / "two", models_dir)
+    model, extra, budgets = CASES[case]
+    models = models_dir if model == "builtin:tiny" else zoo_models(tmp_path_factory)
+    home = home_with_models(tmp_path / "two", models, link=True)
     env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
+    port = 27510 + 10 * list(CASES).index(case)
     args = (
-        *("-n", "2", "--split", "3,1", "--max-kv-size", "48"),
-        *("--cache-budget", ",".join(str(b) for b in BUDGETS)),
-        *("--starting-port", "27510"),
+        *("--model", model, "-n", "2", "--split", "3,1", *extra),
+        *("--cache-budget", ",".join(str(b) for b in budgets)),
+        *("--starting-port", str(port)),
     )
     turns = run_script(home, SCRIPT, *args, env=env)
     logs = [rank_log(home, 0), rank_log(home, 1)]
@@ -45,7 +59,7 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     for t0, t1 in zip(*logs, strict=True):
         own = [t0["rank_stats"][0]["cache_bytes"], t1["rank_stats"][1]["cache_bytes"]]
         # After every turn each rank holds at most its budget ...
-        assert all(b <= budget for b, budget in zip(own, BUDGETS, strict=True)), own
+        assert all(b <= budget for b, budget in zip(own, budgets, strict=True)), own
         # ... and what each rank computes the other holds is what that rank holds.
         assert t1["rank_stats"][0]["cache_bytes"] == own[0]
         assert t0["rank_stats"][1]["cache_bytes"] == own[1]
