@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache import layers, memory
@@ -37,6 +37,11 @@ class EngineOptions:
     memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
     max_kv_size: int | None = None
     seed: int | None = None
+    # The disk tier (exokv.cache.tier): this rank's directory and byte budget; off without both.
+    disk_dir: str | None = None
+    disk_budget: int | None = None
+    kv_bits: int | None = None  # quantized KV cache (mlx-lm's QuantizedKVCache): 4 or 8
+    kv_group_size: int = 64
 
 
 class Engine:
@@ -71,6 +76,25 @@ class Engine:
         self.coord = Coordinator(
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
+        self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
+        if self.options.disk_dir is not None and self.options.disk_budget is not None:
+            self._start_tier()
+
+    def _start_tier(self) -> None:
+        from pathlib import Path
+
+        from exokv.cache.disk import DiskStore
+        from exokv.cache.tier import DiskTier
+
+        store = DiskStore(Path(self.options.disk_dir))
+        tier = DiskTier(self.cache, store, self.group, self.options.disk_budget or 0)
+        self.coord.set_tier(tier)
+        self.tier_notice = tier.restore()  # one gather on every rank alike
+
+    def close(self) -> None:
+        """Keep the cache for the next run (the disk tier); every rank alike, no collective."""
+        if self.coord.tier is not None:
+            self.coord.tier.close()
 
     @property
     def collectives(self) -> int:
@@ -142,6 +166,8 @@ class Engine:
         overhead = time.perf_counter()
         hit = self.cache.fetch(tokens) if use_cache else Hit(self._new_cache(), 0, [])
         ran = hit.length  # tokens the cache has run
+        if self.coord.tier is not None:  # loads (or agreed misses) from the disk tier
+            events += self.coord.tier.take_events(self.decision)
         try:
             if hit.entry is not None:
                 events.append(self._event("hit", hit.entry, request.session, hit.length))
@@ -181,6 +207,8 @@ class Engine:
             self._insert(held, hit.cache, ran, request.session, events)
             live = self.cache.tree.match(held[:ran]).path
             self.coord.cap(self.decision, live, ran, request.session, events)
+        if self.coord.tier is not None:
+            events += self.coord.tier.take_events(self.decision)
         overhead += time.perf_counter() - tic
         return TurnResult(
             session=request.session,
@@ -312,7 +340,11 @@ class Engine:
         )
 
     def _new_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
+        cache = make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
+        if self.options.kv_bits:  # stored quantized, in RAM and on disk alike
+            bits, group = self.options.kv_bits, self.options.kv_group_size
+            cache = [QuantizedKVCache(group, bits) if type(c) is KVCache else c for c in cache]
+        return cache
 
     def _run_one_token(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)

@@ -19,6 +19,7 @@ from exokv.cache.memory import MemorySample
 from exokv.cache.policy import Entry, RankLoad, plan
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node
+from exokv.cache.tier import DiskTier
 from exokv.cluster.group import Group
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats
@@ -76,6 +77,13 @@ class Coordinator:
         self.threshold = threshold
         self.collectives = 0
         self.last: Gathered | None = None
+        self.tier: DiskTier | None = None  # the disk tier under RAM, if any (set_tier)
+
+    def set_tier(self, tier: DiskTier) -> None:
+        self.tier = tier
+        self.cache.tier = tier
+        tier.rates = self.all_rates()
+        tier.node_bytes = self.node_bytes
 
     # -- bytes on every rank, from the tree's counts --------------------------------
 
@@ -124,11 +132,16 @@ class Coordinator:
             _tree_digest(nodes),
             *(self.rates[c] for c in self.cache.classes),
         ]
+        if self.tier is not None:  # disk tier: its budget and write status, at the end
+            local += self.tier.local_numbers()
         self.collectives += 1
         rows = self.group.gather(local)
         if len({row[_DIGEST] for row in rows}) != 1:
             raise ExokvError("ranks hold different cache trees (they diverged); restart the chat")
-        rates = [dict(zip(self.cache.classes, row[_FIXED:], strict=True)) for row in rows]
+        n = len(self.cache.classes)
+        rates = [
+            dict(zip(self.cache.classes, row[_FIXED : _FIXED + n], strict=True)) for row in rows
+        ]
         held = _bytes(self.cache.totals, rates)
         loads = [
             RankLoad(
@@ -141,6 +154,9 @@ class Coordinator:
             for r, row in enumerate(rows)
         ]
         self.last = Gathered(rates=rates, loads=loads, rows=rows)
+        if self.tier is not None:
+            self.tier.decision = decision
+            self.tier.absorb(rows, rates)
         self._evict(nodes, loads, decision, events)
 
     # -- after the turn: every rank within its budget -------------------------------
@@ -169,8 +185,7 @@ class Coordinator:
             if keep:
                 head = self.cache.cut(node, keep)
                 events.append(self.event("add", head, session, decision))
-            events.append(self._evict_event(node, decision, reason, pressures))
-            self.cache.evict(node)
+            self._remove(node, self._evict_event(node, decision, reason, pressures), events)
             path.pop()
 
     def _over(self) -> bool:
@@ -214,6 +229,8 @@ class Coordinator:
         pinned: set[Node] | None = None,
     ) -> None:
         pinned = pinned or set()
+        if self.tier is not None:  # the plan sees RAM only: on-disk nodes hold no RAM
+            nodes = [n for n in nodes if n.payload.tier == "ram"]
         sizes = [[0] * len(nodes) for _ in loads]
         rates = self.last.rates
         for i, node in enumerate(nodes):
@@ -232,8 +249,17 @@ class Coordinator:
         by_id = {n.id: n for n in nodes}
         for eviction in plan(entries, sizes, loads, self.threshold):
             node = by_id[eviction.entry]
-            events.append(self._evict_event(node, decision, eviction.reason, pressures))
+            event = self._evict_event(node, decision, eviction.reason, pressures)
+            self._remove(node, event, events)
+
+    def _remove(self, node: Node, event: CacheEvent, events: list[CacheEvent]) -> None:
+        """Evict `node` from RAM: to the disk tier when there is one (a spill), else away."""
+        if self.tier is None:
+            events.append(event)
             self.cache.evict(node)
+            return
+        self.tier.remove(node, event.reason, event)
+        events += self.tier.take_events(event.decision)
 
     def _evict_event(
         self, node: Node, decision: int, reason: str, pressures: list[float]
@@ -271,6 +297,8 @@ class Coordinator:
         # from the tree's counts (equal when the accounting is exact, as tests check).
         held[self.group.rank] = self.cache.total_bytes
         entries = sum(1 for _ in self.cache.tree.nodes())
+        disk = self.tier.disk_bytes() if self.tier is not None else [0] * len(g.rows)
+        disk_budgets = self.tier.budgets if self.tier is not None else [None] * len(g.rows)
         return [
             RankStats(
                 rank=r,
@@ -281,6 +309,8 @@ class Coordinator:
                 ram_total=row[3],
                 rss=row[5],
                 mlx_active=row[6],
+                disk_bytes=disk[r],
+                disk_budget=disk_budgets[r],
             )
             for r, row in enumerate(g.rows)
         ]
@@ -296,6 +326,7 @@ class Coordinator:
                 bytes=self.node_bytes(node),
                 hits=node.hits,
                 last_used=node.last_used,
+                tier=node.payload.tier,
             )
             for node in self.cache.tree.nodes()
         ]
