@@ -36,7 +36,7 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--session" "exokv chat:--starting-port"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port"
                 set skip 1
         end
     end
@@ -105,6 +105,9 @@ complete -c exokv -n '__exokv_at exokv chat' -l cache-budget -x -d 'bytes per ra
 complete -c exokv -n '__exokv_at exokv chat' -l memory-threshold -x -d 'RAM fraction that triggers eviction'
 complete -c exokv -n '__exokv_at exokv chat' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
 complete -c exokv -n '__exokv_at exokv chat' -l no-cache -d 'prefill the whole prompt every turn'
+complete -c exokv -n '__exokv_at exokv chat' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
+complete -c exokv -n '__exokv_at exokv chat' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
+complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv chat' -l session -x -d 'name the conversation; resumes it if it exists'
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'

@@ -7,6 +7,7 @@ from the token sequences (identical everywhere) and the gathered numbers.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -90,6 +91,8 @@ class Engine:
         tier = DiskTier(self.cache, store, self.group, self.options.disk_budget or 0)
         self.coord.set_tier(tier)
         self.tier_notice = tier.restore()  # one gather on every rank alike
+        if self.tier_notice and self.group.rank == 0:
+            print(f"exokv: disk tier: {self.tier_notice}", file=sys.stderr)
 
     def close(self) -> None:
         """Keep the cache for the next run (the disk tier); every rank alike, no collective."""

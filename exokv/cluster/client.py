@@ -291,6 +291,10 @@ class ClusterClient:
             args += ["--budgets", ",".join(map(str, budgets))]
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
+        if getattr(opts, "disk_budget", None) is not None:  # the disk tier (exokv.cache.tiers)
+            args += ["--disk-budget", str(opts.disk_budget)]
+        if getattr(opts, "kv_bits", None) is not None:
+            args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]
         if self.plan.local:  # a pid means nothing on another host
             args += ["--front-end-pid", str(os.getpid())]
         return args
