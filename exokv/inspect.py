@@ -169,6 +169,7 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
         "Bytes",
         "Budget",
         "Used",
+        "Disk",
         "Hits",
         "Misses",
         "Hit rate",
@@ -184,6 +185,7 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
             _size(row["bytes"]),
             _size(row["budget"]),
             _pct(row["budget_pct"]),
+            _size(row.get("disk_bytes") or 0),
             str(row["hits"]),
             str(row["misses"]),
             _pct(row["hit_rate"], 100),
@@ -235,6 +237,7 @@ def entries(
         "<Session",
         "Tokens",
         "Depth",
+        "Tier",
         *[f"Bytes r{rank}" for rank in range(width)],
         "Hits",
         "<Last used",
@@ -242,7 +245,8 @@ def entries(
     for r in rows:
         sizes = [_size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in range(width)]
         parent = "-" if r["parent"] is None else str(r["parent"])
-        cells = [str(r["id"]), parent, r["session"], str(r["tokens"]), str(r["depth"]), *sizes]
+        cells = [str(r["id"]), parent, r["session"], str(r["tokens"]), str(r["depth"])]
+        cells += [r.get("tier", "ram"), *sizes]
         cells += [str(r["hits"]), _when(r["last_used"])]
         table.add_row(*([str(r["run"])] if many else []), *cells)
     console = _console()

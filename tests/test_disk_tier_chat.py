@@ -4,11 +4,12 @@ holding a third of it, on 1 and 2 uneven ranks; a restart warm from disk; a full
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from chat_helpers import chat_json, home_with_models, run_exokv
+from chat_helpers import cache_json, chat_json, home_with_models, run_exokv
 from test_cluster import rank_log, run_script
 
 QUESTIONS = ["Tell me about cats", "Tell me about the sea", "Tell me about winter", "Rivers?"]
@@ -54,6 +55,14 @@ def test_one_rank_a_third_of_the_switch_chat_in_ram(references, tmp_path, models
     assert all(t["rank_stats"][0]["cache_bytes"] <= budget for t in turns)
     kinds = [e["kind"] for t in turns for e in t["events"]]
     assert "spill" in kinds and "load" in kinds and "evict" not in kinds
+    # Inspection: each entry's tier, and bytes per tier per rank.
+    rows = cache_json(home, "entries")["entries"]
+    assert {r["tier"] for r in rows} == {"ram", "disk"}
+    stats = cache_json(home, "stats")["ranks"][0]
+    assert 0 < stats["bytes"] <= budget and stats["disk_bytes"] > 0
+    ram = sum(r["bytes"][0] for r in rows if r["tier"] == "ram")
+    assert stats["bytes"] == ram == turns[-1]["rank_stats"][0]["cache_bytes"]
+    assert stats["disk_bytes"] == turns[-1]["rank_stats"][0]["disk_bytes"]
 
 
 @pytest.mark.timeout(240)
@@ -80,6 +89,23 @@ def test_two_uneven_ranks_spill_and_load_alike(references, tmp_path, models_dir)
     assert kinds.count("spill") > 2 and kinds.count("load") > 2
     files = [list((home / "kv").rglob(f"rank{r}/*.kv")) for r in (0, 1)]
     assert files[0] and files[1]
+
+    # Restarted, with every file of rank 1 corrupted: both ranks take it as a miss.
+    reference = home_with_models(tmp_path / "ref", models_dir, link=True)
+    for db in home.glob("exokv.db*"):
+        shutil.copy(db, reference / db.name)
+    more = ["/switch s2", "One more?"]
+    cold_reply = chat_json(more, reference, "--no-cache")[0]["reply"]
+    for f in files[1]:
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    args = (*args[:-2], "--starting-port", "29020")
+    (turn,) = run_script(home, more, *args)
+    assert turn["reply"] == cold_reply
+    assert turn["cached_tokens"] == 0
+    drops = [e for e in turn["events"] if e["kind"] == "drop"]
+    assert drops and all(e["reason"].startswith("unreadable on rank 1") for e in drops)
 
 
 @pytest.mark.timeout(180)

@@ -159,7 +159,19 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE messages ADD COLUMN tokens TEXT")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3]
+def _v4(db: sqlite3.Connection) -> None:
+    # The disk tier (exokv.cache.tier): where each entry is, and each rank's disk bytes.
+    _script(
+        db,
+        """
+        ALTER TABLE cache_entries ADD COLUMN tier TEXT NOT NULL DEFAULT 'ram';
+        ALTER TABLE memory_samples ADD COLUMN disk_bytes INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE memory_samples ADD COLUMN disk_budget INTEGER
+        """,
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4]
 LATEST = len(MIGRATIONS)
 
 

@@ -395,7 +395,7 @@ class Store:
                     e.hit_length,
                 ),
             )
-            if e.kind == "evict":
+            if e.kind in ("evict", "drop"):  # drop: off the disk tier, out of the tree
                 db.execute(
                     "UPDATE cache_entries SET evicted_at = ? "
                     "WHERE run_id = ? AND node_id = ? AND evicted_at IS NULL",
@@ -415,15 +415,15 @@ class Store:
         # last_used is wall time, moved only when the tree's own clock or hit count moved.
         db.executemany(
             "INSERT INTO cache_entries (run_id, node_id, parent, session, model, tokens, depth, "
-            "bytes, hits, tick, created, last_used, evicted_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL) "
+            "bytes, hits, tick, created, last_used, evicted_at, tier) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?) "
             "ON CONFLICT(run_id, node_id) DO UPDATE SET parent = excluded.parent, "
             "session = excluded.session, tokens = excluded.tokens, depth = excluded.depth, "
             "bytes = excluded.bytes, hits = excluded.hits, "
             "last_used = CASE WHEN excluded.tick != cache_entries.tick "
             "OR excluded.hits != cache_entries.hits "
             "THEN excluded.last_used ELSE cache_entries.last_used END, "
-            "tick = excluded.tick, evicted_at = NULL",
+            "tick = excluded.tick, evicted_at = NULL, tier = excluded.tier",
             [
                 (
                     run_id,
@@ -438,6 +438,7 @@ class Store:
                     e.last_used,
                     now,
                     now,
+                    e.tier,
                 )
                 for e in entries
             ],
@@ -453,7 +454,8 @@ class Store:
     ) -> None:
         db.executemany(
             "INSERT INTO memory_samples (run_id, turn_id, time, rank, pressure, cache_bytes, "
-            "entries, budget, rss, mlx_active, ram_total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "entries, budget, rss, mlx_active, ram_total, disk_bytes, disk_budget) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     run_id,
@@ -467,6 +469,8 @@ class Store:
                     s.rss,
                     s.mlx_active,
                     s.ram_total,
+                    s.disk_bytes,
+                    s.disk_budget,
                 )
                 for s in stats
             ],
