@@ -16,7 +16,7 @@ _exokv_completion() {
             "exokv:cache") path="exokv cache" ;;
             "exokv:chat") path="exokv chat" ;;
             "exokv:models") path="exokv models" ;;
-            "exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget") skip=1 ;;
+            "exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget"|"exokv bench:--kv-bits"|"exokv bench:--kv-group-size") skip=1 ;;
             "exokv cache:clear") path="exokv cache clear" ;;
             "exokv cache:entries") path="exokv cache entries" ;;
             "exokv cache:evictions") path="exokv cache evictions" ;;
@@ -44,7 +44,7 @@ _exokv_completion() {
         "exokv") subs="bench cache chat models"
             opts="--help" ;;
         "exokv bench") subs=""
-            opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --help" ;;
+            opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --kv-bits --kv-group-size --help" ;;
         "exokv cache") subs="clear entries evictions pressure stats"
             opts="--help" ;;
         "exokv cache clear") subs=""

@@ -18,7 +18,7 @@ function __exokv_path
                 set p "exokv chat"
             case "exokv:models"
                 set p "exokv models"
-            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget"
+            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget" "exokv bench:--kv-bits" "exokv bench:--kv-group-size"
                 set skip 1
             case "exokv cache:clear"
                 set p "exokv cache clear"
@@ -66,6 +66,8 @@ complete -c exokv -n '__exokv_at exokv bench' -l seed -x -d 'seed of the generat
 complete -c exokv -n '__exokv_at exokv bench' -l json -d 'print one JSON document to stdout'
 complete -c exokv -n '__exokv_at exokv bench' -l plot -r -F -d 'write a PNG of TTFT per turn (matplotlib)'
 complete -c exokv -n '__exokv_at exokv bench' -l cache-budget -x -d 'the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected'
+complete -c exokv -n '__exokv_at exokv bench' -l kv-bits -x -d 'quantized KV (4 or 8) for exokv and exokv+disk; drift reported'
+complete -c exokv -n '__exokv_at exokv bench' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv bench' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache' -a 'clear' -d 'Forget cache entries, events, memory samples and saved KV caches; keep conversations'
 complete -c exokv -n '__exokv_at exokv cache' -a 'entries' -d 'One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used'

@@ -25,6 +25,7 @@ from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.cluster.group import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
+from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
@@ -63,7 +64,16 @@ class Engine:
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
         # Run on every rank alike (a pipeline forward is itself collective).
-        rates = layers.measure_rates(self._new_cache, self._run_one_token)
+        try:
+            rates = layers.measure_rates(self._new_cache, self._run_one_token)
+        except ValueError as err:
+            if not self.options.kv_bits:
+                raise
+            raise ExokvError(
+                f"--kv-bits {self.options.kv_bits} --kv-group-size "
+                f"{self.options.kv_group_size} does not fit this model's KV heads ({err}); "
+                "the group size must divide the head dimension"
+            ) from None
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
         self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)
