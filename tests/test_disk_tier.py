@@ -134,3 +134,15 @@ def test_kv_bits_stores_fewer_bytes_per_token(bits, tokenizer, tmp_path):  # noq
     assert results[-1].cached_tokens > 0 and all(r.reply for r in results)
     assert any(type(c).__name__ == "QuantizedKVCache" for c in quant._new_cache())
     assert layers.offset(quant._new_cache()) == 0
+
+
+def test_an_unreadable_persisted_tree_starts_cold_and_says_why(tokenizer, tmp_path):  # noqa: F811
+    engine = tiered("window", tokenizer, tmp_path, None)
+    play(engine, chats(1, 1))
+    engine.close()
+    assert (tmp_path / "tree.json").exists() and list(tmp_path.glob("*.kv"))
+    (tmp_path / "tree.json").write_text("{not json")
+    again = tiered("window", tokenizer, tmp_path, None)
+    assert "unreadable" in again.tier_notice and "starting cold" in again.tier_notice
+    assert not list(tmp_path.glob("*.kv"))  # files of no tree are removed
+    assert play(again, chats(1, 1))[0].cached_tokens == 0

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from chat_helpers import cache_json, chat_json, home_with_models, run_exokv
+from chat_helpers import cache_json, chat_json, exokv_text, home_with_models, run_exokv
 from test_cluster import rank_log, run_script
 
 QUESTIONS = ["Tell me about cats", "Tell me about the sea", "Tell me about winter", "Rivers?"]
@@ -121,6 +121,9 @@ def test_restart_first_turns_are_served_from_disk(references, tmp_path, models_d
     assert [t["cached_tokens"] for t in again] == [t["cached_tokens"] for t in full[4:]]
     assert [t["reply"] for t in again] == [t["reply"] for t in full[4:]]
     assert all(any(e["kind"] == "load" for e in t["events"]) for t in again)
+    # `exokv cache clear` forgets the disk tier too.
+    assert exokv_text(home, "cache", "clear", "--yes").returncode == 0
+    assert not (home / "kv").exists()
 
 
 @pytest.mark.timeout(180)

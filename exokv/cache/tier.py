@@ -22,6 +22,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import mlx.core as mx
+
 from exokv.cache import layers, spans
 from exokv.cache.disk import DiskStore
 from exokv.cache.layers import StorageClass
@@ -73,7 +75,8 @@ class DiskTier:
         if failed and not self.stopped:
             why = self.store.failed if failed[0] == self.group.rank else "a write failed"
             self.stopped = f"disk full or unwritable on rank {failed[0]} ({why}): spilling stopped"
-            self._warn(self.stopped)
+            if self.group.rank == 0:  # one warning, not one per rank
+                self._warn(self.stopped)
             self.events.append(self._event("drop", None, self.stopped))
 
     def disk_bytes(self) -> list[int]:
@@ -168,7 +171,11 @@ class DiskTier:
             self.events.append(self._event("load", node, "hit on disk"))
         if agreed < len(used):
             rank = next(r for r, row in enumerate(rows) if row[0] == agreed)
-            reason = f"unreadable on rank {rank}" + (f": {why}" if rank == self.group.rank else "")
+            # The same reason on every rank (events are compared across ranks); the
+            # rank that failed says why on its own stderr.
+            reason = f"unreadable on rank {rank}" + (f": {why}" if self.group.size == 1 else "")
+            if rank == self.group.rank and self.group.size > 1:
+                self._warn(f"rank {rank}: disk tier entry {used[agreed].id} unreadable: {why}")
             self.drop(used[agreed], reason)
         return agreed
 
@@ -222,6 +229,7 @@ class DiskTier:
                     p.states.append(c)
             if len(p.kv) != len(self.cache.kv_leaves):
                 return None
+            mx.eval(p.kv, p.windows)  # owned arrays: a later spill writes them from a thread
             p.nbytes = layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
             return p
         except (KeyError, TypeError, ValueError, AttributeError):

@@ -597,10 +597,10 @@ class Store:
 
 
 def clear_saved_caches(home: Path | None = None) -> int:
-    """Delete the saved KV caches; returns how many files went."""
-    directory = caches_dir(home)
-    if not directory.is_dir():
-        return 0
-    count = sum(1 for p in directory.rglob("*") if p.is_file())
-    shutil.rmtree(directory)
+    """Delete the saved KV caches and the disk tier (kv/); returns how many files went."""
+    count = 0
+    for directory in (caches_dir(home), (home if home is not None else exokv_home()) / "kv"):
+        if directory.is_dir():
+            count += sum(1 for p in directory.rglob("*") if p.is_file())
+            shutil.rmtree(directory)
     return count
