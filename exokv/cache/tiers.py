@@ -66,7 +66,9 @@ def tier_options(opts: Any, rank: int, layout: str) -> dict[str, Any]:
     full = f"{layout}-kv{bits or 16}g{group}-max{getattr(opts, 'max_kv_size', None) or 0}"
     where = tier_dir(opts.model, full, rank)
     budget = parse_disk_budget(text, where)
-    if budget > 0:
+    # Every rank must have the tier or none (its numbers ride in the turn's gather):
+    # `auto` on a rank with no free space is a tier of 0 bytes, not no tier.
+    if budget > 0 or text.strip().lower() == "auto":
         out.update(disk_dir=str(where), disk_budget=budget)
     return out
 

@@ -228,7 +228,9 @@ class ClusterClient:
             except ExokvError:
                 graceful = False
         if proc is not None:
-            _wait(proc, 5.0 if graceful else 0.0)
+            # With a disk tier the ranks spill what RAM holds and persist it: more time.
+            patience = 60.0 if getattr(self.opts, "disk_budget", None) else 5.0
+            _wait(proc, patience if graceful else 0.0)
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(proc.pid, sig)  # the launcher and every local rank it started
