@@ -158,3 +158,18 @@ def test_a_full_disk_stops_spilling_with_one_warning(references, tmp_path, model
     assert any(e["kind"] == "load" for e in events)
     unreadable = [e for e in events if e["kind"] == "drop" and "unreadable" in e["reason"]]
     assert all("its write failed" in e["reason"] for e in unreadable), unreadable
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--disk-budget", "lots"], "--disk-budget 'lots': use a size (20GB, 512MB), auto or 0"),
+        (["--kv-bits", "3"], "--kv-bits 3: use 4 or 8"),
+        (["--kv-bits", "8", "--kv-group-size", "48"], "--kv-group-size 48: use 32, 64 or 128"),
+    ],
+)
+def test_bad_tier_options_are_one_line_usage_errors(tmp_path, args, words):
+    proc = run_exokv(["chat", "-m", "builtin:tiny", "--json", *args], tmp_path, "Hi\n")
+    assert proc.returncode == 2, proc.stderr.decode()
+    err = proc.stderr.decode()
+    assert words in err and "Traceback" not in err
