@@ -53,7 +53,7 @@ _exokv_completion() {
             "exokv:completions") path="exokv completions" ;;
             "exokv:models") path="exokv models" ;;
             "exokv:sessions") path="exokv sessions" ;;
-            "exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget") skip=1 ;;
+            "exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget"|"exokv bench:--kv-bits"|"exokv bench:--kv-group-size") skip=1 ;;
             "exokv cache:clear") path="exokv cache clear" ;;
             "exokv cache:entries") path="exokv cache entries" ;;
             "exokv cache:evictions") path="exokv cache evictions" ;;
@@ -62,7 +62,7 @@ _exokv_completion() {
             "exokv cache entries:--session"|"exokv cache entries:-s") skip=1 ;;
             "exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             "exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
-            "exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
+            "exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
             "exokv sessions:list") path="exokv sessions list" ;;
             "exokv sessions:rename") path="exokv sessions rename" ;;
             "exokv sessions:rm") path="exokv sessions rm" ;;
@@ -75,7 +75,7 @@ _exokv_completion() {
         COMPREPLY=()
         case "$path:$prev" in
             "exokv bench:--model"|"exokv bench:-m") _exokv_values model ;;
-            "exokv bench:--scenario") COMPREPLY=($(compgen -W "linear switch branch shared-prefix all" -- "$cur")) ;;
+            "exokv bench:--scenario") COMPREPLY=($(compgen -W "linear switch branch shared-prefix restart all" -- "$cur")) ;;
             "exokv bench:--plot") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
             "exokv cache entries:--session"|"exokv cache entries:-s") _exokv_values session ;;
             "exokv chat:--model"|"exokv chat:-m") _exokv_values model ;;
@@ -99,7 +99,7 @@ _exokv_completion() {
         "exokv") subs="bench cache chat completions models sessions"
             opts="--version -V --help" ;;
         "exokv bench") subs=""
-            opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --help" ;;
+            opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --kv-bits --kv-group-size --help" ;;
         "exokv cache") subs="clear entries evictions pressure stats"
             opts="--help" ;;
         "exokv cache clear") subs=""
@@ -113,7 +113,7 @@ _exokv_completion() {
         "exokv cache stats") subs=""
             opts="--json --help" ;;
         "exokv chat") subs=""
-            opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --session --json --starting-port --help" ;;
+            opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --disk-budget --kv-bits --kv-group-size --session --json --starting-port --help" ;;
         "exokv completions") subs=""
             opts="--help" ;;
         "exokv models") subs=""

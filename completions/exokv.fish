@@ -22,7 +22,7 @@ function __exokv_path
                 set p "exokv models"
             case "exokv:sessions"
                 set p "exokv sessions"
-            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget"
+            case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget" "exokv bench:--kv-bits" "exokv bench:--kv-group-size"
                 set skip 1
             case "exokv cache:clear"
                 set p "exokv cache clear"
@@ -40,7 +40,7 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--session" "exokv chat:--starting-port"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -77,12 +77,14 @@ complete -c exokv -n '__exokv_at exokv bench' -l starting-port -x -d 'first port
 complete -c exokv -n '__exokv_at exokv bench' -l turns -x -d 'turns per conversation'
 complete -c exokv -n '__exokv_at exokv bench' -l context -x -d 'prompt tokens of the last turn'
 complete -c exokv -n '__exokv_at exokv bench' -l reply-tokens -x -d 'most tokens per reply'
-complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -a 'linear switch branch shared-prefix all' -d 'linear|switch|branch|shared-prefix|all (or a comma list)'
+complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -a 'linear switch branch shared-prefix restart all' -d 'linear|switch|branch|shared-prefix|all (or a comma list)'
 complete -c exokv -n '__exokv_at exokv bench' -l repeat -x -d 'runs per scenario; medians are reported'
 complete -c exokv -n '__exokv_at exokv bench' -l seed -x -d 'seed of the generated conversations'
 complete -c exokv -n '__exokv_at exokv bench' -l json -d 'print one JSON document to stdout'
 complete -c exokv -n '__exokv_at exokv bench' -l plot -r -F -d 'write a PNG of TTFT per turn (matplotlib)'
 complete -c exokv -n '__exokv_at exokv bench' -l cache-budget -x -d 'the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected'
+complete -c exokv -n '__exokv_at exokv bench' -l kv-bits -x -d 'quantized KV (4 or 8) for exokv and exokv+disk; drift reported'
+complete -c exokv -n '__exokv_at exokv bench' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv bench' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache' -a 'clear' -d 'Forget cache entries, events, memory samples and saved KV caches; keep conversations'
 complete -c exokv -n '__exokv_at exokv cache' -a 'entries' -d 'One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used'
@@ -122,6 +124,9 @@ complete -c exokv -n '__exokv_at exokv chat' -l cache-budget -x -d 'bytes per ra
 complete -c exokv -n '__exokv_at exokv chat' -l memory-threshold -x -d 'RAM fraction that triggers eviction'
 complete -c exokv -n '__exokv_at exokv chat' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
 complete -c exokv -n '__exokv_at exokv chat' -l no-cache -d 'prefill the whole prompt every turn'
+complete -c exokv -n '__exokv_at exokv chat' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
+complete -c exokv -n '__exokv_at exokv chat' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
+complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv chat' -l session -x -a '(command exokv _complete session 2>/dev/null)' -d 'name the conversation; resumes it if it exists'
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'

@@ -26,7 +26,7 @@ _exokv() {
             "exokv:completions") cmdpath="exokv completions" ;;
             "exokv:models") cmdpath="exokv models" ;;
             "exokv:sessions") cmdpath="exokv sessions" ;;
-            ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget") skip=1 ;;
+            ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget"|"exokv bench:--kv-bits"|"exokv bench:--kv-group-size") skip=1 ;;
             "exokv cache:clear") cmdpath="exokv cache clear" ;;
             "exokv cache:entries") cmdpath="exokv cache entries" ;;
             "exokv cache:evictions") cmdpath="exokv cache evictions" ;;
@@ -35,7 +35,7 @@ _exokv() {
             ("exokv cache entries:--session"|"exokv cache entries:-s") skip=1 ;;
             ("exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             ("exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
-            ("exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
+            ("exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
             "exokv sessions:list") cmdpath="exokv sessions list" ;;
             "exokv sessions:rename") cmdpath="exokv sessions rename" ;;
             "exokv sessions:rm") cmdpath="exokv sessions rm" ;;
@@ -47,7 +47,7 @@ _exokv() {
     if ((skip)); then
         case "$cmdpath:$prev" in
             ("exokv bench:--model"|"exokv bench:-m") _exokv_values model ;;
-            ("exokv bench:--scenario") compadd -- 'linear' 'switch' 'branch' 'shared-prefix' 'all' ;;
+            ("exokv bench:--scenario") compadd -- 'linear' 'switch' 'branch' 'shared-prefix' 'restart' 'all' ;;
             ("exokv bench:--plot") _files ;;
             ("exokv cache entries:--session"|"exokv cache entries:-s") _exokv_values session ;;
             ("exokv chat:--model"|"exokv chat:-m") _exokv_values model ;;
@@ -73,7 +73,7 @@ _exokv() {
             opts=('--version:print the version and exit' '-V:print the version and exit' '--help:Show this message and exit') ;;
         "exokv bench")
             subs=()
-            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine, started by mlx.launch' '-n:ranks on this machine, started by mlx.launch' '--parallel:pipeline|tensor (how --ranks > 1 shard the model)' '--starting-port:first port of the ranks'\'' ring (default: free ports)' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--cache-budget:the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected' '--help:Show this message and exit') ;;
+            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine, started by mlx.launch' '-n:ranks on this machine, started by mlx.launch' '--parallel:pipeline|tensor (how --ranks > 1 shard the model)' '--starting-port:first port of the ranks'\'' ring (default: free ports)' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--cache-budget:the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected' '--kv-bits:quantized KV (4 or 8) for exokv and exokv+disk; drift reported' '--kv-group-size:quantization group size' '--help:Show this message and exit') ;;
         "exokv cache")
             subs=('clear:Forget cache entries, events, memory samples and saved KV caches; keep conversations' 'entries:One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used' 'evictions:The eviction log, newest first: what went, why, and every rank'\''s pressure then' 'pressure:Memory pressure per rank: the latest sample and a sparkline of recent ones' 'stats:Per rank and total: entries, cached tokens, bytes, budget, hits, misses, evictions')
             opts=('--help:Show this message and exit') ;;
@@ -94,7 +94,7 @@ _exokv() {
             opts=('--json:Print one JSON document instead of a table' '--help:Show this message and exit') ;;
         "exokv chat")
             subs=()
-            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--system:system prompt' '--max-tokens:most tokens per reply' '--temp:sampling temperature' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--session:name the conversation; resumes it if it exists' '--json:script mode: one JSON object per turn' '--starting-port:first port for the ranks' '--help:Show this message and exit') ;;
+            opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--system:system prompt' '--max-tokens:most tokens per reply' '--temp:sampling temperature' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--disk-budget:disk tier per rank: 20GB, auto (a share of free space) or 0' '--kv-bits:quantized KV cache: 4 or 8 bits' '--kv-group-size:quantization group size' '--session:name the conversation; resumes it if it exists' '--json:script mode: one JSON object per turn' '--starting-port:first port for the ranks' '--help:Show this message and exit') ;;
         "exokv completions")
             subs=()
             opts=('--help:Show this message and exit') ;;

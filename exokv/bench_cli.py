@@ -43,6 +43,10 @@ def bench(
         help="the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) "
         "and exokv, e.g. 48MB; cold and carried are not affected",
     ),
+    kv_bits: int = typer.Option(
+        None, "--kv-bits", help="quantized KV (4 or 8) for exokv and exokv+disk; drift reported"
+    ),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help="quantization group size"),
 ) -> None:
     """Compare cold, carried, mlx-lm-lru and exokv on the same conversations."""
     from exokv.bench import SCENARIOS
@@ -67,6 +71,9 @@ def bench(
             raise UsageError(f"--cache-budget: {err}") from None
         if budget <= 0:
             raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
+    from exokv.cache.tiers import validate_tier_options
+
+    validate_tier_options(None, kv_bits, kv_group_size)
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
     need = turns * min_turn_tokens(reply_tokens)
@@ -95,6 +102,8 @@ def bench(
         ranks=ranks,
         parallel=parallel,
         cache_budget=budget,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
     )
     if ranks > 1:
         # Every rank runs the same runner loop on its shard; rank 0 sends the document.
@@ -115,7 +124,7 @@ def bench(
     if plot:
         report.write_plot(doc, plot)
         print(f"exokv: plot written to {plot}", file=sys.stderr)
-    if not doc["replies_match"]:
+    if not doc["replies_match"]:  # (--kv-bits: exokv's drift is reported, not a mismatch)
         first = doc["mismatches"][0]
         raise ExokvError(
             f"replies differ between strategies in {len(doc['mismatches'])} turn(s) "

@@ -90,6 +90,11 @@ def chat(
         None, "--max-kv-size", help="rotating KV cache of this many tokens"
     ),
     no_cache: bool = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn"),
+    disk_budget: str = typer.Option(
+        None, "--disk-budget", help="disk tier per rank: 20GB, auto (a share of free space) or 0"
+    ),
+    kv_bits: int = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits"),
+    kv_group_size: int = typer.Option(64, "--kv-group-size", help="quantization group size"),
     session: str = typer.Option(
         None, "--session", help="name the conversation; resumes it if it exists"
     ),
@@ -127,6 +132,9 @@ def chat(
         memory_threshold=memory_threshold,
         max_kv_size=max_kv_size,
         no_cache=no_cache,
+        disk_budget=disk_budget,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
         session=session,
         json=json_out,
         starting_port=starting_port,

@@ -8,6 +8,7 @@ sequences (identical everywhere) and the numbers gathered in that one collective
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache import layers, memory
@@ -24,6 +25,7 @@ from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.cluster.group import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
+from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
@@ -38,6 +40,11 @@ class EngineOptions:
     memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
     max_kv_size: int | None = None
     seed: int | None = None
+    # The disk tier (exokv.cache.tier): this rank's directory and byte budget; off without both.
+    disk_dir: str | None = None
+    disk_budget: int | None = None
+    kv_bits: int | None = None  # quantized KV cache (mlx-lm's QuantizedKVCache): 4 or 8
+    kv_group_size: int = 64
 
 
 class Engine:
@@ -58,7 +65,16 @@ class Engine:
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
         # Run on every rank alike (a pipeline forward is itself collective).
-        rates = layers.measure_rates(self._new_cache, self._run_one_token)
+        try:
+            rates = layers.measure_rates(self._new_cache, self._run_one_token)
+        except ValueError as err:
+            if not self.options.kv_bits:
+                raise
+            raise ExokvError(
+                f"--kv-bits {self.options.kv_bits} --kv-group-size "
+                f"{self.options.kv_group_size} does not fit this model's KV heads ({err}); "
+                "the group size must divide the head dimension"
+            ) from None
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
         self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)
@@ -72,6 +88,27 @@ class Engine:
         self.coord = Coordinator(
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
+        self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
+        if self.options.disk_dir is not None and self.options.disk_budget is not None:
+            self._start_tier()
+
+    def _start_tier(self) -> None:
+        from pathlib import Path
+
+        from exokv.cache.disk import DiskStore
+        from exokv.cache.tier import DiskTier
+
+        store = DiskStore(Path(self.options.disk_dir))
+        tier = DiskTier(self.cache, store, self.group, self.options.disk_budget or 0)
+        self.coord.set_tier(tier)
+        self.tier_notice = tier.restore()  # one gather on every rank alike
+        if self.tier_notice and self.group.rank == 0:
+            print(f"exokv: disk tier: {self.tier_notice}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Keep the cache for the next run (the disk tier); every rank alike, no collective."""
+        if self.coord.tier is not None:
+            self.coord.tier.close()
 
     @property
     def collectives(self) -> int:
@@ -107,6 +144,8 @@ class Engine:
             else Hit(self._new_cache(), 0, [])
         )
         ran = hit.length  # tokens the cache has run
+        if self.coord.tier is not None:  # loads (or agreed misses) from the disk tier
+            events += self.coord.tier.take_events(self.decision)
         try:
             if hit.entry is not None:
                 events.append(self._event("hit", hit.entry, request.session, hit.length))
@@ -151,6 +190,8 @@ class Engine:
         if use_cache:
             live = self.cache.tree.match((tokens + generated)[:ran]).path
             self.coord.cap(self.decision, live, ran, request.session, events)
+        if self.coord.tier is not None:
+            events += self.coord.tier.take_events(self.decision)
         stats, entries = self.coord.stats(), self.coord.changed_entries()
         overhead += time.perf_counter() - tic
         return TurnResult(
@@ -283,7 +324,11 @@ class Engine:
         )
 
     def _new_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
+        cache = make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
+        if self.options.kv_bits:  # stored quantized, in RAM and on disk alike
+            bits, group = self.options.kv_bits, self.options.kv_group_size
+            cache = [QuantizedKVCache(group, bits) if type(c) is KVCache else c for c in cache]
+        return cache
 
     def _run_one_token(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)

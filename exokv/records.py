@@ -38,7 +38,8 @@ class TurnRequest:
 class CacheEvent:
     """One change to the cache, identical on every rank by construction.
 
-    kind: add | hit | update | evict | clear. ``bytes`` has one value per rank.
+    kind: add | hit | update | evict | clear, and with a disk tier spill (RAM to disk),
+    load (disk to RAM) and drop (off the disk). ``bytes`` has one value per rank.
     ``pressures`` is every rank's memory pressure when the decision was taken.
     """
 
@@ -72,6 +73,8 @@ class RankStats:
     ram_total: int
     rss: int
     mlx_active: int
+    disk_bytes: int = 0  # in the disk tier (exokv.cache.tier); 0 without one
+    disk_budget: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +96,7 @@ class EntryInfo:
     bytes: list[int]
     hits: int
     last_used: int
+    tier: str = "ram"  # or "disk"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

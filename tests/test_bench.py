@@ -59,7 +59,7 @@ def test_json_has_every_field(bench_doc: dict) -> None:
             for field in STRATEGY_FIELDS:
                 assert field in entry, (name, strat, field)
             assert len(entry["peak_cache_bytes"]) == 1  # one rank
-        assert set(s["speedup"]) == {"cold", "carried", "mlx-lm-lru"}
+        assert set(s["speedup"]) == set(STRATEGIES) - {"exokv"}
         assert all(v > 0 for v in s["speedup"].values())
         for key in ("total_ttft_s", "cached_fraction", "ideal_cached_fraction"):
             assert key in s["limit"]
@@ -144,7 +144,7 @@ def test_under_a_cache_budget_exokv_keeps_the_shared_prefix(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["cache_budget"] == budget
-    assert doc["cache_budget_strategies"] == ["mlx-lm-lru", "exokv"]
+    assert doc["cache_budget_strategies"] == ["mlx-lm-lru", "exokv", "exokv+disk"]
     assert "cold and carried are not affected" in doc["cache_budget_note"]
     assert doc["replies_match"], doc["mismatches"]
     s = doc["scenarios"]["shared-prefix"]

@@ -11,5 +11,7 @@
 
 from __future__ import annotations
 
-SCENARIOS = ("linear", "switch", "branch", "shared-prefix")
-STRATEGIES = ("cold", "carried", "mlx-lm-lru", "exokv")
+SCENARIOS = ("linear", "switch", "branch", "shared-prefix", "restart")
+STRATEGIES = ("cold", "carried", "mlx-lm-lru", "exokv", "exokv+disk")
+# The strategies --kv-bits quantizes: their replies drift from the others' (reported).
+QUANTIZED = ("exokv", "exokv+disk")

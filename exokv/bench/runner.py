@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from exokv.bench import STRATEGIES, scenarios
+from exokv.bench import QUANTIZED, STRATEGIES, scenarios
 from exokv.bench.strategies import (
     BUDGETED,
     Cold,
@@ -52,6 +52,8 @@ class BenchConfig:
     ranks: int = 1
     parallel: str = "pipeline"
     cache_budget: int | None = None  # bytes, for mlx-lm-lru and exokv alike (BUDGETED)
+    kv_bits: int | None = None  # quantized KV for exokv and exokv+disk (QUANTIZED)
+    kv_group_size: int = 64
 
 
 # What each budgeted strategy's policy bounds, as reported with --cache-budget.
@@ -66,6 +68,10 @@ BUDGET_ACCOUNTING = {
         "stored prefix bytes after each turn (EngineOptions(budget=...): before the turn it "
         "evicts least recently used leaves until the stored bytes plus the turn's new tokens "
         "fit)"
+    ),
+    "exokv+disk": (
+        "stored prefix bytes in RAM after each turn, as exokv; what leaves RAM is spilled to "
+        "a disk tier (exokv.cache.tier) and loaded back on a hit instead of prefilled"
     ),
 }
 
@@ -141,6 +147,8 @@ def run(
         "cache_budget": config.cache_budget,
         "cache_budget_strategies": list(BUDGETED) if config.cache_budget is not None else [],
         "cache_budget_note": budget_note(config.cache_budget),
+        "kv_bits": config.kv_bits,
+        "kv_group_size": config.kv_group_size if config.kv_bits else None,
         "strategies": list(STRATEGIES),
         "versions": _versions(),
         "machine": {
@@ -172,11 +180,16 @@ def _run_once(
     # Every strategy, the scenario's sizing and the limits use the exokv engine's
     # renderer: the same token sequences for all, whatever that renderer does.
     budget = config.cache_budget
-    exo = make("exokv", model, tokenizer, budget=budget, group=group)
-    r = exo.render
-    strategies = {
-        s: exo if s == "exokv" else make(s, model, tokenizer, r, budget) for s in STRATEGIES
-    }
+    kv = {"kv_bits": config.kv_bits, "kv_group_size": config.kv_group_size}
+    exo = make("exokv", model, tokenizer, budget=budget, group=group, **kv)
+    strategies: dict[str, Any] = {"exokv": exo}
+
+    def r(messages: Sequence[dict[str, str]]) -> list[int]:
+        return strategies["exokv"].render(messages)  # the current one (see restart)
+
+    for s in STRATEGIES:
+        if s != "exokv":
+            strategies[s] = make(s, model, tokenizer, r, budget, group=group, **kv)
     scen = scenarios.build(name, config.turns, config.context, r, config.seed)
     oracle = Oracle(model)
     order = list(STRATEGIES) + ["limit"]
@@ -190,6 +203,10 @@ def _run_once(
     budget_peak: dict[str, int] = {}
     rows = []
     while (step := scen.next_step()) is not None:
+        if step.index == scen.restart_at:  # a new process: exokv+disk keeps its disk tier
+            for s in STRATEGIES:
+                restart = getattr(strategies[s], "restart", None)
+                strategies[s] = restart() if restart else make(s, model, tokenizer, r, budget)
         tokens = r(step.messages)
         outcomes: dict[str, Outcome] = {}
         limit_cached, limit_ttft = 0, 0.0
@@ -206,6 +223,11 @@ def _run_once(
         ref = outcomes["cold"]
         for s in STRATEGIES:
             o = outcomes[s]
+            if config.kv_bits and s in QUANTIZED:  # not expected to equal: how far apart
+                if o.reply != ref.reply:
+                    cold_tokens = [t for t in ref.generated or [] if t not in _eos(tokenizer)]
+                    o.drift_tokens = common_prefix(o.generated or [], cold_tokens)
+                continue
             if (o.reply, o.generated_tokens, o.prompt_tokens) != (
                 ref.reply,
                 ref.generated_tokens,
@@ -245,7 +267,15 @@ def _run_once(
                 "strategies": {s: _row(outcomes[s]) for s in STRATEGIES},
             }
         )
+    disk = strategies["exokv+disk"]
+    if disk.engine.coord.tier is not None:  # its files go with the run
+        import shutil
+
+        disk.engine.coord.tier.store.flush()
+        shutil.rmtree(disk.disk_dir, ignore_errors=True)
     return {
+        "restart_at": scen.restart_at,
+        "bytes_per_token_fp16": _fp_bytes_per_token(model) if config.kv_bits else None,
         "turns": rows,
         "peak_cache_bytes": peak,
         "budget_peak_bytes": budget_peak,
@@ -253,6 +283,24 @@ def _run_once(
         "bytes_per_token": strategies["exokv"].bytes_per_token,
         "carried_resets": dict(strategies["carried"].resets),
     }
+
+
+def _eos(tokenizer: Any) -> set[int]:
+    return set(getattr(tokenizer, "eos_token_ids", []) or [])
+
+
+def _fp_bytes_per_token(model: Any) -> int:
+    """Bytes per token of the model's unquantized cache (every rank calls it alike)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from exokv.cache import layers
+
+    def run(cache: list[Any]) -> None:
+        model(mx.array([[0]]), cache=cache)
+        mx.eval([layers.arrays(c.state) for c in cache])
+
+    rates = layers.measure_rates(lambda: make_prompt_cache(model), run)
+    return sum(rate for c, rate in rates.items() if c != layers.STATE)
 
 
 def _row(o: Outcome) -> dict[str, Any]:
@@ -333,6 +381,13 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry["budget_accounting"] = BUDGET_ACCOUNTING[s]
         if s == "carried":
             entry["resets"] = first["carried_resets"]
+        if s == "exokv+disk":
+            entry["spilled"] = sum(c["spilled"] for c in cells)
+            entry["loaded_tokens"] = sum(c["loaded_tokens"] for c in cells)
+        drift = [c["drift_tokens"] for c in cells if c.get("drift_tokens") is not None]
+        if s in QUANTIZED and first.get("bytes_per_token_fp16"):
+            entry["drifted_turns"] = len(drift)
+            entry["drift_tokens"] = [c.get("drift_tokens") for c in cells]
         summary["strategies"][s] = entry
     exokv_total = summary["strategies"]["exokv"]["total_ttft_s"]
     summary["speedup"] = {
@@ -346,6 +401,21 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     summary["distinct_tokens"] = first["distinct_tokens"]
     summary["bytes_per_token"] = [first["bytes_per_token"]]
+    if first.get("bytes_per_token_fp16"):
+        summary["bytes_per_token_fp16"] = [first["bytes_per_token_fp16"]]
+    if first.get("restart_at"):
+        summary["restart_at"] = first["restart_at"]
+        after = [t for t in turns if t["turn"] >= first["restart_at"]]
+        summary["after_restart"] = {
+            "limit_ttft_s": sum(t["limit_ttft_s"] for t in after),
+            **{
+                s: {
+                    "ttft_s": sum(t["strategies"][s]["ttft_s"] for t in after),
+                    "cached_tokens": sum(t["strategies"][s]["cached_tokens"] for t in after),
+                }
+                for s in STRATEGIES
+            },
+        }
     summary["ideal_cache_bytes"] = [first["distinct_tokens"] * first["bytes_per_token"]]
     summary["last_prompt_tokens"] = turns[-1]["prompt_tokens"] if turns else 0
     summary["max_prompt_tokens"] = max((t["prompt_tokens"] for t in turns), default=0)
@@ -465,6 +535,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 f"mlx-lm-lru {_mb(lru)} ({lru / ideal if ideal else 0:.2f}x)",
             )
         )
+    out += _disk_targets(doc)
     worst_overhead = (0.0, "", 0)
     for name, s in scen.items():
         for t in s["turns"]:
@@ -482,6 +553,46 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             f"worst {100 * worst_overhead[0]:.1f}% ({worst_overhead[1]} turn {worst_overhead[2]})",
         )
     )
+    return out
+
+
+def _disk_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 13's targets: exokv+disk against the limit under a budget, and after a restart."""
+    out = []
+    for name in ("switch", "shared-prefix"):
+        s = doc["scenarios"].get(name)
+        if s is None or doc.get("cache_budget") is None:
+            continue
+        limit = s["limit"]["total_ttft_s"]
+        disk = s["strategies"]["exokv+disk"]["total_ttft_s"]
+        lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
+        exo = s["strategies"]["exokv"]["total_ttft_s"]
+        out.append(
+            _target(
+                f"{name}_disk_vs_limit",
+                f"{name} under --cache-budget: exokv+disk total TTFT <= 1.3 x the limit",
+                disk / limit if limit else 0.0,
+                1.3,
+                f"exokv+disk {disk:.2f}s, limit {limit:.2f}s, exokv {exo:.2f}s "
+                f"({exo / limit if limit else 0:.2f}x), mlx-lm-lru {lru:.2f}s "
+                f"({lru / limit if limit else 0:.2f}x)",
+            )
+        )
+    s = doc["scenarios"].get("restart")
+    if s is not None and s.get("after_restart"):
+        a = s["after_restart"]
+        limit = a["limit_ttft_s"]
+        others = ", ".join(f"{k} {a[k]['ttft_s']:.2f}s" for k in STRATEGIES if k != "exokv+disk")
+        out.append(
+            _target(
+                "restart_disk_vs_limit",
+                "restart: exokv+disk TTFT of the continued turns <= 1.2 x the limit",
+                a["exokv+disk"]["ttft_s"] / limit if limit else 0.0,
+                1.2,
+                f"exokv+disk {a['exokv+disk']['ttft_s']:.2f}s "
+                f"({a['exokv+disk']['cached_tokens']} cached tokens), limit {limit:.2f}s; {others}",
+            )
+        )
     return out
 
 

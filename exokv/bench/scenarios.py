@@ -12,6 +12,8 @@ for every strategy) replies, a step's messages are built only when it runs:
 - ``branch``: one conversation of T turns with a ``/retry`` (halfway), an
   ``/undo`` (the next-to-last exchange is dropped and asked differently) and, at
   the end, an edit of an earlier user turn (the conversation forks there).
+- ``restart``: switch, with every strategy started again (a new process) before
+  the first turn of the second half (``Scenario.restart_at``).
 - ``shared-prefix``: 8 conversations sharing one long system prompt (half the
   context), max(1, T // 4) turns each, interleaved.
 """
@@ -79,6 +81,7 @@ class Scenario:
     render: Render
     seed: int
     histories: dict[str, Messages] = field(default_factory=dict)
+    restart_at: int | None = None  # the step (1-based) a new process runs first
     position: int = 0
     _pending: tuple[Step, Messages] | None = None
 
@@ -162,7 +165,7 @@ def build(name: str, turns: int, context: int, render: Render, seed: int = 0) ->
     if name == "linear":
         histories["linear"] = [_system("You are a helpful assistant. Answer briefly.")]
         plan = [PlanItem("linear", "user", target(t, turns)) for t in range(1, turns + 1)]
-    elif name == "switch":
+    elif name in ("switch", "restart"):
         convs = [f"chat{c + 1}" for c in range(SWITCH_CONVERSATIONS)]
         topics = ("maps", "rivers", "memory", "music")
         for conv, topic in zip(convs, topics, strict=True):
@@ -195,7 +198,10 @@ def build(name: str, turns: int, context: int, render: Render, seed: int = 0) ->
             for t in range(1, per_conv + 1)
             for conv in convs
         ]
-    return Scenario(name=name, plan=plan, render=render, seed=seed, histories=histories)
+    scen = Scenario(name=name, plan=plan, render=render, seed=seed, histories=histories)
+    if name == "restart":
+        scen.restart_at = SWITCH_CONVERSATIONS * (turns // 2) + 1 if turns > 1 else None
+    return scen
 
 
 def _system(text: str) -> dict[str, str]:

@@ -51,7 +51,8 @@ from exokv.records import TurnRequest
 LRU_MAX_SIZE = 10  # mlx_lm.server --prompt-cache-size default
 # The strategies --cache-budget limits. cold holds nothing between turns; carried holds
 # one conversation and resets on a switch, as mlx_lm.chat does (it has no byte limit).
-BUDGETED = ("mlx-lm-lru", "exokv")
+BUDGETED = ("mlx-lm-lru", "exokv", "exokv+disk")
+DISK_BUDGET = 1 << 40  # exokv+disk: the disk tier is not the bench's limit
 MODEL_KEY = ("exokv-bench", None, None)  # stands for mlx_lm.server's model_key
 
 
@@ -79,8 +80,12 @@ class Outcome:
     budget_floor_bytes: int | None = None
     evicted: int = 0
     tokens: list[int] | None = None  # prompt tokens (not for exokv)
-    generated: list[int] | None = None  # generated token ids (not for exokv)
+    generated: list[int] | None = None  # generated token ids (exokv: without the end token)
     note: str = ""
+    spilled: int = 0  # exokv+disk: entries spilled to disk this turn
+    loaded_tokens: int = 0  # exokv+disk: tokens loaded back from disk this turn
+    drift_tokens: int | None = None  # --kv-bits: generated tokens equal to cold's before
+    # the first difference (None: the reply equals cold's)
 
 
 Render = Callable[[Sequence[dict[str, str]]], list[int]]
@@ -267,10 +272,18 @@ class Exokv:
         render_fn: Render | None = None,
         budget: int | None = None,
         group: Group | None = None,
+        disk_dir: str | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
         self.budget = budget
+        self.disk_dir = disk_dir  # exokv+disk: its disk tier's directory
+        options = EngineOptions(budget=budget, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        if disk_dir is not None:
+            self.name = "exokv+disk"
+            options.disk_dir, options.disk_budget = disk_dir, DISK_BUDGET
         # On several ranks, the group makes the engine's one gather per turn real.
-        self.engine = Engine(model, tokenizer, group=group, options=EngineOptions(budget=budget))
+        self.engine = Engine(model, tokenizer, group=group, options=options)
         self.render: Render = self.engine.render  # the renderer every strategy uses
         self.last_cache = None
 
@@ -306,7 +319,22 @@ class Exokv:
             ),
             evicted=result.evictions,
             note=_eviction_note(result.events),
+            generated=self.engine.reply_tokens(result.reply),
+            spilled=sum(1 for e in result.events if e.kind == "spill"),
+            loaded_tokens=sum(e.tokens for e in result.events if e.kind == "load"),
         )
+
+    def restart(self) -> Exokv:
+        """The strategy in a new process: exokv+disk keeps its disk tier, exokv nothing."""
+        self.engine.close()
+        o = self.engine.options
+        again = Exokv.__new__(Exokv)
+        again.budget, again.disk_dir, again.name = self.budget, self.disk_dir, self.name
+        again.engine = Engine(self.engine.model, self.engine.tokenizer, self.engine.group, o)
+        again.render, again.last_cache = again.engine.render, None
+        # The chat's store gives a resumed session its replies' exact tokens: so here.
+        again.engine.remember_replies(list(self.engine._replies.items()))
+        return again
 
     def cache_bytes(self) -> int:
         return int(self.engine.cache.total_bytes)
@@ -332,6 +360,7 @@ def make(
     render_fn: Render | None = None,
     budget: int | None = None,
     group: Group | None = None,
+    **exokv_options: Any,
 ) -> Any:
     """A strategy; `budget` (bytes) limits mlx-lm-lru and exokv only (see BUDGETED).
 
@@ -339,7 +368,12 @@ def make(
     their own beyond the sharded model's.
     """
     if name == "exokv":
-        return Exokv(model, tokenizer, render_fn, budget, group)
+        return Exokv(model, tokenizer, render_fn, budget, group, **exokv_options)
+    if name == "exokv+disk":
+        import tempfile
+
+        where = tempfile.mkdtemp(prefix="exokv-bench-disk-")
+        return Exokv(model, tokenizer, render_fn, budget, group, where, **exokv_options)
     return {"cold": Cold, "carried": Carried, "mlx-lm-lru": MlxLmLru}[name](
         model, tokenizer, render_fn, budget if name in BUDGETED else None
     )

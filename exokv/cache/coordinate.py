@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from exokv.cache.layers import KV, STATE, StorageClass
 from exokv.cache.memory import MemorySample
-from exokv.cache.policy import Entry, RankLoad, plan_lru
+from exokv.cache.policy import Entry, Eviction, RankLoad, plan, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node
+from exokv.cache.tier import DiskTier
 from exokv.cluster.group import Group
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats
@@ -76,6 +77,13 @@ class Coordinator:
         self.collectives = 0
         self.last: Gathered | None = None
         self._rates: list[dict[StorageClass, int]] | None = None  # gathered outside a turn
+        self.tier: DiskTier | None = None  # the disk tier under RAM, if any (set_tier)
+
+    def set_tier(self, tier: DiskTier) -> None:
+        self.tier = tier
+        self.cache.tier = tier
+        tier.rates = self.all_rates()
+        tier.node_bytes = self.node_bytes
 
     # -- bytes on every rank, from the tree's counts --------------------------------
 
@@ -134,11 +142,16 @@ class Coordinator:
             self.cache.tree.digest,  # kept by the tree as it changes
             *(self.rates[c] for c in self.cache.classes),
         ]
+        if self.tier is not None:  # disk tier: its budget and write status, at the end
+            local += self.tier.local_numbers()
         self.collectives += 1
         rows = self.group.gather(local)
         if len({row[_DIGEST] for row in rows}) != 1:
             raise ExokvError("ranks hold different cache trees (they diverged); restart the chat")
-        rates = [dict(zip(self.cache.classes, row[_FIXED:], strict=True)) for row in rows]
+        n = len(self.cache.classes)
+        rates = [
+            dict(zip(self.cache.classes, row[_FIXED : _FIXED + n], strict=True)) for row in rows
+        ]
         held = _bytes(self.cache.totals, rates)
         loads = [
             RankLoad(
@@ -151,6 +164,9 @@ class Coordinator:
             for r, row in enumerate(rows)
         ]
         self.last = Gathered(rates=rates, loads=loads, rows=rows)
+        if self.tier is not None:
+            self.tier.decision = decision
+            self.tier.absorb(rows, rates)
         self._evict(loads, decision, events)
 
     # -- after the turn: every rank within its budget -------------------------------
@@ -178,8 +194,7 @@ class Coordinator:
             if keep:
                 head = self.cache.cut(node, keep)
                 events.append(self.event("add", head, session, decision))
-            events.append(self._evict_event(node, decision, reason, pressures))
-            self.cache.evict(node)
+            self._remove(node, self._evict_event(node, decision, reason, pressures), events)
             path.pop()
 
     def _over(self) -> bool:
@@ -221,9 +236,22 @@ class Coordinator:
         events: list[CacheEvent],
         pinned: set[Node] | None = None,
     ) -> None:
-        """Evict by the plan: least recently used unlocked leaves, taken lazily from the
-        tree's own order, so the cost is the evictions', not the tree's size."""
+        """Evict by the plan, the same entries on every rank."""
         pinned = pinned or set()
+        if self.tier is not None:
+            planned = self._plan_ram_only(loads, pinned)
+        else:
+            planned = self._plan_lru(loads, pinned)
+        pressures = [load.pressure for load in self.last.loads]
+        # The plan is complete before anything is evicted: the leaf order it read changes.
+        for eviction in planned:
+            node = self.cache.tree.find(eviction.entry)
+            event = self._evict_event(node, decision, eviction.reason, pressures)
+            self._remove(node, event, events)
+
+    def _plan_lru(self, loads: list[RankLoad], pinned: set[Node]) -> list[Eviction]:
+        """Least recently used unlocked leaves, taken lazily from the tree's own order,
+        so the cost is the evictions', not the tree's size."""
         tree = self.cache.tree
         rates = self.last.rates
 
@@ -235,7 +263,7 @@ class Coordinator:
             node = tree.find(node_id)
             return None if node is None else entry(node)
 
-        planned = plan_lru(
+        return plan_lru(
             (entry(n) for n in tree.lru_leaves() if n not in pinned),
             entry=entry_of,
             children=lambda node_id: len(tree.find(node_id).children),
@@ -243,12 +271,36 @@ class Coordinator:
             ranks=loads,
             threshold=self.threshold,
         )
-        pressures = [load.pressure for load in self.last.loads]
-        # The plan is complete before anything is evicted: the leaf order it read changes.
-        for eviction in planned:
-            node = tree.find(eviction.entry)
-            events.append(self._evict_event(node, decision, eviction.reason, pressures))
+
+    def _plan_ram_only(self, loads: list[RankLoad], pinned: set[Node]) -> list[Eviction]:
+        """The plan over the entries in RAM alone (a node whose children are all on disk
+        is a leaf of RAM). It walks the tree: the disk tier is opt-in, and its RAM-only
+        leaf order is not kept by the tree yet."""
+        nodes = [n for n in self.cache.tree.nodes() if n.payload.tier == "ram"]
+        rates = self.last.rates
+        sizes = [[0] * len(nodes) for _ in loads]
+        for i, node in enumerate(nodes):
+            for r, b in enumerate(_bytes(self.cache.counts(node), rates)):
+                sizes[r][i] = b
+        entries = [
+            Entry(
+                id=n.id,
+                parent=n.parent.id if n.parent is not None else None,
+                last_used=n.last_used,
+                locked=n.locks > 0 or n in pinned,
+            )
+            for n in nodes
+        ]
+        return plan(entries, sizes, loads, self.threshold)
+
+    def _remove(self, node: Node, event: CacheEvent, events: list[CacheEvent]) -> None:
+        """Evict `node` from RAM: to the disk tier when there is one (a spill), else away."""
+        if self.tier is None:
+            events.append(event)
             self.cache.evict(node)
+            return
+        self.tier.remove(node, event.reason, event)
+        events += self.tier.take_events(event.decision)
 
     def _evict_event(
         self, node: Node, decision: int, reason: str, pressures: list[float]
@@ -286,6 +338,8 @@ class Coordinator:
         # from the tree's counts (equal when the accounting is exact, as tests check).
         held[self.group.rank] = self.cache.total_bytes
         entries = len(self.cache.tree)
+        disk = self.tier.disk_bytes() if self.tier is not None else [0] * len(g.rows)
+        disk_budgets = self.tier.budgets if self.tier is not None else [None] * len(g.rows)
         return [
             RankStats(
                 rank=r,
@@ -296,6 +350,8 @@ class Coordinator:
                 ram_total=row[3],
                 rss=row[5],
                 mlx_active=row[6],
+                disk_bytes=disk[r],
+                disk_budget=disk_budgets[r],
             )
             for r, row in enumerate(g.rows)
         ]
@@ -318,6 +374,7 @@ class Coordinator:
             bytes=self.node_bytes(node),
             hits=node.hits,
             last_used=node.last_used,
+            tier=node.payload.tier,
         )
 
 

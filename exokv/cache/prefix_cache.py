@@ -36,6 +36,7 @@ class Payload:
     state: bool = False
     states: list[Any] = field(default_factory=list)  # per state leaf, when `state`
     nbytes: int = 0
+    tier: str = "ram"  # "disk": the arrays are in this rank's disk tier (exokv.cache.tier)
 
 
 @dataclass
@@ -78,6 +79,10 @@ class PrefixCache:
         self.tree = RadixTree(size_of=_payload_size)
         self.totals: dict[StorageClass, int] = dict.fromkeys(self.classes, 0)
         self._bytes = 0
+        self.tier: Any = None  # exokv.cache.tier.DiskTier, when there is a disk tier
+
+    def new_cache(self) -> list[Any]:
+        return self._make_cache()
 
     @property
     def exact_anywhere(self) -> bool:
@@ -151,6 +156,11 @@ class PrefixCache:
         match = self.tree.match(tokens)
         length = self.usable(match.path, max(0, min(match.length, len(tokens) - 1)))
         used = [n for n in match.path if n.start < length]
+        if self.tier is not None:  # disk tier: bring on-disk nodes back, agreed by every rank
+            usable = self.tier.load(used)
+            if usable < len(used):
+                length = self.usable(used[:usable], min(length, used[usable].start))
+                used = [n for n in used[:usable] if n.start < length]
         lent = [n for n in used if n.depth <= length] if lend else []
         cache = self._build(used, length, expect, lent)
         if length > 0:
@@ -243,6 +253,8 @@ class PrefixCache:
         if not tokens:
             return [], []
         live = _Live(self, cache, held)
+        if self.tier is not None:  # disk tier: on-disk nodes this turn runs through
+            self.tier.before_insert(self.tree.match(tokens).path, tokens, live.payload)
         before = {n: (self.counts(n), self.entry_bytes(n)) for n in self.tree.match(tokens).path}
         added, split = self.tree.insert(tokens, live.payload, self._split, session=session)
         path = self.tree.match(tokens).path
@@ -297,6 +309,20 @@ class PrefixCache:
         node.payload = None
         return freed
 
+    # -- the disk tier (exokv.cache.tier) moves payloads between RAM and disk ------------
+
+    def detach(self, node: Node) -> None:
+        """`node`'s arrays leave RAM (the tier has them); its record stays in the tree."""
+        p: Payload = node.payload
+        self._account({}, 0, self.counts(node), p.nbytes)
+        p.kv, p.windows, p.states, p.nbytes, p.tier = [], [], [], 0, "disk"
+
+    def attach(self, node: Node, payload: Payload) -> None:
+        """`node` is back in RAM with `payload`."""
+        node.payload = payload
+        payload.tier = "ram"
+        self._account(self.counts(node), payload.nbytes, {}, 0)
+
     def cut(self, node: Node, k: int) -> Node:
         """Split `node` after k tokens, keeping its id on the tail; returns the head."""
         old = self.counts(node), self.entry_bytes(node)
@@ -311,6 +337,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry. The same tree goes on, so its id counter does: a new
         entry never reuses the id of a cleared one (ids key the run's entry log)."""
+        if self.tier is not None:
+            self.tier.clear()
         self.tree.clear()
         self.totals = dict.fromkeys(self.classes, 0)
         self._bytes = 0

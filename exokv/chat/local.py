@@ -66,4 +66,4 @@ class LocalClient:
         return report
 
     def close(self) -> None:
-        pass
+        self.engine.close()

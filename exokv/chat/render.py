@@ -56,6 +56,7 @@ class BannerInfo:
     budgets: Sequence[int | None] = field(default_factory=list)
     session: str = ""
     no_cache: bool = False
+    disk_budget: int | None = None  # per rank, when there is a disk tier
 
 
 class CachedBar(ProgressColumn):
@@ -102,6 +103,8 @@ class Renderer:
                 f"r{r} {_size(b)}" for r, b in enumerate(info.budgets)
             )
         head = Text("exokv", style="bold")
+        if info.disk_budget and not info.no_cache:
+            budget += f" · disk tier {_size(info.disk_budget)}"
         head.append(f" · {info.model} · {layout} · {budget}")
         c.print(head, soft_wrap=True)
         keys = (

@@ -227,7 +227,17 @@ def banner_info(chat: ChatController, client: Any, opts: Any) -> BannerInfo:
         budgets=list(getattr(client, "budgets", []) or []),
         session=chat.current.name,
         no_cache=bool(getattr(opts, "no_cache", False)),
+        disk_budget=_disk_budget(opts),
     )
+
+
+def _disk_budget(opts: Any) -> int | None:
+    from exokv.cache.tiers import shown_disk_budget
+
+    try:
+        return shown_disk_budget(opts)
+    except Exception:  # noqa: BLE001 - the banner never fails a chat
+        return None
 
 
 def run_repl(

@@ -28,6 +28,9 @@ class ChatOptions:
     memory_threshold: float = 0.9
     max_kv_size: int | None = None
     no_cache: bool = False
+    disk_budget: str | None = None  # the disk tier (exokv.cache.tier); see exokv.cache.tiers
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     session: str | None = None
     json: bool = False
     starting_port: int | None = None
@@ -55,11 +58,15 @@ def validate(opts: ChatOptions) -> None:
     if opts.max_kv_size is not None and opts.max_kv_size < 1:
         raise UsageError("--max-kv-size must be at least 1")
     parse_budgets(opts.cache_budget, opts.rank_count())
+    from exokv.cache.tiers import validate_tier_options
+
+    validate_tier_options(opts.disk_budget, opts.kv_bits, opts.kv_group_size)
 
 
 def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClient
     budgets = parse_budgets(opts.cache_budget, opts.rank_count())
     if opts.rank_count() == 1 and not opts.hostfile:
+        from exokv.cache.tiers import tier_options
         from exokv.chat.local import LocalClient
 
         return LocalClient(
@@ -69,6 +76,7 @@ def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClie
                 memory_threshold=opts.memory_threshold,
                 max_kv_size=opts.max_kv_size,
                 seed=opts.seed,
+                **tier_options(opts, rank=0, layout="pipeline:1:even"),
             ),
         )
     from exokv.cluster.client import ClusterClient

@@ -240,7 +240,9 @@ class ClusterClient:
             except ExokvError:
                 graceful = False
         if proc is not None:
-            _wait(proc, 5.0 if graceful else 0.0)
+            # With a disk tier the ranks spill what RAM holds and persist it: more time.
+            patience = 60.0 if getattr(self.opts, "disk_budget", None) else 5.0
+            _wait(proc, patience if graceful else 0.0)
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(proc.pid, sig)  # the launcher and every local rank it started
@@ -328,6 +330,10 @@ class ClusterClient:
             args += ["--budgets", ",".join(map(str, budgets))]
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
+        if getattr(opts, "disk_budget", None) is not None:  # the disk tier (exokv.cache.tiers)
+            args += ["--disk-budget", str(opts.disk_budget)]
+        if getattr(opts, "kv_bits", None) is not None:
+            args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]
         if self.plan.local:  # a pid means nothing on another host
             args += ["--front-end-pid", str(os.getpid())]
             args += ["--ranks-here", str(self.ranks)]  # they share this machine's RAM

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default=None, help="bytes per rank, comma separated")
     p.add_argument("--memory-threshold", type=float, default=0.9)
     p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--disk-budget", default=None)  # the disk tier (exokv.cache.tiers)
+    p.add_argument("--kv-bits", type=int, default=None)
+    p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
     p.add_argument("--ranks-here", type=int, default=1, help="ranks sharing this machine's memory")
@@ -272,6 +275,7 @@ class Rank:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> int:
+        from exokv.cache.tiers import tier_options
         from exokv.engine import Engine, EngineOptions
 
         if self.link is not None:
@@ -296,6 +300,7 @@ class Rank:
                 memory_threshold=args.memory_threshold,
                 max_kv_size=args.max_kv_size,
                 seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0
+                **tier_options(args, rank=self.rank, layout=self._layout()),
             ),
         )
         # Startup only, not per turn: every rank's effective budget for the front end.
@@ -331,6 +336,8 @@ class Rank:
                     )
                 continue
             if kind != "turn":
+                if kind == "shutdown":
+                    engine.close()  # the disk tier keeps the cache for the next run
                 return 0  # shutdown, or the front end went away
             turn += 1
             request = TurnRequest.from_dict(message["request"])

@@ -117,6 +117,7 @@ _TOTAL_KEYS = (
     "entries",
     "cached_tokens",
     "bytes",
+    "disk_bytes",
     "budget",
     "budget_pct",
     "hits",
@@ -135,7 +136,16 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
     runs = current_runs(db) if db is not None else []
     ranks: list[dict[str, Any]] = []
     total: dict[str, Any] = dict.fromkeys(
-        ("entries", "cached_tokens", "bytes", "turns", "hits", "misses", "tokens_saved")
+        (
+            "entries",
+            "cached_tokens",
+            "bytes",
+            "disk_bytes",
+            "turns",
+            "hits",
+            "misses",
+            "tokens_saved",
+        )
         + ("prompt_tokens", "prefilled_tokens", "evictions"),
         0,
     )
@@ -151,10 +161,12 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
         total["cached_tokens"] += sum(e["tokens"] for e in live)
         for rank in _rank_numbers(run, samples, sizes):
             held = [(e, b) for e, b in zip(live, sizes, strict=True) if rank < len(b)]
-            size = sum(b[rank] for _, b in held)
+            size = sum(b[rank] for e, b in held if e["tier"] == "ram")
+            disk = sum(b[rank] for e, b in held if e["tier"] != "ram")
             budget = _budget_for(run, samples.get(rank), rank)
             budgets.append(budget)
             total["bytes"] += size
+            total["disk_bytes"] += disk
             ranks.append(
                 {
                     "run": run["id"],
@@ -162,6 +174,7 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
                     "entries": len(held),
                     "cached_tokens": sum(e["tokens"] for e, _ in held),
                     "bytes": size,
+                    "disk_bytes": disk,
                     "budget": budget,
                     "budget_pct": _ratio(size, budget, 100.0, 1),
                     "pressure": samples[rank]["pressure"] if rank in samples else None,
@@ -202,6 +215,7 @@ def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[d
                     "depth": e["depth"],
                     "bytes": sizes,
                     "total_bytes": sum(sizes),
+                    "tier": e["tier"],
                     "hits": e["hits"],
                     "created": iso(e["created"]),
                     "last_used": iso(e["last_used"]),

@@ -166,7 +166,25 @@ def _v4_session_options(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE sessions ADD COLUMN max_kv_size INTEGER")
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_v1, _v2, _v3, _v4_session_options]
+def _v5_disk_tier(db: sqlite3.Connection) -> None:
+    # The disk tier (exokv.cache.tier): where each entry is, and each rank's disk bytes.
+    _script(
+        db,
+        """
+        ALTER TABLE cache_entries ADD COLUMN tier TEXT NOT NULL DEFAULT 'ram';
+        ALTER TABLE memory_samples ADD COLUMN disk_bytes INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE memory_samples ADD COLUMN disk_budget INTEGER
+        """,
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+    _v1,
+    _v2,
+    _v3,
+    _v4_session_options,
+    _v5_disk_tier,
+]
 LATEST = len(MIGRATIONS)
 
 

@@ -430,7 +430,7 @@ class Store:
                     e.hit_length,
                 ),
             )
-            if e.kind == "evict":
+            if e.kind in ("evict", "drop"):  # drop: off the disk tier, out of the tree
                 db.execute(
                     "UPDATE cache_entries SET evicted_at = ? "
                     "WHERE run_id = ? AND node_id = ? AND evicted_at IS NULL",
@@ -450,15 +450,15 @@ class Store:
         # last_used is wall time, moved only when the tree's own clock or hit count moved.
         db.executemany(
             "INSERT INTO cache_entries (run_id, node_id, parent, session, model, tokens, depth, "
-            "bytes, hits, tick, created, last_used, evicted_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL) "
+            "bytes, hits, tick, created, last_used, evicted_at, tier) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?) "
             "ON CONFLICT(run_id, node_id) DO UPDATE SET parent = excluded.parent, "
             "session = excluded.session, tokens = excluded.tokens, depth = excluded.depth, "
             "bytes = excluded.bytes, hits = excluded.hits, "
             "last_used = CASE WHEN excluded.tick != cache_entries.tick "
             "OR excluded.hits != cache_entries.hits "
             "THEN excluded.last_used ELSE cache_entries.last_used END, "
-            "tick = excluded.tick, evicted_at = NULL",
+            "tick = excluded.tick, evicted_at = NULL, tier = excluded.tier",
             [
                 (
                     run_id,
@@ -473,6 +473,7 @@ class Store:
                     e.last_used,
                     now,
                     now,
+                    e.tier,
                 )
                 for e in entries
             ],
@@ -488,7 +489,8 @@ class Store:
     ) -> None:
         db.executemany(
             "INSERT INTO memory_samples (run_id, turn_id, time, rank, pressure, cache_bytes, "
-            "entries, budget, rss, mlx_active, ram_total) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "entries, budget, rss, mlx_active, ram_total, disk_bytes, disk_budget) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     run_id,
@@ -502,6 +504,8 @@ class Store:
                     s.rss,
                     s.mlx_active,
                     s.ram_total,
+                    s.disk_bytes,
+                    s.disk_budget,
                 )
                 for s in stats
             ],
@@ -628,10 +632,10 @@ class Store:
 
 
 def clear_saved_caches(home: Path | None = None) -> int:
-    """Delete the saved KV caches; returns how many files went."""
-    directory = caches_dir(home)
-    if not directory.is_dir():
-        return 0
-    count = sum(1 for p in directory.rglob("*") if p.is_file())
-    shutil.rmtree(directory)
+    """Delete the saved KV caches and the disk tier (kv/); returns how many files went."""
+    count = 0
+    for directory in (caches_dir(home), (home if home is not None else exokv_home()) / "kv"):
+        if directory.is_dir():
+            count += sum(1 for p in directory.rglob("*") if p.is_file())
+            shutil.rmtree(directory)
     return count

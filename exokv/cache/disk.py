@@ -1,0 +1,193 @@
+"""A rank's disk tier: one file per tree node, written by a background thread.
+
+A file is `<id>.kv`: a header (magic, CRC-32 and length of the body) and a body in
+safetensors (the node's arrays, and in its metadata how they nest). It is written
+to a temporary name, fsynced and renamed, so a file is whole or absent; the CRC
+catches the rest (a flipped byte, a truncated copy). A file that fails any check
+reads as None: the caller treats it as a miss.
+
+Writes leave the turn's critical path: `write` queues the arrays (they stay
+referenced until written) and returns; a read of a node still queued is served
+from the queue. The first failing write (a full disk) sets `failed`, which the
+ranks agree on in the turn's collective, and no later write is attempted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import struct
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+MAGIC = b"EXKV"
+_HEADER = struct.Struct("<4sIQ")  # magic, crc32 of the body, body length
+
+
+# -- nested arrays <-> a flat dict and a description of the nesting ------------------
+
+
+def flatten(obj: Any, arrays: dict[str, mx.array], name: str = "a") -> Any:
+    """A JSON description of `obj` (lists, tuples, arrays, None, ints, strings)."""
+    if isinstance(obj, mx.array):
+        arrays[name] = obj
+        return {"a": name}
+    if isinstance(obj, (list, tuple)):
+        items = [flatten(x, arrays, f"{name}.{i}") for i, x in enumerate(obj)]
+        return {"t" if isinstance(obj, tuple) else "l": items}
+    if isinstance(obj, dict):
+        return {"d": {str(k): flatten(v, arrays, f"{name}.{k}") for k, v in obj.items()}}
+    if obj is None or isinstance(obj, (int, float, str)):
+        return {"v": obj}
+    raise TypeError(f"cannot store a {type(obj).__name__} in the disk tier")
+
+
+def unflatten(spec: Any, arrays: dict[str, mx.array]) -> Any:
+    if "a" in spec:
+        return arrays[spec["a"]]
+    if "t" in spec:
+        return tuple(unflatten(x, arrays) for x in spec["t"])
+    if "l" in spec:
+        return [unflatten(x, arrays) for x in spec["l"]]
+    if "d" in spec:
+        return {k: unflatten(v, arrays) for k, v in spec["d"].items()}
+    return spec["v"]
+
+
+def encode(obj: Any) -> bytes:
+    arrays: dict[str, mx.array] = {}
+    spec = flatten(obj, arrays)
+    body = io.BytesIO()
+    mx.save_safetensors(body, arrays, metadata={"exokv": json.dumps(spec)})
+    data = body.getvalue()
+    return _HEADER.pack(MAGIC, zlib.crc32(data), len(data)) + data
+
+
+def decode(data: bytes) -> Any:
+    """The object `encode` stored; ValueError if the bytes do not check out."""
+    if len(data) < _HEADER.size:
+        raise ValueError("truncated header")
+    magic, crc, length = _HEADER.unpack_from(data)
+    body = data[_HEADER.size :]
+    if magic != MAGIC:
+        raise ValueError("not an exokv KV file")
+    if len(body) != length:
+        raise ValueError(f"truncated: {len(body)} of {length} bytes")
+    if zlib.crc32(body) != crc:
+        raise ValueError("checksum mismatch")
+    arrays, meta = mx.load(io.BytesIO(body), format="safetensors", return_metadata=True)
+    return unflatten(json.loads(meta["exokv"]), arrays)
+
+
+# -- the store ----------------------------------------------------------------------
+
+
+class DiskStore:
+    """Files of one rank under `root`, written by one background thread."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.failed = ""  # why the first write failed; nothing is written after it
+        self.lost: set[int] = set()  # ids whose write failed or was never tried
+        self._pending: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._write_loop, daemon=True)
+        self._thread.start()
+
+    def path(self, node_id: int) -> Path:
+        return self.root / f"{node_id}.kv"
+
+    def write(self, node_id: int, obj: Any) -> None:
+        """Queue `obj` (evaluated arrays) to be written as node `node_id`'s file."""
+        with self._lock:
+            self._pending[node_id] = obj
+        self._queue.put(node_id)
+
+    def read(self, node_id: int) -> tuple[Any, str]:
+        """(the object, "") or (None, why it cannot be read)."""
+        with self._lock:
+            if node_id in self._pending:
+                return self._pending[node_id], ""
+        if node_id in self.lost:
+            return None, "its write failed"
+        try:
+            return decode(self.path(node_id).read_bytes()), ""
+        except FileNotFoundError:
+            return None, "file missing"
+        except Exception as err:  # noqa: BLE001 - any unreadable file is a miss
+            return None, str(err) or type(err).__name__
+
+    def delete(self, node_id: int) -> None:
+        with self._lock:
+            self._pending.pop(node_id, None)  # a queued write of it is skipped
+        self.lost.discard(node_id)
+        try:
+            self.path(node_id).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass  # an orphan file is removed at the next start
+
+    def flush(self) -> None:
+        """Wait until every queued write is done."""
+        self._queue.join()
+
+    def ids(self) -> set[int]:
+        out = set()
+        for p in self.root.glob("*.kv"):
+            if p.stem.isdigit():
+                out.add(int(p.stem))
+        return out
+
+    def _write_loop(self) -> None:
+        while True:
+            node_id = self._queue.get()
+            try:
+                with self._lock:
+                    obj = self._pending.get(node_id)
+                if obj is None:
+                    continue
+                if self.failed:
+                    self.lost.add(node_id)
+                else:
+                    self._write_file(node_id, obj)
+                with self._lock:
+                    if self._pending.get(node_id) is obj:
+                        del self._pending[node_id]
+            finally:
+                self._queue.task_done()
+
+    def _write_file(self, node_id: int, obj: Any) -> None:
+        final = self.path(node_id)
+        tmp = final.with_suffix(".tmp")
+        try:
+            data = encode(obj)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except Exception as err:  # noqa: BLE001 - the writer thread must never die
+            self.failed = str(err) or type(err).__name__
+            self.lost.add(node_id)
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system holding `path` (its nearest existing parent)."""
+    p = path
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize

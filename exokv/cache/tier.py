@@ -1,0 +1,320 @@
+"""The disk tier's decisions: spill, load and drop, the same on every rank.
+
+A node the plan evicts from RAM becomes an on-disk node (kept in the tree, its
+payload's `tier` "disk", its arrays written by this rank's DiskStore) when every
+rank's disk budget allows; else the least recently used on-disk leaves are dropped
+to make room, and failing that the node leaves the tree. Every rank's disk bytes
+are the tree's on-disk counts times that rank's gathered rates, so every rank
+decides alike with no more communication than the turn's one collective.
+
+RAM nodes stay an upper part of the tree (a spilled node is a RAM leaf; a load
+brings a whole path back), so the plan, seeing only RAM nodes, still evicts leaves.
+
+A load can fail on one rank only (a missing, truncated or corrupt file). The ranks
+agree on it with one small gather, made only on turns whose hit reaches on-disk
+nodes (identical on every rank: the tree says so): the hit stops before the first
+node any rank could not read, which is dropped with its subtree.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from exokv.cache import layers, spans
+from exokv.cache.disk import DiskStore
+from exokv.cache.layers import StorageClass
+from exokv.cache.prefix_cache import Payload, PrefixCache, _slices
+from exokv.cache.radix import Node, common_prefix
+from exokv.cluster.group import Group
+from exokv.records import CacheEvent
+
+RAM, DISK = "ram", "disk"
+
+
+def is_disk(node: Node) -> bool:
+    return node.payload is not None and node.payload.tier == DISK
+
+
+class DiskTier:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        store: DiskStore,
+        group: Group,
+        budget: int,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.store = store
+        self.group = group
+        self.budget = budget  # this rank's
+        self.budgets: list[int] = [budget] * group.size  # every rank's, as last gathered
+        self.rates: list[dict[StorageClass, int]] = []
+        self.totals: dict[StorageClass, int] = dict.fromkeys(cache.classes, 0)
+        self.stopped = ""  # why spilling stopped (agreed); "" while it goes on
+        self.events: list[CacheEvent] = []
+        self.decision = 0
+        self.node_bytes: Callable[[Node], list[int]] = lambda n: [0] * group.size
+        self._warn = warn or (lambda text: print(f"exokv: warning: {text}", file=sys.stderr))
+        self.spills = self.loads = self.drops = 0
+
+    # -- the numbers in the turn's collective ----------------------------------------
+
+    def local_numbers(self) -> list[int]:
+        return [self.budget, 1 if self.store.failed else 0]
+
+    def absorb(self, rows: Sequence[Sequence[int]], rates: list[dict[StorageClass, int]]) -> None:
+        """Take every rank's disk budget and write status from the gathered rows' tails."""
+        self.rates = rates
+        self.budgets = [int(row[-2]) for row in rows]
+        failed = [r for r, row in enumerate(rows) if row[-1]]
+        if failed and not self.stopped:
+            why = self.store.failed if failed[0] == self.group.rank else "a write failed"
+            self.stopped = f"disk full or unwritable on rank {failed[0]} ({why}): spilling stopped"
+            if self.group.rank == 0:  # one warning, not one per rank
+                self._warn(self.stopped)
+            self.events.append(self._event("drop", None, self.stopped))
+
+    def disk_bytes(self) -> list[int]:
+        return [sum(n * rate.get(c, 0) for c, n in self.totals.items()) for rate in self.rates]
+
+    # -- spill (or drop) what the plan evicts from RAM -------------------------------
+
+    def remove(self, node: Node, reason: str, evict_event: CacheEvent) -> None:
+        """The plan evicts `node` (a RAM leaf) from RAM: spill it if the disk allows."""
+        size = self.node_bytes(node)
+        if not self.stopped and self._make_room(size, node):
+            evict_event.kind = "spill"
+            self.events.append(evict_event)
+            self._spill(node)
+            return
+        self.events.append(evict_event)
+        self._drop_children(node, "its parent left the cache")
+        self.cache.evict(node)
+
+    def _make_room(self, size: list[int], node: Node) -> bool:
+        while not self._fits(size):
+            victims = [
+                n
+                for n in self.cache.tree.nodes()
+                if is_disk(n) and not n.children and n.locks == 0 and n is not node
+            ]
+            victims = [n for n in victims if not _is_ancestor(n, node)]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda n: (n.last_used, n.id))
+            self.drop(victim, "disk budget")
+        return True
+
+    def _fits(self, size: list[int]) -> bool:
+        held = self.disk_bytes()
+        return all(h + s <= b for h, s, b in zip(held, size, self.budgets, strict=True))
+
+    def _spill(self, node: Node) -> None:
+        payload: Payload = node.payload
+        arrays = _arrays(payload, [leaf.cls for leaf in self.cache.window_leaves])
+        self.cache.detach(node)
+        self._count(node, +1)
+        self.store.write(node.id, arrays)
+        self.spills += 1
+
+    # -- drop from disk ------------------------------------------------------------
+
+    def drop(self, node: Node, reason: str) -> None:
+        """Remove an on-disk node and everything below it from the tree and the disk."""
+        self._drop_children(node, reason)
+        self.events.append(self._event("drop", node, reason))
+        self._count(node, -1)
+        self.cache.tree.remove_leaf(node)
+        self.store.delete(node.id)
+        node.payload = None
+        self.drops += 1
+
+    def _drop_children(self, node: Node, reason: str) -> None:
+        for child in list(node.children.values()):
+            self.drop(child, reason)
+
+    def _count(self, node: Node, sign: int) -> None:
+        for c, n in self.cache.counts(node).items():
+            self.totals[c] = self.totals.get(c, 0) + sign * n
+
+    # -- load: a hit reaching on-disk nodes ----------------------------------------
+
+    def load(self, used: list[Node]) -> int:
+        """Bring the on-disk nodes of `used` back to RAM; returns how many leading
+        nodes of `used` are usable (the same on every rank)."""
+        disk = [i for i, n in enumerate(used) if is_disk(n)]
+        if not disk:
+            return len(used)
+        first_bad, loaded, why = len(used), {}, ""
+        for i in disk:
+            obj, why = self.store.read(used[i].id)
+            payload = self._payload(used[i].payload, obj) if obj is not None else None
+            if payload is None:
+                first_bad, why = i, why or "unreadable contents"
+                break
+            loaded[i] = payload
+        rows = self.group.gather([first_bad]) if self.group.size > 1 else [[first_bad]]
+        agreed = min(row[0] for row in rows)
+        for i in disk:
+            if i >= agreed:
+                break
+            node = used[i]
+            self._count(node, -1)
+            self.cache.attach(node, loaded[i])
+            self.store.delete(node.id)
+            self.loads += 1
+            self.events.append(self._event("load", node, "hit on disk"))
+        if agreed < len(used):
+            rank = next(r for r, row in enumerate(rows) if row[0] == agreed)
+            # The same reason on every rank (events are compared across ranks); the
+            # rank that failed says why on its own stderr.
+            reason = f"unreadable on rank {rank}" + (f": {why}" if self.group.size == 1 else "")
+            if rank == self.group.rank and self.group.size > 1:
+                self._warn(f"rank {rank}: disk tier entry {used[agreed].id} unreadable: {why}")
+            self.drop(used[agreed], reason)
+        return agreed
+
+    # -- insert: a turn writing through on-disk nodes --------------------------------
+
+    def before_insert(
+        self, path: list[Node], tokens: Sequence[int], fill: Callable[[int, int], Payload]
+    ) -> None:
+        """A turn's insert of `tokens` walks `path`. Its on-disk nodes the turn ran
+        entirely get the turn's own arrays (back in RAM); one the turn leaves inside
+        its edge is split there: the head from the turn's arrays, the tail still on
+        disk (its file holds the whole old edge; a load takes the tail's part).
+        `fill(start, end)` is a payload of the turn's cache for those positions."""
+        for node in path:
+            if not is_disk(node):
+                continue
+            self._count(node, -1)
+            common = common_prefix(node.key, tokens, node.start)
+            if common < len(node.key):
+                head = self.cache.tree.split(
+                    node, common, lambda p, k: (fill(p.start, p.start + k), _tail(p, k))
+                )
+                self._count(node, +1)
+                self.cache.attach(head, head.payload)
+                self.events.append(self._event("add", head, "split off an entry on disk"))
+                return
+            self.cache.attach(node, fill(node.start, node.depth))
+            self.store.delete(node.id)
+            self.events.append(self._event("load", node, "run again by this turn"))
+
+    def _payload(self, record: Payload, obj: Any) -> Payload | None:
+        """A RAM payload from an on-disk node's record and its file's contents."""
+        try:
+            p = Payload(start=record.start, spans=dict(record.spans), state=record.state)
+            skip = record.start - int(obj["start"])  # the file may hold more than the node
+            p.kv = [kv if skip == 0 else layers.take(kv, skip, None) for kv in obj["kv"]]
+            p.windows = []
+            for leaf, ws, held in zip(
+                self.cache.window_leaves, obj["windows"], obj["spans"], strict=True
+            ):
+                held = [tuple(x) for x in held]
+                p.windows.append(_slices(list(ws), held, record.spans[leaf.cls]))
+            p.states = []
+            if obj["states"]:
+                fresh = self.cache.new_cache()
+                for leaf, (state, meta) in zip(self.cache.state_leaves, obj["states"], strict=True):
+                    c = layers.get(fresh, leaf)
+                    c.state = state
+                    if meta:
+                        c.meta_state = meta
+                    p.states.append(c)
+            if len(p.kv) != len(self.cache.kv_leaves):
+                return None
+            mx.eval(p.kv, p.windows)  # owned arrays: a later spill writes them from a thread
+            p.nbytes = layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
+            return p
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    # -- across restarts (exokv.cache.persist) ------------------------------------------
+
+    def restore(self) -> str:
+        """Start with the persisted tree, on disk. Returns why not ("" when it did)."""
+        from exokv.cache import persist
+
+        nodes, why = persist.restore(self.cache, self.store.root, self.group)
+        for node in nodes:
+            self._count(node, +1)
+        known = {n.id for n in nodes}
+        for orphan in self.store.ids() - known:
+            self.store.delete(orphan)
+        return why
+
+    def close(self) -> None:
+        """Spill what RAM holds (parents first, as the disk budget allows: the same
+        on every rank), wait for the writes and persist the tree."""
+        from exokv.cache import persist
+
+        if not self.stopped and not self.store.failed:
+            for node in list(self.cache.tree.nodes()):
+                if node.payload is None or is_disk(node) or node.locks:
+                    continue
+                parent = node.parent
+                if parent is not self.cache.tree.root and not is_disk(parent):
+                    continue  # its parent stayed in RAM: not reachable after a restart
+                if self._make_room(self.node_bytes(node), node):
+                    self._spill(node)
+        self.store.flush()
+        try:
+            persist.save(self.cache, self.store.root, self.store.lost)
+        except OSError as err:
+            self._warn(f"could not persist the KV cache tree: {err}")
+
+    # -- reporting -------------------------------------------------------------------
+
+    def take_events(self, decision: int) -> list[CacheEvent]:
+        out, self.events = self.events, []
+        for e in out:
+            e.decision = decision
+        return out
+
+    def _event(self, kind: str, node: Node | None, reason: str) -> CacheEvent:
+        return CacheEvent(
+            kind=kind,
+            decision=self.decision,
+            entry=node.id if node is not None else 0,
+            tokens=len(node.key) if node is not None else 0,
+            bytes=self.node_bytes(node) if node is not None else [0] * self.group.size,
+            session=node.session if node is not None else "",
+            reason=reason,
+        )
+
+    def clear(self) -> None:
+        for node in list(self.cache.tree.nodes()):
+            if is_disk(node):
+                self.store.delete(node.id)
+        self.totals = dict.fromkeys(self.cache.classes, 0)
+
+
+def _is_ancestor(a: Node, b: Node) -> bool:
+    n = b.parent
+    while n is not None:
+        if n is a:
+            return True
+        n = n.parent
+    return False
+
+
+def _arrays(p: Payload, window_classes: list[StorageClass]) -> dict[str, Any]:
+    """What a payload's file holds: its arrays, each state layer's state, and the
+    positions they cover (a later split leaves the node only part of them)."""
+    states = [[s.state, getattr(s, "meta_state", "")] for s in p.states]
+    spans = [[list(x) for x in p.spans.get(c, [])] for c in window_classes]
+    return {"start": p.start, "kv": p.kv, "windows": p.windows, "states": states, "spans": spans}
+
+
+def _tail(p: Payload, k: int) -> Payload:
+    """The record of an on-disk payload's part after its first k tokens."""
+    cut = p.start + k
+    tail = Payload(start=cut, state=p.state, tier=DISK)
+    tail.spans = {c: spans.clip(held, cut, cut + 10**12) for c, held in p.spans.items()}
+    return tail

@@ -1,0 +1,62 @@
+"""`exokv bench` with the disk tier (exokv+disk, the restart scenario) and --kv-bits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from test_bench import _bench
+
+from exokv.bench import STRATEGIES
+
+ARGS = ["--model", "builtin:tiny", "--turns", "2", "--context", "120", "--reply-tokens", "8"]
+
+
+def test_exokv_disk_under_a_budget_and_after_a_restart(tmp_path: Path) -> None:
+    proc = _bench(
+        [*ARGS, "--scenario", "switch,restart", "--cache-budget", "20KB", "--json"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["replies_match"]
+    for name in ("switch", "restart"):
+        st = doc["scenarios"][name]["strategies"]
+        # What exokv evicts, exokv+disk loads back: it caches more under the same budget.
+        assert st["exokv+disk"]["spilled"] > 0 and st["exokv+disk"]["loaded_tokens"] > 0
+        assert st["exokv+disk"]["cached_fraction"] > st["exokv"]["cached_fraction"]
+        assert st["exokv+disk"]["peak_cache_bytes"][0] <= 20_000
+    after = doc["scenarios"]["restart"]["after_restart"]
+    assert doc["scenarios"]["restart"]["restart_at"] == 5
+    assert after["exokv+disk"]["cached_tokens"] > 0  # warm from disk in the new process
+    first = doc["scenarios"]["restart"]["turns"][4]["strategies"]  # the new process's first
+    assert all(first[s]["cached_tokens"] == 0 for s in STRATEGIES if s != "exokv+disk")
+    # Every other strategy is cold in the new process: only the prompts' shared start.
+    others = max(after[s]["cached_tokens"] for s in STRATEGIES if s != "exokv+disk")
+    assert after["exokv+disk"]["cached_tokens"] > 3 * others
+    names = {t["name"] for t in doc["targets"]}
+    assert {"switch_disk_vs_limit", "restart_disk_vs_limit"} <= names
+
+
+def test_kv_bits_reports_bytes_per_token_and_drift(tmp_path: Path) -> None:
+    # builtin:small: head dimension 32, the smallest mx.quantize group.
+    args = [*ARGS[2:], "--model", "builtin:small", "--kv-group-size", "32"]
+    proc = _bench([*args, "--scenario", "switch", "--kv-bits", "8", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    s = doc["scenarios"]["switch"]
+    assert doc["kv_bits"] == 8
+    assert s["bytes_per_token"][0] < 0.6 * s["bytes_per_token_fp16"][0]
+    for strat in ("exokv", "exokv+disk"):
+        drift = s["strategies"][strat]["drift_tokens"]
+        assert len(drift) == len(s["turns"])
+        assert all(d is None or d >= 0 for d in drift)
+    assert doc["replies_match"]  # the unquantized strategies still agree
+
+
+def test_kv_bits_must_be_4_or_8_and_fit_the_heads(tmp_path: Path) -> None:
+    proc = _bench([*ARGS, "--kv-bits", "3"], tmp_path)
+    assert proc.returncode == 2 and "--kv-bits 3: use 4 or 8" in proc.stderr
+    proc = _bench([*ARGS, "--kv-bits", "4", "--scenario", "linear"], tmp_path)  # head dim 16
+    assert proc.returncode == 1
+    assert "the group size must divide the head dimension" in proc.stderr
+    assert "Traceback" not in proc.stderr

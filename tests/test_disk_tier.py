@@ -1,0 +1,148 @@
+"""The disk tier in one process: spill instead of evict, load instead of prefill, a
+corrupt file a miss, a restart warm from disk, quantized KV (builtin:tiny and the
+tiny models of every cache kind)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exokv.cache import layers
+from exokv.cache.disk import decode, encode
+from exokv.engine import Engine, EngineOptions
+from tests.conftest import build_tiny_qwen
+from tests.test_cache_budget import chats, engine_for, play, tokenizer  # noqa: F401
+from tests.test_cache_kinds import KINDS, VOCAB, model_for
+
+DISK = 10**9
+
+
+def tiered(kind: str, tok, home: Path, budget: int | None, **extra) -> Engine:
+    model, _ = model_for(kind)
+    options = EngineOptions(
+        budget=budget,
+        max_kv_size=KINDS[kind][1],
+        disk_dir=str(home),
+        disk_budget=DISK,
+        **extra,
+    )
+    return Engine(model, tok, options=options)
+
+
+def working_set(kind: str, tok) -> tuple[list, int]:
+    """The switch script's results unbudgeted, and the most bytes it held."""
+    engine = engine_for(kind, tok)
+    peak = 0
+
+    def track(_):
+        nonlocal peak
+        peak = max(peak, engine.cache.total_bytes)
+
+    return play(engine, chats(4, 2), check=track), peak
+
+
+@pytest.mark.parametrize("kind", ["window", "state", "mixed-moe"])
+def test_spilled_entries_come_back_with_equal_hits_and_replies(kind, tokenizer, tmp_path):  # noqa: F811
+    reference, peak = working_set(kind, tokenizer)
+    budget = peak // 3
+    engine = tiered(kind, tokenizer, tmp_path, budget)
+    kinds = []
+
+    def within(result):
+        assert engine.cache.total_bytes <= budget
+        kinds.extend(e.kind for e in result.events)
+
+    results = play(engine, chats(4, 2), check=within)
+    assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference]
+    assert [r.reply for r in results] == [r.reply for r in reference]
+    assert "spill" in kinds and "load" in kinds and "evict" not in kinds
+
+
+def test_a_corrupt_spilled_file_is_a_miss_with_the_right_reply(tokenizer, tmp_path):  # noqa: F811
+    reference, peak = working_set("window", tokenizer)
+    engine = tiered("window", tokenizer, tmp_path, peak // 3)
+    script = chats(4, 2)
+    first = play(engine, script[:4])
+    engine.coord.tier.store.flush()
+    files = sorted(tmp_path.glob("*.kv"))
+    assert files
+    for f in files:  # flip bytes in the middle of every spilled file
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    replies = {r.session: [r.reply] for r in first}
+    results = []
+    for session, messages in script[4:]:
+        from tests.test_cache_budget import _with_replies
+
+        full = _with_replies(messages, replies[session])
+        from exokv.records import TurnRequest
+
+        results.append(engine.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
+    assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+    drops = [e for r in results for e in r.events if e.kind == "drop"]
+    assert drops and all("checksum" in e.reason for e in drops)
+    assert any(
+        r.cached_tokens < ref.cached_tokens for r, ref in zip(results, reference[4:], strict=True)
+    )
+
+
+def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
+    from exokv.records import TurnRequest
+    from tests.test_cache_budget import _with_replies
+
+    reference, _ = working_set("state", tokenizer)
+    script = chats(4, 2)
+    engine = tiered("state", tokenizer, tmp_path, None)
+    first = play(engine, script[:4])
+    replies = {r.session: [r.reply] for r in first}
+    pairs = [(r.reply, engine.reply_tokens(r.reply)) for r in first]
+    engine.close()
+    again = tiered("state", tokenizer, tmp_path, None)
+    assert again.tier_notice == ""
+    again.remember_replies(pairs)
+    results = []
+    for session, messages in script[4:]:
+        full = _with_replies(messages, replies[session])
+        results.append(again.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
+        assert any(e.kind == "load" for e in results[-1].events)
+    assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference[4:]]
+    assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+
+
+def test_file_checks():
+    import mlx.core as mx
+
+    obj = {"kv": [(mx.ones((1, 2, 3, 4)), (mx.zeros((1, 2, 3, 1)), mx.ones((2,))))], "s": [None]}
+    data = encode(obj)
+    back = decode(data)
+    assert isinstance(back["kv"][0][1], tuple) and back["s"] == [None]
+    assert mx.array_equal(back["kv"][0][0], obj["kv"][0][0])
+    for bad in (data[:-3], data[:10], data[:40] + bytes([data[40] ^ 1]) + data[41:]):
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_kv_bits_stores_fewer_bytes_per_token(bits, tokenizer, tmp_path):  # noqa: F811
+    model = build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB)
+    full = Engine(model, tokenizer)
+    quant = Engine(model, tokenizer, options=EngineOptions(kv_bits=bits, kv_group_size=32))
+    assert quant.bytes_per_token < full.bytes_per_token * (0.6 if bits == 8 else 0.35)
+    results = play(quant, chats(2, 2))
+    assert results[-1].cached_tokens > 0 and all(r.reply for r in results)
+    assert any(type(c).__name__ == "QuantizedKVCache" for c in quant._new_cache())
+    assert layers.offset(quant._new_cache()) == 0
+
+
+def test_an_unreadable_persisted_tree_starts_cold_and_says_why(tokenizer, tmp_path):  # noqa: F811
+    engine = tiered("window", tokenizer, tmp_path, None)
+    play(engine, chats(1, 1))
+    engine.close()
+    assert (tmp_path / "tree.json").exists() and list(tmp_path.glob("*.kv"))
+    (tmp_path / "tree.json").write_text("{not json")
+    again = tiered("window", tokenizer, tmp_path, None)
+    assert "unreadable" in again.tier_notice and "starting cold" in again.tier_notice
+    assert not list(tmp_path.glob("*.kv"))  # files of no tree are removed
+    assert play(again, chats(1, 1))[0].cached_tokens == 0
