@@ -62,6 +62,10 @@ class PromptRenderer:
             while len(self._replies) > MAX_REMEMBERED_REPLIES:
                 self._replies.popitem(last=False)
 
+    def remembered(self) -> list[tuple[str, list[int]]]:
+        """Every remembered reply and its tokens, oldest first (what a store would keep)."""
+        return [(reply, list(tokens)) for reply, tokens in self._replies.items()]
+
     def reply_tokens(self, reply: str) -> list[int] | None:
         tokens = self._replies.get(reply)
         return list(tokens) if tokens else None

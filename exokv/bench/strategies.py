@@ -333,7 +333,7 @@ class Exokv:
         again.engine = Engine(self.engine.model, self.engine.tokenizer, self.engine.group, o)
         again.render, again.last_cache = again.engine.render, None
         # The chat's store gives a resumed session its replies' exact tokens: so here.
-        again.engine.remember_replies(list(self.engine._replies.items()))
+        again.engine.remember_replies(self.engine.prompt.remembered())
         return again
 
     def cache_bytes(self) -> int:

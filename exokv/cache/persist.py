@@ -114,9 +114,8 @@ def restore(pc: PrefixCache, root: Path, group: Group) -> tuple[list[Node], str]
         depth = parent.depth + len(key)
         spans = {(c[0], c[1], c[2]): [tuple(s) for s in c[3]] for c in rec["spans"]}
         payload = Payload(start=depth - len(key), spans=spans, state=rec["state"], tier="disk")
-        node = Node(id=rec["id"], parent=parent, key=key, depth=depth, payload=payload)
-        node.session, node.last_used, node.hits = rec["session"], rec["last_used"], rec["hits"]
-        parent.children[key[0]] = node
+        node = pc.tree.restore_node(parent, rec["id"], key, payload, rec["last_used"])
+        node.session, node.hits = rec["session"], rec["hits"]
         by_id[node.id] = node
         added.append(node)
     pc.tree._next_id = max(pc.tree._next_id, int(doc["next_id"]))

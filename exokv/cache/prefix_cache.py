@@ -316,6 +316,7 @@ class PrefixCache:
         p: Payload = node.payload
         self._account({}, 0, self.counts(node), p.nbytes)
         p.kv, p.windows, p.states, p.nbytes, p.tier = [], [], [], 0, "disk"
+        self.tree.resize(node)  # its bytes and tier are reported with the turn's entries
 
     def attach(self, node: Node, payload: Payload) -> None:
         """`node` is back in RAM with `payload`."""

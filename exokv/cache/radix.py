@@ -356,15 +356,30 @@ class RadixTree:
 
     # -- internals --------------------------------------------------------------
 
-    def _new_node(self, parent: Node, key: tuple[int, ...], payload: Any) -> Node:
+    def restore_node(
+        self, parent: Node, node_id: int, key: Sequence[int], payload: Any, last_used: int = 0
+    ) -> Node:
+        """Put back a node that a persisted tree recorded, under its own id and LRU time
+        (restoring must give every rank the tree it had). Later ids come after it."""
+        if node_id in self._index or node_id <= 0 or not key or key[0] in parent.children:
+            raise ValueError(f"node {node_id} cannot be restored here")
+        node = self._new_node(parent, _as_tuple(key), payload, node_id)
+        self._next_id = max(self._next_id, node_id + 1)
+        self._use(node, last_used)
+        return node
+
+    def _new_node(
+        self, parent: Node, key: tuple[int, ...], payload: Any, node_id: int | None = None
+    ) -> Node:
         node = self.node_type(
-            id=self._next_id,
+            id=self._next_id if node_id is None else node_id,
             parent=parent,
             key=key,
             depth=parent.depth + len(key),
             payload=payload,
         )
-        self._next_id += 1
+        if node_id is None:
+            self._next_id += 1
         parent.children[key[0]] = node
         node._tree = self
         node.size = self._size_of(payload)
