@@ -321,12 +321,19 @@ def bench_render(contexts: list[int], repeat: int, seed: int) -> list[dict[str, 
     return rows
 
 
+def _split_empty(payload: Any, k: int) -> tuple[Any, Any]:
+    from exokv.cache.prefix_cache import Payload
+
+    return Payload(start=payload.start), Payload(start=payload.start + k)
+
+
 def bench_engine(sizes: list[int], depth: int, repeat: int, seed: int) -> list[dict[str, Any]]:
     """Engine.turn on builtin:tiny with the tree padded to `size` nodes: overhead_s
     and TTFT of a short cached turn. The padding is other conversations' nodes
-    without K/V (payload None): the turn's own K/V is real."""
+    holding no K/V (empty payloads): the turn's own K/V is real."""
     from mlx_lm import load
 
+    from exokv.cache.prefix_cache import Payload
     from exokv.engine import Engine
     from exokv.model.builtin import ensure_builtin
     from exokv.records import TurnRequest
@@ -339,9 +346,9 @@ def bench_engine(sizes: list[int], depth: int, repeat: int, seed: int) -> list[d
         pad = engine.cache.tree
         for c in range(max(1, round(size / depth))):
             conv = [100_000 + c] + [rng.randrange(256) for _ in range(depth * TURN - 1)]
-            (node,), _ = pad.insert(conv, lambda a, b: None, lambda p, k: (None, None))
+            (node,), _ = pad.insert(conv, lambda a, b: Payload(start=a), _split_empty)
             while len(node.key) > TURN:
-                node = pad.split(node, len(node.key) - TURN, lambda p, k: (None, None))
+                node = pad.split(node, len(node.key) - TURN, _split_empty)
         padded = sum(1 for _ in pad.nodes())
         messages = [{"role": "system", "content": "You are terse."}]
         overheads, ttfts, walls = [], [], []
