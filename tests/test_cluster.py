@@ -155,7 +155,7 @@ def test_plan_remote_hosts_forward_settings_not_secrets(tmp_path: Path) -> None:
         )
     )
     plan = plan_launch(["py"], hostfile=str(hostfile), env={"EXOKV_FAKE_PRESSURE": "0.5", "X": "1"})
-    assert plan.ranks == 2 and not plan.local and plan.bind_host == "0.0.0.0"
+    assert plan.ranks == 2 and not plan.local and plan.bind_host != "0.0.0.0"
     assert "EXOKV_FAKE_PRESSURE=0.5" in plan.argv
     assert not any("X=1" == a or "TOKEN" in a for a in plan.argv)
     assert set(FORWARDED_ENV) >= {"EXOKV_FAKE_PRESSURE"}
@@ -181,7 +181,7 @@ def test_bad_hostfile_is_one_line_usage_error(tmp_path: Path, content: str, mess
 def test_bad_launch_options_fail_before_launching(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
         plan_launch(["py"], hostfile=str(tmp_path / "missing.json"))
-    with pytest.raises(UsageError, match="needs IP addresses"):
+    with pytest.raises(UsageError, match="has no IP address"):
         plan_launch(["py"], hosts="mac1,mac2", backend="ring")
     with pytest.raises(UsageError, match="not both"):
         plan_launch(["py"], ranks=2, hosts="10.0.0.1,10.0.0.2")
@@ -433,8 +433,11 @@ def test_ranks_end_when_the_front_end_is_killed(
 
 def _rank_processes(chat: Chat) -> list[psutil.Process]:
     chat.note_descendants()
-    return [
-        p
-        for p in chat.seen.values()
-        if p.is_running() and "exokv.cluster.rank" in " ".join(p.cmdline())
-    ]
+    found = []
+    for p in chat.seen.values():
+        try:
+            if p.is_running() and "exokv.cluster.rank" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue  # e.g. the launcher's short-lived mktemp, a zombie for an instant
+    return found

@@ -208,6 +208,8 @@ def run_repl(
                 )
         except ExokvError as err:
             renderer.end_turn()
+            if getattr(client, "failure", None):
+                raise  # the ranks are gone: no prompt that cannot work; exit 1, said once
             renderer.error(str(err))
             continue
         renderer.end_turn()

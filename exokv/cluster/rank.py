@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from exokv.cluster import channel
 from exokv.cluster.group import Group, MlxGroup
+from exokv.cluster.wake import Doorbell
 from exokv.errors import ExokvError
 from exokv.records import TurnRequest
 
@@ -83,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-kv-size", type=int, default=None)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
+    p.add_argument("--wake-host", default="127.0.0.1", help="rank 0's address for the others")
     return p.parse_args(argv)
 
 
@@ -90,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     link: channel.Connection | None = None
+    # Beating (and watching the front end) from before the ring forms: a front end
+    # killed while the ranks start must not leave them waiting for each other.
+    threading.Thread(target=beat, args=(rank, args.front_end_pid), daemon=True).start()
     try:
         world = mx.distributed.init(backend=args.backend, strict=True)
         rank = world.rank()
-        threading.Thread(target=beat, args=(rank, args.front_end_pid), daemon=True).start()
         boot = read_bootstrap(BOOTSTRAP_TIMEOUT) if rank == 0 else None
         release_stdin()
         if boot is not None:
@@ -273,6 +277,8 @@ class Rank:
                 seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0
             ),
         )
+        # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
+        doorbell = Doorbell.connect(group, args.wake_host)
         # Startup only, not per turn: every rank's effective budget for the front end.
         all_budgets = [
             row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
@@ -290,6 +296,7 @@ class Rank:
             before = dict(group.counts)
             before_s = dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None
+            doorbell.cross()
             message = group.broadcast(message)
             kind = message.get("type") if isinstance(message, dict) else None
             if kind == "remember":
