@@ -140,10 +140,38 @@ def test_an_idle_two_rank_chat_leaves_the_cores_alone(tmp_path: Path, models_dir
         assert len(used) == len(procs), "a process of the chat ended while idle"
         busy = {name: f"{share:.0%}" for name, share in used.items() if share > IDLE_BOUND}
         assert not busy, f"processes using a core while the chat waits for input: {busy}"
+        # A stranger's hello nested 2,000 deep is refused and closed, silently for the chat.
+        refusal = poke_channel(chat.proc.pid, b"[" * 2000 + b"]" * 2000)
+        assert refusal["type"] == "refused" and "malformed" in refusal["reason"]
         # And the ranks still answer after the long wait.
         assert chat.send("Still there?")["turn"] == 2
+        assert chat.proc.stdin is not None
+        chat.proc.stdin.close()
+        err = chat.stderr(timeout=30)
+        assert chat.proc.returncode == 0 and err == "", err
     finally:
         chat.stderr()
+
+
+def poke_channel(front_end: int, body: bytes) -> dict[str, Any]:
+    """Send one framed message to the chat's channel as a stranger; its one answer,
+    after which the chat must have closed the connection."""
+    import socket
+
+    listening = [
+        c.laddr
+        for c in psutil.Process(front_end).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert len(listening) == 1, listening
+    with socket.create_connection(tuple(listening[0]), timeout=10) as sock:
+        sock.sendall(struct.pack(">I", len(body)) + body)
+        data = b""
+        while chunk := sock.recv(65536):  # ends only when the chat closes its side
+            data += chunk
+    (size,) = struct.unpack(">I", data[:4])
+    assert len(data) == 4 + size, "more than one answer"
+    return json.loads(data[4:])
 
 
 @pytest.mark.timeout(120)
