@@ -23,6 +23,7 @@ from exokv.chat.conversation import ChatController, ChatHooks, Conversation
 from exokv.chat.kvsave import CacheFileReport
 from exokv.config import format_size
 from exokv.records import CacheEvent, TurnResult
+from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
 
 _UNSET = object()
@@ -41,8 +42,10 @@ class StoreHooks(ChatHooks):
         client: Any = None,
         model_id: str | None = None,
         use_cache: bool = True,
+        locks: SessionLocks | None = None,
     ) -> None:
         self.store = store
+        self.locks = locks  # one chat per session (exokv.state.locks)
         self.run_id = run_id
         self.model = model
         self.client = client
@@ -82,6 +85,8 @@ class StoreHooks(ChatHooks):
     # -- conversations -------------------------------------------------------------------
 
     def load(self, name: str) -> Conversation | None:
+        if self.locks is not None:
+            self.locks.acquire(name)  # before reading it: no other chat is adding turns
         if name not in self.store.session_names():
             return None
         system = self.store.get_system(name) or None

@@ -102,9 +102,13 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
     validate(opts)
     from exokv.chat.hooks import StoreHooks, stderr_warning
     from exokv.state import Store, register_chat
+    from exokv.state.locks import SessionLocks
 
     store = Store.open()  # before loading the model: a bad database fails fast
+    locks = SessionLocks(store.home)
     try:
+        if opts.session:
+            locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
         client = make_client(opts)
         run_id: int | None = None
         try:
@@ -117,6 +121,7 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
                     client=client,
                     model_id=_model_id(opts.model),
                     use_cache=not opts.no_cache,
+                    locks=locks,
                 )
             settings = TurnSettings(
                 max_tokens=opts.max_tokens,
@@ -148,4 +153,5 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
             finally:
                 client.close()
     finally:
+        locks.release_all()
         store.close()

@@ -328,6 +328,45 @@ class Store:
         ]
 
     @staticmethod
+    def _append_turn(
+        db: sqlite3.Connection, sid: int, messages: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Write only what the turn added, after what is stored; never rewrite a turn.
+
+        The stored messages that `messages` starts with stay as they are (rows and
+        tokens); the rest of `messages` goes after the last stored message. The one
+        exception is /retry: `messages` is the stored conversation with its last reply
+        replaced, and only that reply is replaced. A writer whose copy is out of date
+        (another chat added turns meanwhile; exokv.state.locks prevents that for chats)
+        therefore adds its turn at the end and loses nobody's.
+        """
+        stored = db.execute(
+            "SELECT role, content FROM messages WHERE session_id = ? ORDER BY position", (sid,)
+        ).fetchall()
+        common = 0
+        for (role, content), m in zip(stored, messages, strict=False):
+            if (role, content) != (m["role"], m["content"]):
+                break
+            common += 1
+        at = len(stored)
+        new = list(messages[common:])
+        if at == common + 1 == len(messages) and stored[-1][0] == messages[-1]["role"]:
+            at = common  # /retry: the last reply, generated again
+            db.execute("DELETE FROM messages WHERE session_id = ? AND position = ?", (sid, at))
+        elif common < at:
+            # An out-of-date copy: only its last exchange is this turn's.
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            new = list(messages[users[-1] :] if users else messages[-1:])
+        db.executemany(
+            "INSERT INTO messages (session_id, position, role, content, tokens) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [
+                (sid, i, m["role"], m["content"], _dump_tokens(m["role"], m.get("tokens")))
+                for i, m in enumerate(new, start=at)
+            ],
+        )
+
+    @staticmethod
     def _replace_messages(
         db: sqlite3.Connection, sid: int, messages: Sequence[Mapping[str, Any]]
     ) -> None:
@@ -483,7 +522,8 @@ class Store:
     ) -> int:
         """Store one whole turn atomically; returns its number in the session.
 
-        ``messages`` is the conversation after the turn; an assistant message may carry
+        ``messages`` is the conversation after the turn; only what it adds to the stored
+        one is written (see ``_append_turn``). An assistant message may carry
         ``"tokens"``, its generated token ids (as for ``set_messages``), written in the
         same transaction. ``result.entries`` is the tree's live entries after the turn
         (entries it omits are left as they were; only ``evict``/``clear`` events end an
@@ -492,7 +532,7 @@ class Store:
         now = time.time()
         with self._write() as db:
             sid = self._session_id(db, session, model, now)
-            self._replace_messages(db, sid, messages)
+            self._append_turn(db, sid, messages)
             if turn is None:
                 turn = int(
                     db.execute(
