@@ -231,6 +231,7 @@ class StoreHooks(ChatHooks):
         report = self.save(conv)
         if report is None:
             return "saving KV caches is not available with this client"
+        self.save_failed = bool(report.warning)  # --json: "ok": false
         return describe_save(conv.name, report)
 
     def finish(self, chat: ChatController) -> None:

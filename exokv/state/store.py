@@ -20,12 +20,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import queries
-from exokv.state.schema import foreign_tables, migrate
+from exokv.state.schema import LATEST, current_version, foreign_tables, migrate
 
 DB_NAME = "exokv.db"
 BUSY_TIMEOUT_S = 10.0
@@ -53,6 +54,19 @@ def _corrupt(path: Path, why: str) -> ExokvError:
     return ExokvError(
         f"the state database {path} cannot be used ({why}); nothing was changed: "
         f"move it aside with `{' && '.join(moves)}` and exokv will start a new one"
+    )
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write the database and make its -wal/-shm files."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _read_only(path: Path) -> ExokvError:
+    return ExokvError(
+        f"the state database {path} is read-only (nothing wrong with it: its folder or "
+        "file cannot be written); reading commands such as `exokv cache stats` work, a "
+        "chat needs EXOKV_HOME set to a writable directory"
     )
 
 
@@ -133,17 +147,25 @@ class Store:
 
     @classmethod
     def open_existing(cls, home: Path | None = None) -> Store | None:
-        """Like ``open`` but None when there is no database yet: readers create nothing."""
+        """Like ``open`` but None when there is no database yet: readers create nothing.
+
+        On a read-only home (a read-only mount, a backup) the database is opened
+        read-only, so the reading commands work; a write then fails with one line.
+        """
         path = db_path(home)
         if not path.exists():
             return None
-        return cls._connect(path)
+        return cls._connect(path, read_only_ok=True)
 
     @classmethod
-    def _connect(cls, path: Path) -> Store:
+    def _connect(cls, path: Path, read_only_ok: bool = False) -> Store:
         existed = path.exists()
         if existed:
             _check_header(path)
+            if not _writable(path):
+                if not read_only_ok:
+                    raise _read_only(path)
+                return cls._connect_read_only(path)
         try:
             db = sqlite3.connect(
                 str(path),
@@ -169,6 +191,34 @@ class Store:
                     db.execute("PRAGMA journal_mode = WAL")
                 db.execute("PRAGMA synchronous = NORMAL")
                 migrate(db, str(path))
+        except _Damaged as err:
+            db.close()
+            raise _corrupt(path, str(err)) from None
+        except BaseException:
+            db.close()
+            raise
+        return store
+
+    @classmethod
+    def _connect_read_only(cls, path: Path) -> Store:
+        # A WAL database needs its -shm file, which cannot be made in a read-only folder;
+        # immutable=1 reads the file as it is, which is right when nobody can write it.
+        uri = f"file:{quote(str(path))}?immutable=1"
+        try:
+            db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as err:
+            raise ExokvError(f"cannot open the state database {path}: {err}") from err
+        store = cls(db, path)
+        try:
+            store._check_integrity()
+            with store._guard():
+                db.row_factory = sqlite3.Row
+                found = current_version(db)
+            if found != LATEST:
+                raise ExokvError(
+                    f"the state database {path} is read-only and at schema {found}, not "
+                    f"{LATEST}; open it once where it can be written to upgrade it"
+                )
         except _Damaged as err:
             db.close()
             raise _corrupt(path, str(err)) from None
@@ -208,6 +258,8 @@ class Store:
                 f"the state database {self.path} stayed locked by another exokv process for "
                 f"more than {BUSY_TIMEOUT_S:.0f} s; try again"
             )
+        if "readonly" in lowered or "read-only" in lowered:
+            return _read_only(self.path)
         if "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered:
             return _corrupt(self.path, text)
         return ExokvError(f"state database {self.path}: {text}")
