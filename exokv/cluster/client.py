@@ -157,6 +157,8 @@ class ClusterClient:
                     on_text(str(message.get("text", "")))
                 elif kind == "progress" and on_progress is not None:
                     on_progress(int(message["done"]), int(message["total"]))
+                elif kind == "refused":  # e.g. a prompt over the model's context
+                    raise ExokvError(str(message.get("message", "the ranks refused the turn")))
                 elif kind == "result":
                     result = TurnResult.from_dict(message["result"])
                     if message.get("tokens"):
@@ -312,6 +314,16 @@ class ClusterClient:
         layers = config.get("num_hidden_layers")
         if split is not None and isinstance(layers, int) and sum(split) != layers:
             raise UsageError(f"--split adds up to {sum(split)} layers; the model has {layers}")
+        if isinstance(layers, int) and self.ranks > layers and self.opts.parallel == "pipeline":
+            raise UsageError(
+                f"-n {self.ranks}: the model has {layers} layers, at most one rank per layer"
+            )
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+        if self.opts.parallel == "tensor" and isinstance(heads, int) and heads % self.ranks:
+            raise UsageError(
+                f"--parallel tensor splits attention heads: {heads} KV heads do not divide "
+                f"among {self.ranks} ranks; use --parallel pipeline or another -n"
+            )
 
     def _rank_args(
         self, opts: Any, seed: int, split: list[int] | None, budgets: list[int] | None

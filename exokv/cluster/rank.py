@@ -254,7 +254,7 @@ class Rank:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> int:
-        from exokv.engine import Engine, EngineOptions
+        from exokv.engine import Engine, EngineOptions, PromptTooLong
 
         if self.link is not None:
             # Liveness and commands flow while the model loads, so a slow load is not a hang.
@@ -316,14 +316,19 @@ class Rank:
                 return 0  # shutdown, or the front end went away
             turn += 1
             request = TurnRequest.from_dict(message["request"])
-            result = engine.turn(
-                request,
-                on_text=self._send_text if self.link else None,
-                on_progress=self._send_progress if self.link else None,
-                # Every rank passes a should_stop (never set off rank 0): the engine
-                # agrees on it with a collective, which all ranks must call alike.
-                should_stop=self.stop.is_set,
-            )
+            try:
+                result = engine.turn(
+                    request,
+                    on_text=self._send_text if self.link else None,
+                    on_progress=self._send_progress if self.link else None,
+                    # Every rank passes a should_stop (never set off rank 0): the engine
+                    # agrees on it with a collective, which all ranks must call alike.
+                    should_stop=self.stop.is_set,
+                )
+            except PromptTooLong as err:  # every rank alike, before any collective
+                if self.link is not None:
+                    self.link.send({"type": "refused", "id": self.current, "message": str(err)})
+                continue
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
                 self.link.send(

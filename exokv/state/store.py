@@ -43,6 +43,7 @@ def caches_dir(home: Path | None = None) -> Path:
 
 
 def _corrupt(path: Path, why: str) -> ExokvError:
+    why = " ".join(why.split())  # one line, whatever SQLite said
     moves = [f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.corrupt')}"]
     for suffix in ("-wal", "-shm"):
         # A stale WAL next to a fresh database would be replayed into it.
@@ -236,7 +237,9 @@ class Store:
                 raise self._error(err) from err
             raise _Damaged(str(err)) from err
         if verdict != "ok":
-            raise _Damaged(verdict)
+            # SQLite's verdict spans lines ("*** in database main ***\nOn tree page 5 ...").
+            lines = [x for x in str(verdict).splitlines() if x.strip() and "***" not in x]
+            raise _Damaged("; ".join(lines) or "damaged")
 
     def close(self) -> None:
         with self._lock:
