@@ -242,15 +242,16 @@ def launcher() -> str:
 # `secrets.py` would run in every rank and shadow the standard library. `-P` is
 # 3.11+ and `-I` also drops PYTHONPATH, so the rank's own first line takes the
 # folder out, before anything else is imported; it is the same on any host's python.
-_RANK_ENTRY = (
+_ENTRY = (
     "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-    "from exokv.cluster.rank import main; sys.exit(main())"
+    "from {module} import main; sys.exit(main())"
 )
 
 
-def rank_command(python: str | None = None) -> list[str]:
-    """The argv that starts one rank (the launcher runs it once per rank)."""
-    return [python or sys.executable, "-c", _RANK_ENTRY]
+def rank_command(python: str | None = None, module: str = "exokv.cluster.rank") -> list[str]:
+    """The argv that starts one rank (the launcher runs it once per rank): `module`'s
+    main() with the arguments that follow, as `python -m module` would but for sys.path."""
+    return [python or sys.executable, "-c", _ENTRY.format(module=module)]
 
 
 def channel_addresses(plan: LaunchPlan, port: int) -> list[str]:
