@@ -12,6 +12,7 @@ import operator
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sqlite3
 import threading
@@ -80,6 +81,21 @@ def _check_header(path: Path) -> None:
     # An empty file is what sqlite3 itself creates: a new database, nothing to lose.
     if head and (len(head) < 100 or not head.startswith(_MAGIC)):
         raise _corrupt(path, "not an SQLite database")
+
+
+@contextmanager
+def _wake_signal_held() -> Iterator[None]:
+    """Hold back SIGUSR1 (how a chat's watcher ends the chat when its ranks are lost, see
+    exokv.cluster.client) until a write transaction is over: a turn that finished is
+    stored whole, then the chat ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class _Damaged(Exception):
@@ -276,7 +292,7 @@ class Store:
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._guard():
+        with self._lock, self._guard(), _wake_signal_held():
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
