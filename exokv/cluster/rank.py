@@ -26,15 +26,17 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from exokv.cluster import channel
-from exokv.cluster.group import Group, MlxGroup
 from exokv.cluster.wake import Doorbell
 from exokv.errors import ExokvError
 from exokv.records import TurnRequest
+
+if TYPE_CHECKING:
+    from exokv.cluster.group import Group
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
@@ -265,6 +267,8 @@ class Rank:
         split = [int(s) for s in args.split.split(",")] if args.split else None
         model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
+        from exokv.cluster.group import MlxGroup  # mlx-lm: imported after beat() has started
+
         group = CountingGroup(MlxGroup(self.world))
         engine = Engine(
             model,
