@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -414,10 +415,13 @@ def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("when", ["starting", "idle"])
 def test_ranks_end_when_the_front_end_is_killed(
-    tmp_path: Path, models_dir: Path, when: str
+    tmp_path: Path, models_dir: Path, when: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = {"starting": "25260", "idle": "25270"}[when]
-    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", port)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    home = home_with_models(tmp_path / "h", models_dir)
+    chat = Chat(home, "-n", "2", "--starting-port", port, env={"TMPDIR": str(temp)})
     if when == "idle":
         assert chat.send(SCRIPT[0])["turn"] == 1
     deadline = time.monotonic() + 60
@@ -431,6 +435,12 @@ def test_ranks_end_when_the_front_end_is_killed(
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, "ranks outlived their front end"
     assert chat.leftovers() == []
+    # The ranks remove the launcher's folder as they go; the next chat would otherwise.
+    from exokv.cluster.client import _sweep_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    _sweep_scratch()
+    assert list(temp.iterdir()) == [], "the launcher's temporary files were left behind"
 
 
 def _rank_processes(chat: Chat) -> list[psutil.Process]:

@@ -44,7 +44,7 @@ from exokv.cluster.launch import (
     plan_launch,
     rank_command,
 )
-from exokv.cluster.rank import BEAT_MARK, ERROR_MARK
+from exokv.cluster.rank import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
 from exokv.config import parse_budgets
 from exokv.engine import MAX_REMEMBERED_REPLIES
 from exokv.errors import ExokvError, UsageError
@@ -93,7 +93,8 @@ class ClusterClient:
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         # The launcher's temporary files (a pid file and a hostfile per rank, made with
         # mktemp) go to a folder of ours, removed on close: nothing is left in /tmp.
-        self._scratch = Path(tempfile.mkdtemp(prefix="exokv-ranks-"))
+        _sweep_scratch()
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
         try:
             self.plan = plan_launch(
                 rank_command(),
@@ -543,6 +544,23 @@ class ClusterClient:
             if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
                 print(f"[ranks {name}] {line}", file=sys.stderr)
         stream.close()
+
+
+def _sweep_scratch() -> None:
+    """Remove the launcher folders of chats that were killed (the pid in the name is gone);
+    their ranks remove them too when they can, but a killed front end cannot."""
+    import psutil
+
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            gone = psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            gone = True
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None) -> str:

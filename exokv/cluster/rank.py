@@ -42,6 +42,7 @@ HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
+SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
 class CountingGroup:
@@ -108,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - every failure becomes one line for the front end
         report_error(rank, err, link)
         return 1
+    finally:
+        if args.front_end_pid is not None and not _alive(args.front_end_pid):
+            _remove_scratch()  # the front end was killed: nobody else will
 
 
 def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
@@ -126,12 +130,23 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     line = f"{BEAT_MARK}{rank}\n".encode()
     while True:
         if front_end is not None and not _alive(front_end):
+            _remove_scratch()
             os._exit(1)
         try:
             os.write(fd, line)  # one small write: never split from, or into, other lines
         except OSError:
             os._exit(1)  # nobody reads us any more
         time.sleep(HEARTBEAT_S)
+
+
+def _remove_scratch() -> None:
+    """The front end was killed and cannot remove the launcher's temporary folder (see
+    ClusterClient): a local rank, which inherited it as TMPDIR, does."""
+    scratch = os.environ.get("TMPDIR", "")
+    if os.path.basename(scratch).startswith(SCRATCH_PREFIX):
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -141,7 +156,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A killed front end is a zombie until its parent reaps it: gone all the same.
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def release_stdin() -> None:
