@@ -221,9 +221,13 @@ def main() -> None:
     except (typer.Exit, click.exceptions.Exit) as err:
         sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1
-        if hasattr(err, "show") and isinstance(getattr(err, "exit_code", None), int):
-            # A usage error from Typer's (vendored) click: its own message and exit code.
-            err.show()
+        if hasattr(err, "format_message") and isinstance(getattr(err, "exit_code", None), int):
+            # A usage error from Typer's (vendored) click: its message and exit code, on
+            # one line like every other exokv error.
+            ctx = getattr(err, "ctx", None)
+            where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            text = " ".join(str(err.format_message()).split())
+            print(f"exokv: error: {text}{where}", file=sys.stderr)
             sys.exit(err.exit_code)
         if debug_enabled():
             traceback.print_exc()

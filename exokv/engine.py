@@ -34,6 +34,24 @@ PREFILL_STEP = 512
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
 
 
+class PromptTooLong(ExokvError):
+    """A prompt longer than the model's context, refused before any of it is computed.
+
+    Decided from the prompt's tokens and the model's config alone, so every rank
+    refuses the same turn, before the turn's first collective.
+    """
+
+
+def _quiet_tokenizer_warnings() -> None:
+    # transformers warns on stderr about a prompt over its maximum length; exokv
+    # refuses such a prompt itself (PromptTooLong), in one line.
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+
+
 @dataclass
 class EngineOptions:
     budget: int | None = None  # this rank's --cache-budget; None: derived from RAM
@@ -62,6 +80,9 @@ class Engine:
         self.prompt = PromptRenderer(tokenizer)
         self._eos = set(tokenizer.eos_token_ids)
         self.decision = 0
+        _quiet_tokenizer_warnings()
+        context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.context: int | None = context if isinstance(context, int) and context > 0 else None
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
         # Run on every rank alike (a pipeline forward is itself collective).
@@ -133,6 +154,12 @@ class Engine:
     ) -> TurnResult:
         start = time.perf_counter()
         tokens = self.render(request.messages)
+        if self.context is not None and len(tokens) > self.context:
+            raise PromptTooLong(
+                f"the prompt is {len(tokens):,} tokens and the model's context is "
+                f"{self.context:,}: not run (shorten the message, or /new to leave the "
+                "earlier turns behind)"
+            )
         self.decision += 1
         events: list[CacheEvent] = []
         use_cache = request.use_cache

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
 from exokv.cluster.client import diagnose
-from exokv.cluster.launch import LaunchPlan, nudge_ranks, plan_launch
+from exokv.cluster.launch import LaunchPlan, nudge_ranks, plan_launch, rank_command
 from exokv.cluster.rank import BEAT_MARK
 from exokv.errors import ExokvError
 
@@ -44,7 +44,7 @@ _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
 
 def bench_command(settings: dict[str, Any]) -> list[str]:
     """The argv of one rank: the bench settings as one JSON argument."""
-    return [sys.executable, "-m", "exokv.bench.rank_main", json.dumps(settings)]
+    return [*rank_command(module="exokv.bench.rank_main"), json.dumps(settings)]
 
 
 def run_on_ranks(

@@ -193,7 +193,8 @@ class ChatController:
         if name == "/evictions":
             return Outcome(name, "", data=self.hooks.evictions(self))
         if name == "/save":
-            return Outcome(name, self.hooks.save_cache(self))
+            message = self.hooks.save_cache(self)
+            return Outcome(name, message, error=self.hooks.save_failed)
         guess = nearest_command(name)
         hint = f"did you mean {guess}? " if guess else ""
         return Outcome(
@@ -334,6 +335,8 @@ class ChatController:
 
 class ChatHooks:
     """Where the controller meets state: the default keeps everything in memory."""
+
+    save_failed = False  # set by save_cache: the last /save did not write the cache
 
     def load(self, name: str) -> Conversation | None:
         return None

@@ -22,6 +22,7 @@ from typing import Any
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.chat.kvsave import CacheFileReport
 from exokv.records import CacheEvent, TurnResult
+from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
 from exokv.tables import size as format_size
 
@@ -42,10 +43,12 @@ class StoreHooks(ChatHooks):
         model_id: str | None = None,
         use_cache: bool = True,
         max_kv_size: int | None = None,
+        locks: SessionLocks | None = None,
     ) -> None:
         self.store = store
         self.max_kv_size = max_kv_size
         self._options_written: set[str] = set()  # sessions whose settings are stored
+        self.locks = locks  # one chat per session (exokv.state.locks)
         self.run_id = run_id
         self.model = model
         self.client = client
@@ -85,6 +88,8 @@ class StoreHooks(ChatHooks):
     # -- conversations -------------------------------------------------------------------
 
     def load(self, name: str) -> Conversation | None:
+        if self.locks is not None:
+            self.locks.acquire(name)  # before reading it: no other chat is adding turns
         if name not in self.store.session_names():
             return None
         system = self.store.get_system(name) or None
@@ -252,6 +257,7 @@ class StoreHooks(ChatHooks):
         report = self.save(conv)
         if report is None:
             return "saving KV caches is not available with this client"
+        self.save_failed = bool(report.warning)  # --json: "ok": false
         return describe_save(conv.name, report)
 
     def finish(self, chat: ChatController) -> None:

@@ -133,7 +133,12 @@ def save_shard(path: Path, tokens: Sequence[int], cache: list[Any], meta: dict[s
     # mlx appends ".safetensors" to a name without it, so the temporary name keeps it.
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.safetensors")
     try:
-        save_prompt_cache(str(tmp), cache, meta)
+        try:
+            save_prompt_cache(str(tmp), cache, meta)
+        except RuntimeError as err:
+            # mlx reports a failed write (a full disk, a read-only folder) as RuntimeError;
+            # callers treat every OSError as "not saved, go on", and so must this be.
+            raise OSError(f"{err}".strip() or "the KV cache file could not be written") from err
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

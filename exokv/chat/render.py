@@ -95,6 +95,8 @@ class Renderer:
                 layout += f" (layers {info.split})"
         if info.no_cache:
             budget = "prefix cache off (--no-cache)"
+        elif 0 in info.budgets:
+            budget = "no prefix cache kept (--cache-budget 0)"
         elif len(info.budgets) <= 1:
             b = info.budgets[0] if info.budgets else None
             budget = f"cache budget {_size(b)}"

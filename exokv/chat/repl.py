@@ -319,6 +319,8 @@ def _loop(
                 )
         except ExokvError as err:
             renderer.end_turn()
+            if getattr(interrupts.client, "failure", None):
+                raise  # the ranks are gone: no prompt that cannot work; exit 1, said once
             renderer.error(str(err))
             continue
         renderer.end_turn()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -46,21 +47,53 @@ class ChatOptions:
         return self.ranks
 
 
+# The largest integer SQLite stores (budgets and sizes end up in the database).
+SQLITE_MAX_INT = 2**63 - 1
+SEED_RANGE = 2**64  # mx.random.seed takes an unsigned 64-bit number
+# Less than this much free memory per rank and the ranks cannot all start (python,
+# mlx and a shard of the model each): refuse before launching rather than thrash.
+RANK_MEMORY_FLOOR = 256 * 1024 * 1024
+
+
 def validate(opts: ChatOptions) -> None:
-    if opts.max_tokens < 1:
-        raise UsageError("--max-tokens must be at least 1")
-    if opts.temp < 0:
-        raise UsageError("--temp must be 0 or more")
+    """Every option's bounds, before anything is started: one line and exit 2 each."""
+    if not 1 <= opts.max_tokens <= SQLITE_MAX_INT:
+        raise UsageError(f"--max-tokens must be between 1 and {SQLITE_MAX_INT}")
+    if not math.isfinite(opts.temp) or opts.temp < 0:
+        raise UsageError(f"--temp {opts.temp}: must be a number, 0 or more")
+    if opts.seed is not None and not 0 <= opts.seed < SEED_RANGE:
+        raise UsageError(f"--seed {opts.seed}: must be between 0 and 2**64-1")
     if not 0 < opts.memory_threshold <= 1:
         raise UsageError("--memory-threshold must be a fraction in (0, 1]")
     if opts.ranks < 1:
         raise UsageError("--ranks must be at least 1")
-    if opts.max_kv_size is not None and opts.max_kv_size < 1:
-        raise UsageError("--max-kv-size must be at least 1")
-    parse_budgets(opts.cache_budget, opts.rank_count())
+    if opts.max_kv_size is not None and not 1 <= opts.max_kv_size <= SQLITE_MAX_INT:
+        raise UsageError(f"--max-kv-size must be between 1 and {SQLITE_MAX_INT}")
+    budgets = parse_budgets(opts.cache_budget, opts.rank_count()) or []
+    if any(b > SQLITE_MAX_INT for b in budgets):
+        raise UsageError(f"--cache-budget {opts.cache_budget}: larger than {SQLITE_MAX_INT} bytes")
+    ranks = opts.rank_count()
+    if opts.split is not None and ranks == 1:
+        raise UsageError("--split spreads layers over ranks: it needs -n 2 or more, or --hosts")
+    if not (opts.hosts or opts.hostfile) and opts.ranks > 1:
+        import psutil
+
+        room = psutil.virtual_memory().available // RANK_MEMORY_FLOOR
+        if opts.ranks > room:
+            raise UsageError(
+                f"-n {opts.ranks}: this machine has memory to start about {room} ranks "
+                f"({RANK_MEMORY_FLOOR // 2**20} MB each at least)"
+            )
     from exokv.cache.tiers import validate_tier_options
 
     validate_tier_options(opts.disk_budget, opts.kv_bits, opts.kv_group_size)
+
+
+def keep_cache(opts: ChatOptions) -> bool:
+    """False with --no-cache, and with a budget of 0 on any rank: an entry must fit on
+    every rank (each holds its shard of it), so no entry can be kept anywhere."""
+    budgets = parse_budgets(opts.cache_budget, opts.rank_count()) or []
+    return not opts.no_cache and 0 not in budgets
 
 
 def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClient
@@ -122,9 +155,13 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
     validate(opts)
     from exokv.chat.hooks import StoreHooks, stderr_warning
     from exokv.state import Store, register_chat
+    from exokv.state.locks import SessionLocks
 
     store = Store.open()  # before loading the model: a bad database fails fast
+    locks = SessionLocks(store.home)
     try:
+        if opts.session:
+            locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
         client = make_client(opts)
         run_id: int | None = None
         try:
@@ -136,14 +173,15 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
                     opts.model,
                     client=client,
                     model_id=_model_id(opts.model),
-                    use_cache=not opts.no_cache,
+                    use_cache=keep_cache(opts),
                     max_kv_size=opts.max_kv_size,
+                    locks=locks,
                 )
             settings = TurnSettings(
                 max_tokens=opts.max_tokens,
                 temp=opts.temp,
                 seed=opts.seed,
-                use_cache=not opts.no_cache,
+                use_cache=keep_cache(opts),
             )
             with register_chat(
                 store.home, model=opts.model, ranks=client.ranks, run=run_id, session=opts.session
@@ -172,4 +210,5 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
             finally:
                 client.close()
     finally:
+        locks.release_all()
         store.close()

@@ -176,7 +176,10 @@ class ChannelServer:
             self.hello = hello
             conn.send({"type": "welcome"})
             self._connected.set()
-        except ChannelError as err:
+        except Exception as err:  # noqa: BLE001 - whatever a stranger sends ends in a refusal
+            # (json.loads itself raises RecursionError on a deeply nested hello.)
+            if not isinstance(err, ChannelError):
+                err = ChannelError(f"a malformed hello ({type(err).__name__})")
             self.refused.append(str(err))
             try:
                 conn.send({"type": "refused", "reason": str(err)})

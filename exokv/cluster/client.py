@@ -9,23 +9,31 @@ result back; a stop when the user presses Ctrl-C.
 Failure detection, each ending in one ExokvError that names the rank and cause:
 the launcher exiting, the channel closing, or a rank going quiet (every rank
 prints a heartbeat every few seconds, even while the model computes, and rank 0
-also sends one over the channel).
+also sends one over the channel). During a request the waiting loop checks; in
+between (the user at the prompt, a script waiting for its next line) a watcher
+thread does, and wakes the main thread with SIGUSR1, whose handler raises the
+same one-line error there: the chat ends, exit 1, instead of offering a prompt
+that cannot work. Finished turns are already in the database.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, Any
 
 from exokv.cluster import channel
@@ -36,7 +44,7 @@ from exokv.cluster.launch import (
     plan_launch,
     rank_command,
 )
-from exokv.cluster.rank import BEAT_MARK, ERROR_MARK
+from exokv.cluster.rank import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
 from exokv.config import parse_budgets
 from exokv.engine import MAX_REMEMBERED_REPLIES
 from exokv.errors import ExokvError, UsageError
@@ -69,11 +77,16 @@ class ClusterClient:
         self._loaded: set[int] = set()  # ranks that said their shard is loaded
         self._ready = False
         self._closed = False
+        self._state = threading.Lock()  # _closed and failure, between the watcher and main
+        self._busy = 0  # requests in flight: their own waiting loop watches the ranks
+        self.failure: str | None = None  # why the ranks are gone, once they are
+        self._raised = False
         self._proc: subprocess.Popen[bytes] | None = None
         self._server: channel.ChannelServer | None = None
         self._link: channel.Connection | None = None
         self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._last_seen = time.monotonic()
+        self._link_lost = False
         self._tails: dict[str, collections.deque[str]] = {
             "stdout": collections.deque(maxlen=200),
             "stderr": collections.deque(maxlen=200),
@@ -88,28 +101,37 @@ class ClusterClient:
         if split is not None and opts.parallel == "tensor":
             raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
-        self.plan = plan_launch(
-            rank_command(),
-            ranks=opts.ranks,
-            hosts=opts.hosts,
-            hostfile=opts.hostfile,
-            backend=opts.backend,
-            starting_port=opts.starting_port,
-        )
+        # The launcher's temporary files (a pid file and a hostfile per rank, made with
+        # mktemp) go to a folder of ours, removed on close: nothing is left in /tmp.
+        _sweep_scratch()
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        try:
+            self.plan = plan_launch(
+                rank_command(),
+                ranks=opts.ranks,
+                hosts=opts.hosts,
+                hostfile=opts.hostfile,
+                backend=opts.backend,
+                starting_port=opts.starting_port,
+                scratch=self._scratch,
+            )
+        except BaseException:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
         self.ranks = self.plan.ranks
         if split is not None and len(split) != self.ranks:
             raise UsageError(f"--split has {len(split)} values for {self.ranks} ranks")
-        if opts.cache_budget is not None:
-            budgets = parse_budgets(opts.cache_budget, self.ranks)
-        if self.plan.local:
-            self._prepare_model(opts.model, split)
-        else:
-            check_reachable(self.plan)
-        command = self._rank_args(opts, seed, split, budgets)
-        self.plan.argv += command
-        self._started = time.monotonic()
-        self._say(f"starting {self.ranks} ranks…")
         try:
+            if opts.cache_budget is not None:
+                budgets = parse_budgets(opts.cache_budget, self.ranks)
+            if self.plan.local:
+                self._prepare_model(opts.model, split)
+            else:
+                check_reachable(self.plan)
+            command = self._rank_args(opts, seed, split, budgets)
+            self.plan.argv += command
+            self._started = time.monotonic()
+            self._say(f"starting {self.ranks} ranks…")
             self._start()
         except BaseException:
             self.close()
@@ -127,6 +149,15 @@ class ClusterClient:
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
+        with self._in_flight():
+            return self._run_turn(request, on_text, on_progress)
+
+    def _run_turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> TurnResult:
         ident = self._new_id()
         self._turn = ident
         self._send({"type": "turn", "id": ident, "request": request.to_dict()})
@@ -139,6 +170,8 @@ class ClusterClient:
                     on_text(str(message.get("text", "")))
                 elif kind == "progress" and on_progress is not None:
                     on_progress(int(message["done"]), int(message["total"]))
+                elif kind == "refused":  # e.g. a prompt over the model's context
+                    raise ExokvError(str(message.get("message", "the ranks refused the turn")))
                 elif kind == "result":
                     result = TurnResult.from_dict(message["result"])
                     if message.get("tokens"):
@@ -214,12 +247,23 @@ class ClusterClient:
     def _report(self, message: dict[str, Any]) -> Any:
         from exokv.chat.kvsave import CacheFileReport
 
-        ident = self._new_id()
-        self._send({**message, "id": ident})
-        while True:
-            reply = self._next(ident)
-            if reply["type"] == "report":
-                return CacheFileReport.from_dict(reply["report"])
+        with self._in_flight():
+            ident = self._new_id()
+            self._send({**message, "id": ident})
+            while True:
+                reply = self._next(ident)
+                if reply["type"] == "report":
+                    return CacheFileReport.from_dict(reply["report"])
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        with self._state:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._busy -= 1
 
     def _keep_reply(self, reply: str, tokens: list[int]) -> None:
         self._replies[reply] = [int(t) for t in tokens]
@@ -229,9 +273,10 @@ class ClusterClient:
 
     def close(self, graceful: bool = True) -> None:
         """End the ranks: a clean shutdown first (if `graceful`), then the whole process group."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
         proc = self._proc
         graceful = graceful and self._link is not None
         if graceful:
@@ -263,6 +308,7 @@ class ClusterClient:
             self._server.close()
         for t in self._drains:
             t.join(timeout=1.0)
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     @property
     def refused(self) -> list[str]:
@@ -308,6 +354,16 @@ class ClusterClient:
         layers = config.get("num_hidden_layers")
         if split is not None and isinstance(layers, int) and sum(split) != layers:
             raise UsageError(f"--split adds up to {sum(split)} layers; the model has {layers}")
+        if isinstance(layers, int) and self.ranks > layers and self.opts.parallel == "pipeline":
+            raise UsageError(
+                f"-n {self.ranks}: the model has {layers} layers, at most one rank per layer"
+            )
+        heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+        if self.opts.parallel == "tensor" and isinstance(heads, int) and heads % self.ranks:
+            raise UsageError(
+                f"--parallel tensor splits attention heads: {heads} KV heads do not divide "
+                f"among {self.ranks} ranks; use --parallel pipeline or another -n"
+            )
 
     def _rank_args(
         self, opts: Any, seed: int, split: list[int] | None, budgets: list[int] | None
@@ -337,6 +393,8 @@ class ClusterClient:
         if self.plan.local:  # a pid means nothing on another host
             args += ["--front-end-pid", str(os.getpid())]
             args += ["--ranks-here", str(self.ranks)]  # they share this machine's RAM
+        first = self.plan.hosts[0]
+        args += ["--wake-host", first.ips[0] if first.ips else first.ssh]
         return args
 
     def _start(self) -> None:
@@ -350,6 +408,7 @@ class ClusterClient:
         }
         self._proc = subprocess.Popen(
             plan.argv,
+            env={**os.environ, "TMPDIR": str(self._scratch)},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -384,7 +443,40 @@ class ClusterClient:
                     self._say_ready()
                 self._budgets = list(message.get("budgets") or [])
                 nudge_ranks(self._proc)  # every rank is past release_stdin by now
-                return
+                break
+        if threading.current_thread() is threading.main_thread():
+            # Never restored: a wake-up still pending after close must not kill the process.
+            signal.signal(signal.SIGUSR1, self._raise_failure)
+        threading.Thread(target=self._watch, name="exokv-watch", daemon=True).start()
+
+    # -- between requests: the watcher ---------------------------------------------
+
+    def _watch(self) -> None:
+        """Check the ranks while no request is waiting on them; on a failure, end the
+        chat from the main thread (see the module docstring)."""
+        main = threading.main_thread()
+        while not self._closed:
+            time.sleep(_POLL_S)
+            with self._state:
+                if self._busy or self._closed:
+                    continue
+            cause, settle = self._trouble()
+            if cause is None:
+                continue
+            message = self._diagnose(cause, settle)
+            with self._state:
+                if self._closed or self._busy:
+                    continue  # quitting anyway, or a request that will see it itself
+                self.failure = message
+            self.close(graceful=False)
+            if main.is_alive() and signal.getsignal(signal.SIGUSR1) == self._raise_failure:
+                signal.pthread_kill(main.ident, signal.SIGUSR1)  # type: ignore[arg-type]
+            return
+
+    def _raise_failure(self, signum: int, frame: Any) -> None:
+        if self.failure and not self._raised:
+            self._raised = True  # said once: later requests get it from _send
+            raise ExokvError(self.failure)
 
     # -- receiving and failure detection -----------------------------------------
 
@@ -396,6 +488,8 @@ class ClusterClient:
             except channel.ChannelError:
                 message = None
             self._last_seen = time.monotonic()
+            if message is None:
+                self._link_lost = True
             self._inbox.put(message)
             if message is None:
                 return
@@ -423,24 +517,32 @@ class ClusterClient:
                 if ident is None or message.get("id") == ident:
                     return message
                 continue
-            if self._proc is not None and self._proc.poll() is not None:
-                self._fail("the ranks stopped")
-            now = time.monotonic()
-            silent = [r for r, t in sorted(self._beats.items()) if now - t > HEARTBEAT_TIMEOUT]
-            if silent:
-                self._fail(
-                    settle=False,
-                    cause=f"rank {silent[0]} stopped responding "
-                    f"(no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s; a stopped process or a "
-                    "sleeping or unreachable host)",
-                )
-            if now - self._last_seen > HEARTBEAT_TIMEOUT:
-                self._fail(
-                    settle=False,
-                    cause=f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)",
-                )
+            cause, settle = self._trouble()
+            if cause is not None:
+                self._fail(cause, settle=settle)
+
+    def _trouble(self) -> tuple[str | None, bool]:
+        """What is wrong with the ranks now, if anything, and whether the launcher will
+        say more about it (see `_fail`)."""
+        if self._link_lost:
+            return "rank 0 closed the channel", True
+        if self._proc is not None and self._proc.poll() is not None:
+            return "the ranks stopped", True
+        now = time.monotonic()
+        silent = [r for r, t in sorted(self._beats.items()) if now - t > HEARTBEAT_TIMEOUT]
+        if silent:
+            return (
+                f"rank {silent[0]} stopped responding "
+                f"(no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s; a stopped process or a "
+                "sleeping or unreachable host)"
+            ), False
+        if now - self._last_seen > HEARTBEAT_TIMEOUT:
+            return f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)", False
+        return None, False
 
     def _send(self, message: dict[str, Any], fail: bool = True) -> None:
+        if self.failure:
+            raise ExokvError(self.failure)
         if self._link is None or self._closed:
             raise ExokvError("the ranks are not running")
         try:
@@ -459,14 +561,19 @@ class ClusterClient:
         `settle`: give the launcher a moment to notice the dead rank and say which
         it was; pointless when rank 0 hangs (nothing will exit by itself).
         """
+        message = self._diagnose(cause, settle)
+        with self._state:
+            self.failure = self.failure or message
+        self.close(graceful=False)
+        raise ExokvError(self.failure)
+
+    def _diagnose(self, cause: str, settle: bool) -> str:
         proc = self._proc
         if proc is not None and settle and _wait(proc, SETTLE_S):
             for t in self._drains:
                 t.join(timeout=1.0)  # the launcher's last words reach the tails
         hosts = [h.ssh for h in self.plan.hosts]
-        message = diagnose(list(self._tails["stderr"]), cause, hosts) if settle else cause
-        self.close(graceful=False)
-        raise ExokvError(message)
+        return diagnose(list(self._tails["stderr"]), cause, hosts) if settle else cause
 
     def _drain(self, name: str, stream: IO[bytes]) -> None:
         tail = self._tails[name]
@@ -484,6 +591,23 @@ class ClusterClient:
             if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
                 print(f"[ranks {name}] {line}", file=sys.stderr)
         stream.close()
+
+
+def _sweep_scratch() -> None:
+    """Remove the launcher folders of chats that were killed (the pid in the name is gone);
+    their ranks remove them too when they can, but a killed front end cannot."""
+    import psutil
+
+    for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            gone = psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            gone = True
+        if gone:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None) -> str:
@@ -510,6 +634,10 @@ def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None
         if why.startswith("was killed"):
             return f"rank {rank} {why}; the chat cannot go on"
     own = {r: m for r, m in errors.items() if not _PEER_LOST.search(m)}
+    if exits and exits[0][1] == _TERMINATED_BY_SIGNAL and not own:
+        # SIGTERM is also how the launcher ends the other ranks, but only after the
+        # first one went: the first to go is the one someone (or something) terminated.
+        return f"rank {exits[0][0]} {exits[0][1]}; the chat cannot go on"
     for rank, _ in exits:
         if rank in own:
             return f"rank {rank} failed: {own[rank]}"
@@ -532,12 +660,15 @@ def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None
     return f"{cause}" + (f": {last}" if last else "")
 
 
+_TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
+
+
 def _exit_cause(code: str | None) -> str:
     if code is None:
         return "terminated"
     n = int(code)
     if n == -signal.SIGTERM:
-        return "terminated"
+        return _TERMINATED_BY_SIGNAL
     if n < 0:
         try:
             return f"was killed by {signal.Signals(-n).name}"

@@ -5,6 +5,10 @@ its arguments: `-n` for ranks on this machine, `--hosts` or `--hostfile` for
 several machines, the backend and the first port. A hostfile is checked here so
 a bad one is a one-line error before anything is started.
 
+Ranks start with an import path that leaves out the working folder (see
+`rank_command`): a `secrets.py` or `concurrent.py` where the user happens to
+run `exokv chat` must neither run nor shadow the standard library in a rank.
+
 The channel's token never appears on a command line or in an environment
 variable (both can be read by other users through `ps`): the front end writes
 one bootstrap line to the launcher's standard input, which the launcher
@@ -105,8 +109,13 @@ def plan_launch(
     backend: str = "ring",
     starting_port: int | None = None,
     env: dict[str, str] | None = None,
+    scratch: Path | None = None,
 ) -> LaunchPlan:
-    """The mlx.launch invocation that runs `command` (a python argv) on every rank."""
+    """The mlx.launch invocation that runs `command` (a python argv) on every rank.
+
+    `scratch`: a folder of ours where a hostfile is written when hosts given by
+    name need their IPs filled in for the ring backend (mlx.launch refuses names).
+    """
     if (hosts or hostfile) and ranks > 1:
         raise UsageError("use -n for ranks on this machine, or --hosts/--hostfile, not both")
     if hosts and hostfile:
@@ -125,11 +134,14 @@ def plan_launch(
         host_list = [Host(LOOPBACK, [LOOPBACK]) for _ in range(ranks)]
         args += ["-n", str(ranks)]
     if backend == "ring" and any(not h.ips for h in host_list):
-        bad = next(h.ssh for h in host_list if not h.ips)
-        raise UsageError(
-            f"the ring backend needs IP addresses, but host {bad!r} has none: "
-            'use --hostfile with "ips" for each host'
-        )
+        # `mac-studio.local` is what people type: look its address up, as ssh would.
+        for h in host_list:
+            if not h.ips:
+                h.ips = [resolve_host(h.ssh)]
+        envs = _hostfile_envs(hostfile) if hostfile else []
+        written = _write_hostfile(host_list, envs, scratch)
+        flag = "--hostfile" if hostfile else "--hosts"
+        args[args.index(flag) : args.index(flag) + 2] = ["--hostfile", str(written)]
     local = all(h.ssh == LOOPBACK for h in host_list)
     if starting_port is None:
         starting_port = free_ports(len(host_list)) if local else DEFAULT_STARTING_PORT
@@ -149,7 +161,7 @@ def plan_launch(
         hosts=host_list,
         backend=backend,
         local=local,
-        bind_host=LOOPBACK if local else "0.0.0.0",
+        bind_host=LOOPBACK if local else route_to(host_list[0]),
         starting_port=starting_port,
     )
 
@@ -226,33 +238,70 @@ def launcher() -> str:
     return found
 
 
-def rank_command(python: str | None = None) -> list[str]:
-    """The argv that starts one rank (the launcher runs it once per rank)."""
-    return [python or sys.executable, "-m", "exokv.cluster.rank"]
+# `python -m` (and `-c`) put the working folder first on sys.path, where a user's
+# `secrets.py` would run in every rank and shadow the standard library. `-P` is
+# 3.11+ and `-I` also drops PYTHONPATH, so the rank's own first line takes the
+# folder out, before anything else is imported; it is the same on any host's python.
+_ENTRY = (
+    "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+    "from {module} import main; sys.exit(main())"
+)
+
+
+def rank_command(python: str | None = None, module: str = "exokv.cluster.rank") -> list[str]:
+    """The argv that starts one rank (the launcher runs it once per rank): `module`'s
+    main() with the arguments that follow, as `python -m module` would but for sys.path."""
+    return [python or sys.executable, "-c", _ENTRY.format(module=module)]
 
 
 def channel_addresses(plan: LaunchPlan, port: int) -> list[str]:
-    """Where rank 0 can reach the front end's channel, most likely first."""
-    if plan.local:
-        return [f"{LOOPBACK}:{port}"]
-    found: list[str] = []
-    first = plan.hosts[0]
-    targets = first.ips or [first.ssh]
-    for target in targets:
-        try:
-            # A UDP "connect" sends nothing; it asks the kernel which local address routes there.
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((target, 9))
-                found.append(s.getsockname()[0])
-        except OSError:
-            continue
+    """Where rank 0 reaches the front end's channel: the one address it listens on."""
+    return [f"{plan.bind_host}:{port}"]
+
+
+def route_to(host: Host) -> str:
+    """This machine's address on the way to `host`: the only one the channel listens on.
+
+    Listening on every interface (0.0.0.0) would offer the channel to every network
+    this machine is on; rank 0 needs exactly the address its host can reach.
+    """
+    target = host.ips[0] if host.ips else resolve_host(host.ssh)
     try:
-        found += socket.gethostbyname_ex(socket.gethostname())[2]
-    except OSError:
-        pass
-    found.append(LOOPBACK)  # rank 0 may be on this very machine
-    unique = list(dict.fromkeys(found))
-    return [f"{a}:{port}" for a in unique]
+        # A UDP "connect" sends nothing; it asks the kernel which local address routes there.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return str(s.getsockname()[0])
+    except OSError as err:
+        raise ExokvError(f"no route from this machine to rank 0's host {target}: {err}") from None
+
+
+def resolve_host(name: str) -> str:
+    """The IPv4 address ssh would connect to for `name` (its ssh config applied)."""
+    target, _ = ssh_target(name)
+    if _is_ip(target):
+        return target
+    try:
+        found = socket.getaddrinfo(target, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        raise UsageError(
+            f"host {name!r} has no IP address ({target!r} does not resolve: {err}); "
+            'give its "ips" in a --hostfile'
+        ) from None
+    return str(found[0][4][0])
+
+
+def _hostfile_envs(path: str) -> list[str]:
+    data = json.loads(Path(path).expanduser().read_text())  # read_hostfile checked it
+    return list(data.get("envs", [])) if isinstance(data, dict) else []
+
+
+def _write_hostfile(hosts: list[Host], envs: list[str], scratch: Path | None) -> Path:
+    if scratch is None:
+        raise ExokvError("hosts without IPs need a scratch folder for their hostfile")
+    path = Path(scratch) / "hostfile.json"
+    body = {"hosts": [{"ssh": h.ssh, "ips": h.ips} for h in hosts], "envs": envs}
+    path.write_text(json.dumps(body))
+    return path
 
 
 def free_ports(count: int, start: int = 20000, end: int = 60000) -> int:

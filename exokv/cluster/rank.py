@@ -27,19 +27,23 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from exokv.cluster import channel
-from exokv.cluster.group import Group, MlxGroup
+from exokv.cluster.wake import Doorbell
 from exokv.errors import ExokvError
 from exokv.records import TurnRequest
+
+if TYPE_CHECKING:
+    from exokv.cluster.group import Group
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
+SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
 class CountingGroup:
@@ -88,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
     p.add_argument("--ranks-here", type=int, default=1, help="ranks sharing this machine's memory")
+    p.add_argument("--wake-host", default="127.0.0.1", help="rank 0's address for the others")
     return p.parse_args(argv)
 
 
@@ -95,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     link: channel.Connection | None = None
+    # Beating (and watching the front end) from before the ring forms: a front end
+    # killed while the ranks start must not leave them waiting for each other.
+    threading.Thread(target=beat, args=(rank, args.front_end_pid), daemon=True).start()
     try:
         world = mx.distributed.init(backend=args.backend, strict=True)
         rank = world.rank()
-        threading.Thread(target=beat, args=(rank, args.front_end_pid), daemon=True).start()
         boot = read_bootstrap(BOOTSTRAP_TIMEOUT) if rank == 0 else None
         release_stdin()
         if boot is not None:
@@ -107,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - every failure becomes one line for the front end
         report_error(rank, err, link)
         return 1
+    finally:
+        if args.front_end_pid is not None and not _alive(args.front_end_pid):
+            _remove_scratch()  # the front end was killed: nobody else will
 
 
 def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
@@ -125,6 +135,7 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     line = f"{BEAT_MARK}{rank}\n".encode()
     while True:
         if front_end is not None and not _alive(front_end):
+            _remove_scratch()
             os._exit(1)
         try:
             os.write(fd, line)  # one small write: never split from, or into, other lines
@@ -147,6 +158,16 @@ def _shared_budget(args: argparse.Namespace, rank: int, model: Any) -> int | Non
     return memory.default_budget(args.memory_threshold, ram, shard)
 
 
+def _remove_scratch() -> None:
+    """The front end was killed and cannot remove the launcher's temporary folder (see
+    ClusterClient): a local rank, which inherited it as TMPDIR, does."""
+    scratch = os.environ.get("TMPDIR", "")
+    if os.path.basename(scratch).startswith(SCRATCH_PREFIX):
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -154,7 +175,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A killed front end is a zombie until its parent reaps it: gone all the same.
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def release_stdin() -> None:
@@ -276,7 +303,7 @@ class Rank:
 
     def run(self) -> int:
         from exokv.cache.tiers import tier_options
-        from exokv.engine import Engine, EngineOptions
+        from exokv.engine import Engine, EngineOptions, PromptTooLong
 
         if self.link is not None:
             # Liveness and commands flow while the model loads, so a slow load is not a hang.
@@ -290,6 +317,8 @@ class Rank:
         os.write(1, f"{BEAT_MARK}{self.rank} loaded\n".encode())
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
         budget = budgets[self.rank] if budgets else _shared_budget(args, self.rank, model)
+        from exokv.cluster.group import MlxGroup  # mlx-lm: imported after beat() has started
+
         group = CountingGroup(MlxGroup(self.world))
         engine = Engine(
             model,
@@ -303,6 +332,8 @@ class Rank:
                 **tier_options(args, rank=self.rank, layout=self._layout()),
             ),
         )
+        # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
+        doorbell = Doorbell.connect(group, args.wake_host)
         # Startup only, not per turn: every rank's effective budget for the front end.
         all_budgets = [
             row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
@@ -320,6 +351,7 @@ class Rank:
             before = dict(group.counts)
             before_s = dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None
+            doorbell.cross()
             message = in_step(group, message, step, turn)
             kind = message.get("type")
             if kind == "remember":
@@ -341,14 +373,19 @@ class Rank:
                 return 0  # shutdown, or the front end went away
             turn += 1
             request = TurnRequest.from_dict(message["request"])
-            result = engine.turn(
-                request,
-                on_text=self._send_text if self.link else None,
-                on_progress=self._send_progress if self.link else None,
-                # Every rank passes a should_stop (never set off rank 0): the engine
-                # agrees on it with a collective, which all ranks must call alike.
-                should_stop=self.stop.is_set,
-            )
+            try:
+                result = engine.turn(
+                    request,
+                    on_text=self._send_text if self.link else None,
+                    on_progress=self._send_progress if self.link else None,
+                    # Every rank passes a should_stop (never set off rank 0): the engine
+                    # agrees on it with a collective, which all ranks must call alike.
+                    should_stop=self.stop.is_set,
+                )
+            except PromptTooLong as err:  # every rank alike, before any collective
+                if self.link is not None:
+                    self.link.send({"type": "refused", "id": self.current, "message": str(err)})
+                continue
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
                 self.link.send(

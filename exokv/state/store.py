@@ -12,6 +12,7 @@ import operator
 import os
 import shlex
 import shutil
+import signal
 import socket
 import sqlite3
 import threading
@@ -20,12 +21,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import queries
-from exokv.state.schema import foreign_tables, migrate
+from exokv.state.schema import LATEST, current_version, foreign_tables, migrate
 
 DB_NAME = "exokv.db"
 BUSY_TIMEOUT_S = 10.0
@@ -42,6 +44,7 @@ def caches_dir(home: Path | None = None) -> Path:
 
 
 def _corrupt(path: Path, why: str) -> ExokvError:
+    why = " ".join(why.split())  # one line, whatever SQLite said
     moves = [f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.corrupt')}"]
     for suffix in ("-wal", "-shm"):
         # A stale WAL next to a fresh database would be replayed into it.
@@ -56,6 +59,19 @@ def _corrupt(path: Path, why: str) -> ExokvError:
     )
 
 
+def _writable(path: Path) -> bool:
+    """Whether this process may write the database and make its -wal/-shm files."""
+    return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+
+
+def _read_only(path: Path) -> ExokvError:
+    return ExokvError(
+        f"the state database {path} is read-only (nothing wrong with it: its folder or "
+        "file cannot be written); reading commands such as `exokv cache stats` work, a "
+        "chat needs EXOKV_HOME set to a writable directory"
+    )
+
+
 def _check_header(path: Path) -> None:
     try:
         with path.open("rb") as f:
@@ -65,6 +81,21 @@ def _check_header(path: Path) -> None:
     # An empty file is what sqlite3 itself creates: a new database, nothing to lose.
     if head and (len(head) < 100 or not head.startswith(_MAGIC)):
         raise _corrupt(path, "not an SQLite database")
+
+
+@contextmanager
+def _wake_signal_held() -> Iterator[None]:
+    """Hold back SIGUSR1 (how a chat's watcher ends the chat when its ranks are lost, see
+    exokv.cluster.client) until a write transaction is over: a turn that finished is
+    stored whole, then the chat ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 class _Damaged(Exception):
@@ -133,17 +164,25 @@ class Store:
 
     @classmethod
     def open_existing(cls, home: Path | None = None) -> Store | None:
-        """Like ``open`` but None when there is no database yet: readers create nothing."""
+        """Like ``open`` but None when there is no database yet: readers create nothing.
+
+        On a read-only home (a read-only mount, a backup) the database is opened
+        read-only, so the reading commands work; a write then fails with one line.
+        """
         path = db_path(home)
         if not path.exists():
             return None
-        return cls._connect(path)
+        return cls._connect(path, read_only_ok=True)
 
     @classmethod
-    def _connect(cls, path: Path) -> Store:
+    def _connect(cls, path: Path, read_only_ok: bool = False) -> Store:
         existed = path.exists()
         if existed:
             _check_header(path)
+            if not _writable(path):
+                if not read_only_ok:
+                    raise _read_only(path)
+                return cls._connect_read_only(path)
         try:
             db = sqlite3.connect(
                 str(path),
@@ -177,6 +216,34 @@ class Store:
             raise
         return store
 
+    @classmethod
+    def _connect_read_only(cls, path: Path) -> Store:
+        # A WAL database needs its -shm file, which cannot be made in a read-only folder;
+        # immutable=1 reads the file as it is, which is right when nobody can write it.
+        uri = f"file:{quote(str(path))}?immutable=1"
+        try:
+            db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as err:
+            raise ExokvError(f"cannot open the state database {path}: {err}") from err
+        store = cls(db, path)
+        try:
+            store._check_integrity()
+            with store._guard():
+                db.row_factory = sqlite3.Row
+                found = current_version(db)
+            if found != LATEST:
+                raise ExokvError(
+                    f"the state database {path} is read-only and at schema {found}, not "
+                    f"{LATEST}; open it once where it can be written to upgrade it"
+                )
+        except _Damaged as err:
+            db.close()
+            raise _corrupt(path, str(err)) from None
+        except BaseException:
+            db.close()
+            raise
+        return store
+
     def _check_integrity(self) -> None:
         # Before any write, so a damaged file is reported, never "repaired".
         try:
@@ -186,7 +253,9 @@ class Store:
                 raise self._error(err) from err
             raise _Damaged(str(err)) from err
         if verdict != "ok":
-            raise _Damaged(verdict)
+            # SQLite's verdict spans lines ("*** in database main ***\nOn tree page 5 ...").
+            lines = [x for x in str(verdict).splitlines() if x.strip() and "***" not in x]
+            raise _Damaged("; ".join(lines) or "damaged")
 
     def close(self) -> None:
         with self._lock:
@@ -208,6 +277,8 @@ class Store:
                 f"the state database {self.path} stayed locked by another exokv process for "
                 f"more than {BUSY_TIMEOUT_S:.0f} s; try again"
             )
+        if "readonly" in lowered or "read-only" in lowered:
+            return _read_only(self.path)
         if "malformed" in lowered or "not a database" in lowered or "corrupt" in lowered:
             return _corrupt(self.path, text)
         return ExokvError(f"state database {self.path}: {text}")
@@ -221,7 +292,7 @@ class Store:
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._guard():
+        with self._lock, self._guard(), _wake_signal_held():
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
@@ -326,6 +397,45 @@ class Store:
             for m in self.load_messages(session, with_tokens=True)
             if m["role"] == "assistant" and "tokens" in m
         ]
+
+    @staticmethod
+    def _append_turn(
+        db: sqlite3.Connection, sid: int, messages: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Write only what the turn added, after what is stored; never rewrite a turn.
+
+        The stored messages that `messages` starts with stay as they are (rows and
+        tokens); the rest of `messages` goes after the last stored message. The one
+        exception is /retry: `messages` is the stored conversation with its last reply
+        replaced, and only that reply is replaced. A writer whose copy is out of date
+        (another chat added turns meanwhile; exokv.state.locks prevents that for chats)
+        therefore adds its turn at the end and loses nobody's.
+        """
+        stored = db.execute(
+            "SELECT role, content FROM messages WHERE session_id = ? ORDER BY position", (sid,)
+        ).fetchall()
+        common = 0
+        for (role, content), m in zip(stored, messages, strict=False):
+            if (role, content) != (m["role"], m["content"]):
+                break
+            common += 1
+        at = len(stored)
+        new = list(messages[common:])
+        if at == common + 1 == len(messages) and stored[-1][0] == messages[-1]["role"]:
+            at = common  # /retry: the last reply, generated again
+            db.execute("DELETE FROM messages WHERE session_id = ? AND position = ?", (sid, at))
+        elif common < at:
+            # An out-of-date copy: only its last exchange is this turn's.
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            new = list(messages[users[-1] :] if users else messages[-1:])
+        db.executemany(
+            "INSERT INTO messages (session_id, position, role, content, tokens) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [
+                (sid, i, m["role"], m["content"], _dump_tokens(m["role"], m.get("tokens")))
+                for i, m in enumerate(new, start=at)
+            ],
+        )
 
     @staticmethod
     def _replace_messages(
@@ -522,7 +632,8 @@ class Store:
     ) -> int:
         """Store one whole turn atomically; returns its number in the session.
 
-        ``messages`` is the conversation after the turn; an assistant message may carry
+        ``messages`` is the conversation after the turn; only what it adds to the stored
+        one is written (see ``_append_turn``). An assistant message may carry
         ``"tokens"``, its generated token ids (as for ``set_messages``), written in the
         same transaction. ``result.entries`` is the tree's live entries after the turn
         (entries it omits are left as they were; only ``evict``/``clear`` events end an
@@ -531,7 +642,7 @@ class Store:
         now = time.time()
         with self._write() as db:
             sid = self._session_id(db, session, model, now)
-            self._replace_messages(db, sid, messages)
+            self._append_turn(db, sid, messages)
             if turn is None:
                 turn = int(
                     db.execute(

@@ -1,0 +1,79 @@
+"""One chat per session: an advisory lock file per open session under EXOKV_HOME/run/.
+
+Two chats writing one conversation would interleave their turns into a history
+neither of them saw, and every later prompt would be built from the wrong one.
+So a session is open in one chat at a time, and a second chat that asks for it
+gets a one-line error naming the chat that has it, rather than a read-only view:
+a chat that cannot add turns is not what anyone started `exokv chat` for, and
+the error tells them which process to finish first.
+
+The lock is `flock` on a small file, so the kernel releases it when the holder
+dies, even by SIGKILL: a crashed chat never leaves a session locked. The file
+also says which pid holds it, for the error message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from exokv.config import exokv_home
+from exokv.errors import ExokvError
+
+
+class SessionBusy(ExokvError):
+    """The session is open in another chat."""
+
+
+class SessionLocks:
+    """The sessions this chat holds; released on close (or when the process ends)."""
+
+    def __init__(self, home: Path | None = None) -> None:
+        self.directory = (home if home is not None else exokv_home()) / "run"
+        self._held: dict[str, int] = {}  # session name -> open fd holding its lock
+
+    def acquire(self, session: str) -> None:
+        """Hold `session` for this chat, or raise SessionBusy naming the holder's pid."""
+        if session in self._held:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._path(session), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return  # a read-only home: nothing can be written to it by anyone anyway
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _holder(fd)
+            os.close(fd)
+            who = f"another exokv chat (pid {holder})" if holder else "another exokv chat"
+            raise SessionBusy(
+                f"session {session!r} is open in {who}; end that chat first, "
+                "or pick another --session"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "session": session}).encode())
+        self._held[session] = fd
+
+    def release_all(self) -> None:
+        for fd in self._held.values():
+            try:
+                os.close(fd)  # closing the descriptor releases its flock
+            except OSError:
+                pass
+        self._held.clear()
+
+    def _path(self, session: str) -> Path:
+        digest = hashlib.sha256(session.encode()).hexdigest()[:24]
+        return self.directory / f"session-{digest}.lock"
+
+
+def _holder(fd: int) -> int | None:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return int(data["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
