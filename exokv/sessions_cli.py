@@ -15,7 +15,8 @@ from rich.text import Text
 from exokv import tables
 from exokv.config import exokv_home
 from exokv.errors import ExokvError
-from exokv.state import Store, running_chats
+from exokv.state import Store
+from exokv.state.locks import SessionBusy, SessionLocks
 
 sessions_app = typer.Typer(
     help="The stored conversations: list, show, rm, rename.", no_args_is_help=True
@@ -41,17 +42,15 @@ def _no_session(name: str) -> ExokvError:
     return ExokvError(f"no session {name!r}: `exokv sessions list` shows them")
 
 
-def _not_in_use(name: str) -> None:
-    """Refuse to change the session a running chat was started on (it writes it back)."""
-    home = exokv_home()
-    for pid in running_chats(home):
-        path = home / "run" / f"chat-{pid}.json"
-        try:
-            info = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if info.get("session") == name:
-            raise ExokvError(f"a chat is running (pid {pid}) on {name!r}: quit it first")
+def _not_in_use(name: str) -> SessionLocks:
+    """Hold the session's lock (exokv.state.locks), so no chat has it open while it is
+    changed: a chat writes its conversation back. Held until this process ends."""
+    locks = SessionLocks(exokv_home())
+    try:
+        locks.acquire(name)
+    except SessionBusy as err:
+        raise ExokvError(str(err).split(";")[0] + ": quit that chat first") from None
+    return locks
 
 
 @sessions_app.command("list")

@@ -193,6 +193,20 @@ def test_sessions_list_show_rename_rm(tmp_path: Path, models_dir: Path) -> None:
     shown = exokv_text(home, "sessions", "show", "old")
     assert "user:" in shown.stdout and "second question" in shown.stdout
 
+    # A session open in a chat (its lock held, as a chat holds it) is not changed.
+    from exokv.state.locks import SessionLocks
+
+    held = SessionLocks(home)
+    held.acquire("old")
+    for args in (("rm", "old"), ("rename", "old", "other")):
+        busy = exokv_text(home, "sessions", *args)
+        assert busy.returncode == 1, busy.stdout
+        assert busy.stderr.strip() == (
+            f"exokv: error: session 'old' is open in another exokv chat (pid {os.getpid()})"
+            ": quit that chat first"
+        )
+    held.release_all()
+
     renamed = exokv_text(home, "sessions", "rename", "old", "new", "--json")
     assert json.loads(renamed.stdout) == {"renamed": "old", "to": "new", "saved_cache": True}
     assert exokv_text(home, "sessions", "show", "old").returncode == 1
