@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,13 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen2
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored,
+# and so would every exokv it starts (Python installs no KeyboardInterrupt handler for
+# an ignored SIGINT): the Ctrl-C tests would test nothing. Catching it here makes the
+# children start with the default disposition, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # -- tiny in-memory models ----------------------------------------------------------
 
