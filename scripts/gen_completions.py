@@ -14,8 +14,9 @@ zoo, local models) after `--model`, session names after `--session` and for
 vendored click and `add_completion=False` that call has no completion classes
 registered and answers nothing.)
 
-They are written twice: into exokv/completions/ (shipped in the package, printed
-by `exokv completions SHELL`) and into completions/ (the SPEC's place for them).
+They are written into exokv/completions/ (shipped in the package, printed by
+`exokv completions SHELL`); completions/ (the SPEC's place for them) is a link to
+that folder, so there is one copy.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "completions"
 PACKAGED = ROOT / "exokv" / "completions"
 # Option values listed at Tab time by `exokv _complete KIND`.
 DYNAMIC = {"--model": "model", "--session": "session"}
@@ -434,7 +434,6 @@ def render_all() -> dict[Path, str]:
     out = {}
     for shell, gen in GENERATORS.items():
         text = gen(tree)
-        out[OUT / f"exokv.{shell}"] = text
         out[PACKAGED / f"exokv.{shell}"] = text
     return out
 
@@ -449,7 +448,6 @@ def main(argv: list[str]) -> int:
         for path in stale:
             print(f"stale: {path.relative_to(ROOT)}; run: python scripts/gen_completions.py")
         return 1 if stale else 0
-    OUT.mkdir(exist_ok=True)
     PACKAGED.mkdir(exist_ok=True)
     for path, text in render_all().items():
         path.write_text(text)
