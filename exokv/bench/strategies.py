@@ -27,7 +27,8 @@ is tokenized and the cache is looked up) to the first generated token.
   budget; what the server bounds is LRU + active cache at admission.
 - ``exokv``: ``exokv.engine.Engine``, the prefix cache (with a byte budget, its
   ``EngineOptions(budget=...)``: before each turn it evicts least recently used
-  leaves until the stored bytes plus the turn's new tokens fit).
+  leaves until the stored bytes plus the turn's new tokens fit, and after the
+  turn's insert again until the stored bytes are within the budget: a cap).
 """
 
 from __future__ import annotations
