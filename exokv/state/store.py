@@ -138,6 +138,19 @@ def _load_tokens(raw: str | None) -> list[int] | None:
     return value
 
 
+@contextmanager
+def _closed_on_failure(db: sqlite3.Connection, path: Path) -> Iterator[None]:
+    """Opening: a damaged file is reported as such; any failure closes the connection."""
+    try:
+        yield
+    except _Damaged as err:
+        db.close()
+        raise _corrupt(path, str(err)) from None
+    except BaseException:
+        db.close()
+        raise
+
+
 class Store:
     """The exokv database. Open with ``Store.open()``; use as a context manager to close."""
 
@@ -193,7 +206,7 @@ class Store:
         except sqlite3.Error as err:
             raise ExokvError(f"cannot open the state database {path}: {err}") from err
         store = cls(db, path)
-        try:
+        with _closed_on_failure(db, path):
             if existed:
                 store._check_integrity()
             with store._guard():
@@ -208,12 +221,6 @@ class Store:
                     db.execute("PRAGMA journal_mode = WAL")
                 db.execute("PRAGMA synchronous = NORMAL")
                 migrate(db, str(path))
-        except _Damaged as err:
-            db.close()
-            raise _corrupt(path, str(err)) from None
-        except BaseException:
-            db.close()
-            raise
         return store
 
     @classmethod
@@ -226,7 +233,7 @@ class Store:
         except sqlite3.Error as err:
             raise ExokvError(f"cannot open the state database {path}: {err}") from err
         store = cls(db, path)
-        try:
+        with _closed_on_failure(db, path):
             store._check_integrity()
             with store._guard():
                 db.row_factory = sqlite3.Row
@@ -236,12 +243,6 @@ class Store:
                     f"the state database {path} is read-only and at schema {found}, not "
                     f"{LATEST}; open it once where it can be written to upgrade it"
                 )
-        except _Damaged as err:
-            db.close()
-            raise _corrupt(path, str(err)) from None
-        except BaseException:
-            db.close()
-            raise
         return store
 
     def _check_integrity(self) -> None:
