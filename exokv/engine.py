@@ -58,6 +58,7 @@ class EngineOptions:
     memory_threshold: float = DEFAULT_MEMORY_THRESHOLD
     max_kv_size: int | None = None
     seed: int | None = None
+    ranks_here: int = 1  # ranks sharing this machine: the default budget is a share of its RAM
     # The disk tier (exokv.cache.tier): this rank's directory and byte budget; off without both.
     disk_dir: str | None = None
     disk_budget: int | None = None
@@ -99,7 +100,7 @@ class Engine:
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
         self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)
-        ram = memory.sample(self.group.rank).ram_total
+        ram = memory.sample(self.group.rank).ram_total // max(self.options.ranks_here, 1)
         model_bytes = sum(v.nbytes for _, v in _flat_params(model))
         self.budget = (
             self.options.budget

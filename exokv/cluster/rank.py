@@ -144,20 +144,6 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
         time.sleep(HEARTBEAT_S)
 
 
-def _shared_budget(args: argparse.Namespace, rank: int, model: Any) -> int | None:
-    """The default budget when several ranks share one machine: each gets its share of the
-    RAM (else every rank would count on the whole machine's). None: the engine's default."""
-    if args.ranks_here <= 1:
-        return None
-    from mlx.utils import tree_flatten
-
-    from exokv.cache import memory
-
-    ram = memory.sample(rank).ram_total // args.ranks_here
-    shard = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    return memory.default_budget(args.memory_threshold, ram, shard)
-
-
 def _remove_scratch() -> None:
     """The front end was killed and cannot remove the launcher's temporary folder (see
     ClusterClient): a local rank, which inherited it as TMPDIR, does."""
@@ -316,7 +302,6 @@ class Rank:
         # A beat that also says the shard is loaded: the front end shows start-up progress.
         os.write(1, f"{BEAT_MARK}{self.rank} loaded\n".encode())
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
-        budget = budgets[self.rank] if budgets else _shared_budget(args, self.rank, model)
         from exokv.cluster.group import MlxGroup  # mlx-lm: imported after beat() has started
 
         group = CountingGroup(MlxGroup(self.world))
@@ -325,7 +310,8 @@ class Rank:
             tokenizer,
             group=group,
             options=EngineOptions(
-                budget=budget,
+                budget=budgets[self.rank] if budgets else None,
+                ranks_here=args.ranks_here,  # they share this machine's RAM
                 memory_threshold=args.memory_threshold,
                 max_kv_size=args.max_kv_size,
                 seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0
