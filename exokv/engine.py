@@ -115,12 +115,34 @@ class Engine:
             self._start_tier()
 
     def _start_tier(self) -> None:
+        """Open this rank's disk tier; every rank has one or none (one gather agrees)."""
         from pathlib import Path
 
         from exokv.cache.disk import DiskStore
         from exokv.cache.tier import DiskTier
+        from exokv.state.locks import LockHeld
 
-        store = DiskStore(Path(self.options.disk_dir))
+        store, why = None, ""
+        try:
+            store = DiskStore(Path(self.options.disk_dir))
+        except LockHeld as held:
+            who = f"pid {held.pid}" if held.pid else "another process"
+            why = f"{self.options.disk_dir} is in use by another exokv chat ({who})"
+        except OSError as err:
+            why = f"{self.options.disk_dir} is unusable ({err.strerror or err})"
+        rows = self.group.gather([0 if why else 1]) if self.group.size > 1 else [[int(not why)]]
+        if not all(row[0] for row in rows):
+            if store is not None:
+                store.release()
+            bad = next(r for r, row in enumerate(rows) if not row[0])
+            self.tier_notice = why or f"rank {bad} cannot open its disk tier"
+            if why:  # the rank that knows why says it
+                where = f"rank {self.group.rank}: " if self.group.size > 1 else ""
+                print(
+                    f"exokv: disk tier off: {where}{why}; this chat keeps its KV cache in RAM only",
+                    file=sys.stderr,
+                )
+            return
         tier = DiskTier(self.cache, store, self.group, self.options.disk_budget or 0)
         self.coord.set_tier(tier)
         self.tier_notice = tier.restore()  # one gather on every rank alike
@@ -131,6 +153,7 @@ class Engine:
         """Keep the cache for the next run (the disk tier); every rank alike, no collective."""
         if self.coord.tier is not None:
             self.coord.tier.close()
+            self.coord.tier.store.release()
 
     @property
     def collectives(self) -> int:
@@ -256,7 +279,7 @@ class Engine:
         events += [self._event("update", n, session) for n in changed]
         events += [self._event("add", n, session) for n in added]
 
-    # -- saving and loading a prefix (exokv.chat.kvsave) -------------------------
+    # -- replies' exact tokens (a resumed session renders as before) -----------
 
     def reply_tokens(self, reply: str) -> list[int] | None:
         """The exact tokens `render` uses for an earlier reply, if remembered."""
@@ -266,30 +289,6 @@ class Engine:
         """Restore replies' exact tokens (a resumed session), so `render` is as before."""
         for reply, tokens in pairs:
             self._remember_reply(reply, list(tokens))
-
-    def export_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[Any]]:
-        """The longest cached prefix of `tokens` and a fresh cache holding exactly it.
-
-        For saving: the stored entries are not changed and get no hit (LRU is touched).
-        """
-        hit = self.cache.fetch([*tokens, -1])  # -1 is never a token: the whole match counts
-        try:
-            for node in hit.path:
-                node.hits -= 1
-            return list(tokens[: hit.length]), hit.cache
-        finally:
-            self.cache.release(hit)
-
-    def import_prefix(
-        self, tokens: Sequence[int], cache: list[Any], session: str
-    ) -> list[CacheEvent]:
-        """Insert a loaded cache holding `tokens`; every rank calls it alike (one gather)."""
-        self.coord.gather_rates()  # so the events give every rank's bytes exactly
-        events: list[CacheEvent] = []
-        self._insert(tokens, cache, len(tokens), session, events)
-        for e in events:
-            e.reason = "loaded from a saved cache"
-        return events
 
     # -- model work -------------------------------------------------------------
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from typing import Any
 
@@ -110,23 +109,17 @@ def rm(
     name: str = typer.Argument(..., metavar="NAME", help="the session"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Delete a conversation, its turns and its saved KV cache (cache statistics stay)."""
-    from exokv.chat.kvsave import session_dir
-
+    """Delete a conversation and its turns (its KV on disk ages out; `exokv cache clear`)."""
     store = _store()
     if store is None:
         raise _no_session(name)
     _not_in_use(name)
     with store:
         count = store.delete_session(name)
-    saved = session_dir(name)
-    had_cache = saved.is_dir()
-    shutil.rmtree(saved, ignore_errors=True)
     if as_json:
-        _emit({"removed": name, "messages": count, "saved_cache": had_cache})
+        _emit({"removed": name, "messages": count})
         return
-    extra = " and its saved KV cache" if had_cache else ""
-    _console().print(f"removed {name!r}: {count} messages{extra}")
+    _console().print(f"removed {name!r}: {count} messages")
 
 
 @sessions_app.command()
@@ -135,9 +128,7 @@ def rename(
     new: str = typer.Argument(..., metavar="NEW", help="its new name"),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Rename a conversation; its saved KV cache on this machine follows it."""
-    from exokv.chat.kvsave import session_dir
-
+    """Rename a conversation (its KV cache is keyed by its tokens: it follows)."""
     if not new.strip() or new != new.strip():
         raise ExokvError(f"invalid name {new!r}: no spaces around it, and not empty")
     store = _store()
@@ -146,11 +137,7 @@ def rename(
     _not_in_use(old)
     with store:
         store.rename_session(old, new)
-    src, dst = session_dir(old), session_dir(new)
-    moved = src.is_dir() and not dst.exists()
-    if moved:
-        os.replace(src, dst)
     if as_json:
-        _emit({"renamed": old, "to": new, "saved_cache": moved})
+        _emit({"renamed": old, "to": new})
         return
     _console().print(f"renamed {old!r} to {new!r}")

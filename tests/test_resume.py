@@ -1,7 +1,9 @@
-"""Save and resume: every turn in the store, the KV cache saved on quit and verified on load.
+"""Save and resume: every turn in the store, the KV cache kept by the disk tier.
 
-Chats run as a user runs them (`python -m exokv chat` in a subprocess, script mode with
---json, EXOKV_HOME in a temporary directory); the saved-cache checks also run in process.
+/save and quitting write the session's KV to the disk tier and persist its tree; a
+resumed session's next turn loads it, each file checked. Chats run as a user runs them
+(`python -m exokv chat` in a subprocess, script mode with --json, EXOKV_HOME in a
+temporary directory); the tier's save also runs in process.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import pytest
 from chat_helpers import home_with_models
 
 from exokv.chat import kvsave
-from exokv.chat.kvsave import SavedCacheError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -77,7 +78,7 @@ def three_turns(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Path:
     home = home_with_models(tmp_path_factory.mktemp("three"), models)
     turns, err = chat(home, TURNS, "--session", "demo")
     assert len(turns) == 3 and "warning" not in err
-    assert kvsave.shard_path("demo", 0, home).is_file()
+    assert len(list(home.glob("kv/*/*/rank0/tree.json"))) == 1
     return home
 
 
@@ -110,8 +111,7 @@ def test_resume_with_the_saved_cache(three_turns: Path, reference, tmp_path: Pat
 
 def _flip_data_bytes(path: Path) -> None:
     data = bytearray(path.read_bytes())
-    header = int.from_bytes(data[:8], "little")
-    mid = 8 + header + (len(data) - 8 - header) // 2
+    mid = len(data) // 2
     for i in range(mid, mid + 16):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -125,47 +125,72 @@ def _garbage(path: Path) -> None:
     path.write_bytes(os.urandom(4096))
 
 
-def _other_model(path: Path) -> None:
-    """A well-formed file, checksum and all, that says it belongs to another model."""
-    from mlx_lm.models.cache import load_prompt_cache
-
-    cache, meta = load_prompt_cache(str(path), return_metadata=True)
-    tokens = json.loads(meta["tokens"])
-    keep = {k: meta[k] for k in ("layout", "rank", "session", "save_id", "created")}
-    kvsave.save_shard(path, tokens, cache, {**keep, "model": "builtin:tiny@000000000000"})
+def _tier(home: Path) -> Path:
+    (tree,) = home.glob("kv/*/*/rank0/tree.json")
+    return tree.parent
 
 
 @pytest.mark.parametrize(
-    ("damage", "why"),
+    ("damage", "what", "why"),
     [
-        (_flip_data_bytes, "damaged (checksum mismatch)"),
-        (_truncate, "unreadable"),
-        (_garbage, "unreadable"),
-        (_other_model, "was saved for model 'builtin:tiny@000000000000'"),
+        (_flip_data_bytes, "*.kv", "unreadable"),
+        (_truncate, "*.kv", "unreadable"),
+        (_garbage, "*.kv", "unreadable"),
+        (_garbage, "tree.json", "starting cold"),
     ],
-    ids=["flipped-bytes", "truncated", "garbage", "other-model"],
+    ids=["flipped-bytes", "truncated", "garbage", "garbage-tree"],
 )
 def test_a_bad_saved_cache_is_reported_and_ignored(
-    three_turns: Path, reference, tmp_path: Path, damage, why: str
+    three_turns: Path, reference, tmp_path: Path, damage, what: str, why: str
 ) -> None:
     home = copy_home(three_turns, tmp_path / "home")
-    path = kvsave.shard_path("demo", 0, home)
-    damage(path)
+    for path in _tier(home).glob(what):
+        damage(path)
     (turn,), err = chat(home, [NEXT], "--session", "demo")
-    warnings = [line for line in err.splitlines() if "warning" in line]
-    assert len(warnings) == 1, err
-    assert why in warnings[0] and str(path) in warnings[0] and "recomputes" in warnings[0]
+    said = [line for line in err.splitlines() if why in line]
+    assert len(said) == 1, err
     assert "Traceback" not in err
-    # A correct cold turn: nothing came from the bad file.
+    if what == "*.kv":
+        assert "prefilled again" in said[0] and str(_tier(home)) in said[0]
+    # A correct cold turn: nothing came from the bad files.
     assert turn["cached_tokens"] == 0
     assert turn["prompt_tokens"] == reference["cold"][3]["prompt_tokens"]
     assert turn["reply"] == reference["cold"][3]["reply"]
-    # Quitting saved a good cache over the bad one.
-    tokens, _, meta = kvsave.load_shard(path, {})
-    assert (
-        meta["model"].startswith("builtin:tiny@") and meta["model"] != "builtin:tiny@000000000000"
+    # Quitting saved a good cache over the bad one: the next chat is warm again.
+    (again,), err = chat(home, ["/undo", NEXT], "--session", "demo")
+    assert "warning" not in err and "starting cold" not in err
+    assert again["cached_tokens"] >= reference["warm"][2]["prompt_tokens"]
+    assert again["reply"] == reference["cold"][3]["reply"]
+
+
+def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference) -> None:
+    """/save is the crash-safe point: a chat killed after it resumes from the disk tier."""
+    home = home_with_models(tmp_path / "home", models, link=True)
+    env = {k: v for k, v in os.environ.items() if k != "EXOKV_DEBUG"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
+        + ["--max-tokens", "12", "--session", "demo"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, "EXOKV_HOME": str(home)},
     )
-    assert len(tokens) >= turn["prompt_tokens"]
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        for line in [*TURNS, "/save"]:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+            last = json.loads(proc.stdout.readline())
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert last["command"] == "/save" and last["ok"] is True, last
+    assert "saved the KV cache of 'demo'" in last["message"]
+    (turn,), err = chat(home, [NEXT], "--session", "demo")
+    assert "warning" not in err and "starting cold" not in err
+    assert turn["cached_tokens"] == reference["warm"][3]["cached_tokens"]
+    assert turn["reply"] == reference["cold"][3]["reply"]
 
 
 def test_sigkill_after_turn_two_keeps_turns_one_and_two(
@@ -297,46 +322,59 @@ def test_controller_drops_an_exchange_stopped_before_its_first_token(engine) -> 
     assert len(chat.current.messages) == 2
 
 
-def test_saved_cache_roundtrip_and_checks(engine, tmp_path: Path) -> None:
+def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(models: Path, tmp_path: Path) -> None:
+    from exokv.engine import Engine, EngineOptions
+    from exokv.model.resolve import load_model
     from exokv.records import TurnRequest
 
-    e = engine()
+    old = os.environ.get("EXOKV_HOME")
+    os.environ["EXOKV_HOME"] = str(models.parent)
+    try:
+        model, tokenizer = load_model("builtin:tiny")
+    finally:
+        if old is None:
+            del os.environ["EXOKV_HOME"]
+        else:
+            os.environ["EXOKV_HOME"] = old
+
+    def engine(**options: Any) -> Engine:
+        return Engine(model, tokenizer, options=EngineOptions(**options))
+
+    tier = {"disk_dir": str(tmp_path / "tier"), "disk_budget": 1 << 30}
+    e = engine(**tier)
     conv = [{"role": "user", "content": "Hello, who are you?"}]
     result = e.turn(TurnRequest("s", conv, max_tokens=10))
     conv += [{"role": "assistant", "content": result.reply}]
-    report = kvsave.save_session(e, "s", conv, "m@1", home=tmp_path)
-    assert report.tokens == result.prompt_tokens + result.generated_tokens
-    path = kvsave.shard_path("s", 0, tmp_path)
-    assert path.is_file() and not list(path.parent.glob(".*tmp*"))
+    ram = e.cache.total_bytes
+    report = kvsave.save_session(e, "s", conv)
+    assert report.warning is None and report.skipped is None
+    assert report.tokens == result.prompt_tokens + result.generated_tokens  # all it holds
+    assert report.bytes[0] == ram  # what it wrote is what RAM holds, and RAM still holds it
+    assert e.cache.total_bytes == ram
+    assert all(n.payload.tier == "ram" for n in e.cache.tree.nodes())
+    assert (tmp_path / "tier" / "tree.json").is_file() and list((tmp_path / "tier").glob("*.kv"))
+    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "tier").glob("*.kv")}
 
-    fresh = engine()
-    fresh.remember_replies([(result.reply, e.reply_tokens(result.reply))])
+    # Evicting a saved node is a spill with nothing more to write.
     nxt = conv + [{"role": "user", "content": "More."}]
-    loaded, rep = kvsave.prepare_load(fresh, "s", nxt, "m@1", home=tmp_path)
-    assert loaded is not None and rep.warning is None and rep.tokens == report.tokens
-    kvsave.commit_load(fresh, loaded, "s", rep)
-    assert rep.events and all(ev["kind"] == "add" for ev in rep.events)
+    e.coord.budget = 0
+    e.turn(TurnRequest("other", [{"role": "user", "content": "Another thing."}], max_tokens=4))
+    assert e.coord.tier.spills >= 1
+    for name, mtime in written.items():
+        assert (tmp_path / "tier" / name).stat().st_mtime_ns == mtime
+
+    # A new engine on the same directory (this one never closed, as if killed) is warm.
+    e.coord.tier.store.flush()
+    e.coord.tier.store.release()
+    fresh = engine(**tier)
+    fresh.remember_replies([(result.reply, e.reply_tokens(result.reply))])
+    assert kvsave.on_disk(fresh, "s", nxt).tokens == report.tokens
     turn = fresh.turn(TurnRequest("s", nxt, max_tokens=10))
     assert turn.cached_tokens == report.tokens
     cold = engine()
     cold.remember_replies([(result.reply, e.reply_tokens(result.reply))])
     assert turn.reply == cold.turn(TurnRequest("s", nxt, max_tokens=10, use_cache=False)).reply
 
-    # A conversation that changed after the save (/undo, a new first line): only the part
-    # it still shares is used, and nothing at all when it shares nothing but the template.
-    other = engine()
-    edited = [conv[0], {"role": "assistant", "content": "something else"}]
-    loaded, rep = kvsave.prepare_load(other, "s", edited, "m@1", home=tmp_path)
-    assert loaded is not None and 0 < rep.tokens < report.tokens
-    loaded, rep = kvsave.prepare_load(engine(), "s", nxt, "m@2", home=tmp_path)
-    assert loaded is None and "was saved for model 'm@1'" in (rep.warning or "")
-    loaded, rep = kvsave.prepare_load(
-        engine(), "s", nxt, "m@1", layout="2:pipeline:-", home=tmp_path
-    )
-    assert loaded is None and "rank layout" in (rep.warning or "")
-
-    with pytest.raises(SavedCacheError, match="checksum"):
-        _flip_data_bytes(path)
-        kvsave.load_shard(path, {})
-    missing, rep = kvsave.prepare_load(engine(), "nobody", nxt, "m@1", home=tmp_path)
-    assert missing is None and rep.warning is None and rep.skipped
+    # Without a disk tier there is one way less to keep KV: /save says so.
+    off = kvsave.save_session(cold, "s", conv)
+    assert off.tokens == 0 and off.skipped == kvsave.TIER_OFF

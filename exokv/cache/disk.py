@@ -92,8 +92,13 @@ class DiskStore:
     """Files of one rank under `root`, written by one background thread."""
 
     def __init__(self, root: Path) -> None:
+        """Raises exokv.state.locks.LockHeld when another chat uses `root` (one process
+        per directory: two would write each other's ids), OSError when unusable."""
+        from exokv.state.locks import hold
+
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = hold(root / "lock", {"what": "disk tier"})
         self.failed = ""  # why the first write failed; nothing is written after it
         self.lost: set[int] = set()  # ids whose write failed or was never tried
         self._pending: dict[int, Any] = {}
@@ -139,6 +144,12 @@ class DiskStore:
     def flush(self) -> None:
         """Wait until every queued write is done."""
         self._queue.join()
+
+    def release(self) -> None:
+        """Give the directory up to the next chat (after `flush`)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def ids(self) -> set[int]:
         out = set()

@@ -1,7 +1,8 @@
 """The disk tier's tree, kept across restarts: `tree.json` beside each rank's files.
 
-At shutdown every rank spills what it holds in RAM (see DiskTier.close) and writes
-the tree of its on-disk nodes: token edges, ids, sessions, LRU clock, the window
+At shutdown every rank spills what it holds in RAM (see DiskTier.close), and on
+/save it writes the session's path to disk too (DiskTier.save); both then write
+the tree of the nodes whose files hold them: token edges, ids, sessions, LRU clock, the window
 spans and state flags of each node. Every rank writes the same tree, so at start
 the ranks gather its digest: equal, and every earlier conversation is warm on disk;
 different (or unreadable on some rank), and every rank starts cold, saying why.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +21,15 @@ from exokv.cache.prefix_cache import Payload, PrefixCache
 from exokv.cache.radix import Node
 from exokv.cluster.group import Group
 
-VERSION = 1
+VERSION = 2  # 2: a file says where it ends (version 1 files are not read)
 TREE_FILE = "tree.json"
 
 
-def _on_disk_subtree(pc: PrefixCache, lost: set[int]) -> list[Node]:
-    """On-disk nodes whose whole path is on disk and written, parents first."""
+OnDisk = Callable[[Node], bool]
+
+
+def _on_disk_subtree(pc: PrefixCache, lost: set[int], on_disk: OnDisk) -> list[Node]:
+    """Nodes whose whole path is on disk and written, parents first."""
     keep: set[int] = {pc.tree.root.id}
     out = []
     for node in pc.tree.nodes():
@@ -33,7 +38,7 @@ def _on_disk_subtree(pc: PrefixCache, lost: set[int]) -> list[Node]:
             p is not None
             and p.id in keep
             and node.payload is not None
-            and node.payload.tier == "disk"
+            and on_disk(node)
             and node.id not in lost
         ):
             keep.add(node.id)
@@ -41,7 +46,7 @@ def _on_disk_subtree(pc: PrefixCache, lost: set[int]) -> list[Node]:
     return out
 
 
-def describe(pc: PrefixCache, lost: set[int]) -> dict[str, Any]:
+def describe(pc: PrefixCache, lost: set[int], on_disk: OnDisk) -> dict[str, Any]:
     nodes = [
         {
             "id": n.id,
@@ -53,7 +58,7 @@ def describe(pc: PrefixCache, lost: set[int]) -> dict[str, Any]:
             "spans": [[*c, [list(s) for s in sp]] for c, sp in sorted(n.payload.spans.items())],
             "state": n.payload.state,
         }
-        for n in _on_disk_subtree(pc, lost)
+        for n in _on_disk_subtree(pc, lost, on_disk)
     ]
     return {
         "version": VERSION,
@@ -64,8 +69,8 @@ def describe(pc: PrefixCache, lost: set[int]) -> dict[str, Any]:
     }
 
 
-def save(pc: PrefixCache, root: Path, lost: set[int]) -> None:
-    text = json.dumps(describe(pc, lost), separators=(",", ":"))
+def save(pc: PrefixCache, root: Path, lost: set[int], on_disk: OnDisk) -> None:
+    text = json.dumps(describe(pc, lost, on_disk), separators=(",", ":"))
     tmp = root / (TREE_FILE + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)

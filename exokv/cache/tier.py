@@ -61,6 +61,11 @@ class DiskTier:
         self.node_bytes: Callable[[Node], list[int]] = lambda n: [0] * group.size
         self._warn = warn or (lambda text: print(f"exokv: warning: {text}", file=sys.stderr))
         self.spills = self.loads = self.drops = 0
+        # RAM nodes /save also wrote to disk: id -> (what the file holds, its counts).
+        # Their bytes count against the disk budget; evicting one its file still covers
+        # (a split since keeps the lower part's id: the file holds more) is a spill with
+        # nothing to write.
+        self.copies: dict[int, tuple[tuple, dict[StorageClass, int]]] = {}
 
     # -- the numbers in the turn's collective ----------------------------------------
 
@@ -86,8 +91,11 @@ class DiskTier:
 
     def remove(self, node: Node, reason: str, evict_event: CacheEvent) -> None:
         """The plan evicts `node` (a RAM leaf) from RAM: spill it if the disk allows."""
-        size = self.node_bytes(node)
-        if not self.stopped and self._make_room(size, node):
+        if not self.has_copy(node):
+            self._forget_copy(node.id)
+        if self.has_copy(node) or (
+            not self.stopped and self._make_room(self.node_bytes(node), node)
+        ):
             evict_event.kind = "spill"
             self.events.append(evict_event)
             self._spill(node)
@@ -115,12 +123,69 @@ class DiskTier:
         return all(h + s <= b for h, s, b in zip(held, size, self.budgets, strict=True))
 
     def _spill(self, node: Node) -> None:
-        payload: Payload = node.payload
-        arrays = _arrays(payload, [leaf.cls for leaf in self.cache.window_leaves])
+        """`node` leaves RAM for disk: its file is written, unless /save wrote it already."""
+        written = self.has_copy(node)
+        self._forget_copy(node.id, keep_file=written)
+        arrays = None if written else _arrays(node, [leaf.cls for leaf in self.cache.window_leaves])
         self.cache.detach(node)
         self._count(node, +1)
-        self.store.write(node.id, arrays)
+        if arrays is not None:
+            self.store.write(node.id, arrays)
         self.spills += 1
+
+    # -- copies: RAM nodes with a file too (/save) ------------------------------------
+
+    def has_copy(self, node: Node) -> bool:
+        copy = self.copies.get(node.id)
+        return copy is not None and _covers(copy[0], node)
+
+    def on_disk(self, node: Node) -> bool:
+        """Whether `node`'s arrays are in its file (after a restart, it would be there)."""
+        return is_disk(node) or self.has_copy(node)
+
+    def _forget_copy(self, node_id: int, keep_file: bool = False) -> None:
+        copy = self.copies.pop(node_id, None)
+        if copy is None:
+            return
+        for c, n in copy[1].items():
+            self.totals[c] = self.totals.get(c, 0) - n
+        if not keep_file:
+            self.store.delete(node_id)
+
+    def save(self, path: Sequence[Node]) -> tuple[int, str]:
+        """/save: write the RAM nodes of `path` to disk too (they stay in RAM, so the
+        chat goes on as before) and persist the tree, so a new process (even after this
+        one is killed) starts with `path` warm on disk. Every rank alike, from the tree
+        and the gathered budgets. Returns (tokens of `path` on disk, why not more)."""
+        reached, why = 0, ""
+        for node in path:
+            if not self.on_disk(node):
+                if self.stopped:
+                    why = self.stopped
+                    break
+                self._forget_copy(node.id)
+                if not self._make_room(self.node_bytes(node), node):
+                    why = "the disk budget is full"
+                    break
+                classes = [leaf.cls for leaf in self.cache.window_leaves]
+                self.store.write(node.id, _arrays(node, classes))
+                counts = self.cache.counts(node)
+                self.copies[node.id] = (_signature(node), counts)
+                for c, n in counts.items():
+                    self.totals[c] = self.totals.get(c, 0) + n
+            reached = node.depth
+        self.store.flush()
+        self.persist()
+        return reached, why
+
+    def persist(self) -> None:
+        """Write the tree of what is on disk (and its written files) for the next run."""
+        from exokv.cache import persist
+
+        try:
+            persist.save(self.cache, self.store.root, self.store.lost, self.on_disk)
+        except OSError as err:
+            self._warn(f"could not persist the KV cache tree: {err}")
 
     # -- drop from disk ------------------------------------------------------------
 
@@ -153,7 +218,7 @@ class DiskTier:
         first_bad, loaded, why = len(used), {}, ""
         for i in disk:
             obj, why = self.store.read(used[i].id)
-            payload = self._payload(used[i].payload, obj) if obj is not None else None
+            payload = self._payload(used[i], obj) if obj is not None else None
             if payload is None:
                 first_bad, why = i, why or "unreadable contents"
                 break
@@ -174,8 +239,12 @@ class DiskTier:
             # The same reason on every rank (events are compared across ranks); the
             # rank that failed says why on its own stderr.
             reason = f"unreadable on rank {rank}" + (f": {why}" if self.group.size == 1 else "")
-            if rank == self.group.rank and self.group.size > 1:
-                self._warn(f"rank {rank}: disk tier entry {used[agreed].id} unreadable: {why}")
+            if rank == self.group.rank:
+                where = f"rank {rank}: " if self.group.size > 1 else ""
+                self._warn(
+                    f"{where}disk tier entry {used[agreed].id} ({self.store.path(used[agreed].id)})"
+                    f" is unreadable ({why}): its tokens are prefilled again"
+                )
             self.drop(used[agreed], reason)
         return agreed
 
@@ -206,12 +275,21 @@ class DiskTier:
             self.store.delete(node.id)
             self.events.append(self._event("load", node, "run again by this turn"))
 
-    def _payload(self, record: Payload, obj: Any) -> Payload | None:
-        """A RAM payload from an on-disk node's record and its file's contents."""
+    def _payload(self, node: Node, obj: Any) -> Payload | None:
+        """A RAM payload from an on-disk node's record and its file's contents, or None
+        when the file does not hold exactly what the record needs (a file from another
+        run, or cut short: a miss, never a wrong answer)."""
+        record: Payload = node.payload
         try:
             p = Payload(start=record.start, spans=dict(record.spans), state=record.state)
             skip = record.start - int(obj["start"])  # the file may hold more than the node
-            p.kv = [kv if skip == 0 else layers.take(kv, skip, None) for kv in obj["kv"]]
+            end = int(obj["end"])
+            if skip < 0 or end < node.depth or (record.state and end != node.depth):
+                return None
+            length = len(node.key)
+            p.kv = [layers.take(kv, skip, skip + length) for kv in obj["kv"]]
+            if any(_seq_len(kv) != length for kv in p.kv):
+                return None
             p.windows = []
             for leaf, ws, held in zip(
                 self.cache.window_leaves, obj["windows"], obj["spans"], strict=True
@@ -219,7 +297,7 @@ class DiskTier:
                 held = [tuple(x) for x in held]
                 p.windows.append(_slices(list(ws), held, record.spans[leaf.cls]))
             p.states = []
-            if obj["states"]:
+            if record.state:
                 fresh = self.cache.new_cache()
                 for leaf, (state, meta) in zip(self.cache.state_leaves, obj["states"], strict=True):
                     c = layers.get(fresh, leaf)
@@ -232,7 +310,7 @@ class DiskTier:
             mx.eval(p.kv, p.windows)  # owned arrays: a later spill writes them from a thread
             p.nbytes = layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
             return p
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             return None
 
     # -- across restarts (exokv.cache.persist) ------------------------------------------
@@ -242,6 +320,7 @@ class DiskTier:
         from exokv.cache import persist
 
         nodes, why = persist.restore(self.cache, self.store.root, self.group)
+        self.copies = {}
         for node in nodes:
             self._count(node, +1)
         known = {n.id for n in nodes}
@@ -252,8 +331,6 @@ class DiskTier:
     def close(self) -> None:
         """Spill what RAM holds (parents first, as the disk budget allows: the same
         on every rank), wait for the writes and persist the tree."""
-        from exokv.cache import persist
-
         if not self.stopped and not self.store.failed:
             for node in list(self.cache.tree.nodes()):
                 if node.payload is None or is_disk(node) or node.locks:
@@ -261,13 +338,10 @@ class DiskTier:
                 parent = node.parent
                 if parent is not self.cache.tree.root and not is_disk(parent):
                     continue  # its parent stayed in RAM: not reachable after a restart
-                if self._make_room(self.node_bytes(node), node):
+                if self.has_copy(node) or self._make_room(self.node_bytes(node), node):
                     self._spill(node)
         self.store.flush()
-        try:
-            persist.save(self.cache, self.store.root, self.store.lost)
-        except OSError as err:
-            self._warn(f"could not persist the KV cache tree: {err}")
+        self.persist()
 
     # -- reporting -------------------------------------------------------------------
 
@@ -290,8 +364,9 @@ class DiskTier:
 
     def clear(self) -> None:
         for node in list(self.cache.tree.nodes()):
-            if is_disk(node):
+            if is_disk(node) or node.id in self.copies:
                 self.store.delete(node.id)
+        self.copies = {}
         self.totals = dict.fromkeys(self.cache.classes, 0)
 
 
@@ -304,12 +379,47 @@ def _is_ancestor(a: Node, b: Node) -> bool:
     return False
 
 
-def _arrays(p: Payload, window_classes: list[StorageClass]) -> dict[str, Any]:
-    """What a payload's file holds: its arrays, each state layer's state, and the
+def _arrays(node: Node, window_classes: list[StorageClass]) -> dict[str, Any]:
+    """What a node's file holds: its arrays, each state layer's state, and the
     positions they cover (a later split leaves the node only part of them)."""
+    p: Payload = node.payload
     states = [[s.state, getattr(s, "meta_state", "")] for s in p.states]
     spans = [[list(x) for x in p.spans.get(c, [])] for c in window_classes]
-    return {"start": p.start, "kv": p.kv, "windows": p.windows, "states": states, "spans": spans}
+    return {
+        "start": p.start,
+        "end": node.depth,
+        "kv": p.kv,
+        "windows": p.windows,
+        "states": states,
+        "spans": spans,
+    }
+
+
+def _signature(node: Node) -> tuple:
+    """What a node's file holds: its positions, whether a state, its window spans."""
+    p: Payload = node.payload
+    held = {c: [tuple(x) for x in sp] for c, sp in p.spans.items()}
+    return (p.start, node.depth, p.state, held)
+
+
+def _covers(held: tuple, node: Node) -> bool:
+    """Whether a file holding `held` (a `_signature`) has everything `node` needs."""
+    start, end, state, windows = held
+    p: Payload = node.payload
+    if not (start <= p.start and end == node.depth and (state or not p.state)):
+        return False
+    for c, want in p.spans.items():
+        have = windows.get(c, [])
+        if not all(any(x <= a and b <= y for x, y in have) for a, b in want):
+            return False
+    return True
+
+
+def _seq_len(kv: Any) -> int:
+    first = kv
+    while isinstance(first, tuple | list):
+        first = first[0]
+    return int(first.shape[layers.SEQ_AXIS])
 
 
 def _tail(p: Payload, k: int) -> Payload:

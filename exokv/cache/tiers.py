@@ -1,9 +1,13 @@
 """The tier options of `exokv chat` and `exokv bench`: --disk-budget, --kv-bits,
 --kv-group-size, checked once and turned into a rank's EngineOptions fields.
 
-A rank's disk tier lives in EXOKV_HOME/kv/<model>/<layout>/rank<r>: the same model
-on the same rank layout (parallelism, ranks, split, --max-kv-size, --kv-bits) finds
-its earlier cache there after a restart; any other layout has its own directory.
+A chat has a disk tier unless told otherwise (`--disk-budget 0`, `--no-cache` or a
+cache budget of 0): by default a quarter of the free space under EXOKV_HOME, which
+the banner shows. A rank's tier lives in EXOKV_HOME/kv/<model id>/<layout>/rank<r>:
+the same model (its identity: name and a digest of its files, so a re-converted
+checkpoint at the same path does not read the old one's KV) on the same rank layout
+(parallelism, ranks, split, --max-kv-size, --kv-bits) finds its earlier cache there
+after a restart; anything else has its own directory.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 from exokv.errors import UsageError
 
-DEFAULT_DISK_BUDGET: str | None = None  # off unless asked for (see README "Disk tier")
+DEFAULT_DISK_BUDGET = "auto"  # on unless asked otherwise (see README "Disk tier")
 AUTO_SHARE = 0.25  # --disk-budget auto: this share of the free space under EXOKV_HOME
 KV_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -47,12 +51,12 @@ def parse_disk_budget(text: str, where: Path) -> int:
 
 
 def tier_dir(model: str, layout: str, rank: int) -> Path:
-    from exokv.config import exokv_home
+    from exokv.state.store import caches_dir
 
     def safe(text: str) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
 
-    return exokv_home() / "kv" / safe(model) / safe(layout) / f"rank{rank}"
+    return caches_dir() / safe(model) / safe(layout) / f"rank{rank}"
 
 
 def tier_options(opts: Any, rank: int, layout: str) -> dict[str, Any]:
@@ -60,11 +64,11 @@ def tier_options(opts: Any, rank: int, layout: str) -> dict[str, Any]:
     bits = getattr(opts, "kv_bits", None)
     group = int(getattr(opts, "kv_group_size", 64) or 64)
     out: dict[str, Any] = {"kv_bits": bits, "kv_group_size": group}
-    text = getattr(opts, "disk_budget", None) or DEFAULT_DISK_BUDGET
+    text = disk_budget_text(opts)
     if text is None:
         return out
     full = f"{layout}-kv{bits or 16}g{group}-max{getattr(opts, 'max_kv_size', None) or 0}"
-    where = tier_dir(opts.model, full, rank)
+    where = tier_dir(_identity(opts.model), full, rank)
     budget = parse_disk_budget(text, where)
     # Every rank must have the tier or none (its numbers ride in the turn's gather):
     # `auto` on a rank with no free space is a tier of 0 bytes, not no tier.
@@ -77,7 +81,28 @@ def shown_disk_budget(opts: Any) -> int | None:
     """The disk budget the banner shows (this host's figure for `auto`)."""
     from exokv.config import exokv_home
 
-    text = getattr(opts, "disk_budget", None) or DEFAULT_DISK_BUDGET
+    text = disk_budget_text(opts)
     if text is None:
         return None
     return parse_disk_budget(text, exokv_home()) or None
+
+
+def disk_budget_text(opts: Any) -> str | None:
+    """--disk-budget as given, the default, or None when the chat keeps no cache."""
+    if getattr(opts, "no_cache", False):
+        return None
+    budgets = getattr(opts, "budgets", None) or getattr(opts, "cache_budget", None) or ""
+    if any(b.strip() in ("0", "0B") for b in str(budgets).split(",")):
+        return None  # a rank keeps nothing: nothing to spill either
+    return getattr(opts, "disk_budget", None) or DEFAULT_DISK_BUDGET
+
+
+def _identity(model: str) -> str:
+    """The model's identity (name and files' digest), or its name where it has none here."""
+    from exokv.errors import ExokvError
+    from exokv.model.resolve import model_id
+
+    try:
+        return model_id(model)
+    except (ExokvError, OSError):
+        return model

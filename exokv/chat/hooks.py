@@ -4,9 +4,9 @@ Every finished turn is one `Store.record_turn` transaction (the messages after t
 turn with the replies' exact token ids, the turn's numbers, its cache events, entries
 and memory samples), so a crash loses at most the turn in progress. Sessions are
 loaded from the store when opened, with their replies' tokens given back to the
-client, and a resumed session also gets its saved KV cache back (`exokv.chat.kvsave`)
-when it verifies; `/save` and quitting save the current session's KV cache on every
-rank.
+client. KV is kept on disk by the disk tier alone (`exokv.chat.kvsave`): `/save` and
+quitting write the current session's cached path to every rank's tier, and a resumed
+session's next turn loads what the restored tree holds of it.
 
 Messages for the user go through `attach(warn, note)`: until a front end attaches,
 they are buffered, so a warning raised while the first session is opened is shown
@@ -40,7 +40,6 @@ class StoreHooks(ChatHooks):
         run_id: int,
         model: str,
         client: Any = None,
-        model_id: str | None = None,
         use_cache: bool = True,
         max_kv_size: int | None = None,
         locks: SessionLocks | None = None,
@@ -52,14 +51,12 @@ class StoreHooks(ChatHooks):
         self.run_id = run_id
         self.model = model
         self.client = client
-        self.model_id = model_id or model
         self.use_cache = use_cache
         self._system: dict[str, Any] = {}  # the system prompt last written per session
         self._dirty: set[str] = set()  # sessions changed since their cache was saved
         self._buffer: list[tuple[str, str]] = []
         self._warn: Callable[[str], None] | None = None
         self._note: Callable[[str], None] | None = None
-        self.loaded: dict[str, CacheFileReport] = {}  # resumed sessions' cache loads
         self._reply_tokens: dict[str, dict[str, list[int]]] = {}  # session -> reply -> tokens
 
     # -- where messages for the user go ------------------------------------------------
@@ -110,28 +107,23 @@ class StoreHooks(ChatHooks):
             self.note(f"resumed {conv.name!r}: {plural(conv.turns, 'turn')}")
         was = info.get("model") or ""
         if was and was != self.model:
-            # Its saved KV cache belongs to the other model: nothing to load.
+            # Its KV cache belongs to the other model's disk tier: nothing to find.
             return None if announce else f"it was on {was}, continues on {self.model}"
-        loaded = self._load_cache(conv)
+        found = self._cached(conv)
         if announce:
-            if loaded:
-                self.note(f"loaded its KV cache: {loaded}")
+            if found:
+                self.note(f"its KV cache: {found}")
             return None
-        return f"KV cache loaded: {loaded}" if loaded else None
+        return f"KV cache: {found}" if found else None
 
-    def _load_cache(self, conv: Conversation) -> str | None:
-        """Load a resumed session's saved KV cache; what was loaded, in words, or None."""
-        load = getattr(self.client, "load_cache", None)
-        if not self.use_cache or load is None:
+    def _cached(self, conv: Conversation) -> str | None:
+        """How much of a resumed session the cache holds (the disk tier kept it), in words."""
+        probe = getattr(self.client, "load_cache", None)
+        if not self.use_cache or probe is None:
             return None
-        report = load(conv.name, conv.prompt(), self.model_id)
-        self.loaded[conv.name] = report
-        if report.events:
-            self.store.record_events(self.run_id, [CacheEvent.from_dict(e) for e in report.events])
-        if report.warning:
-            self.warn(f"{report.warning}; ignored, the next turn recomputes it")
-        elif report.tokens:
-            return f"{report.tokens:,} tokens in {report.seconds:.2f} s"
+        report = probe(conv.name, conv.prompt())
+        if report.tokens:
+            return f"{report.tokens:,} tokens on disk, loaded by the next turn"
         return None
 
     def stored_sessions(self) -> list[str]:
@@ -241,9 +233,11 @@ class StoreHooks(ChatHooks):
         if save is None or not self.use_cache:
             return None
         try:
-            report = save(conv.name, conv.prompt(), self.model_id)
+            report = save(conv.name, conv.prompt())
         except OSError as err:
             report = CacheFileReport(session=conv.name, warning=f"could not write it: {err}")
+        if report.events:
+            self.store.record_events(self.run_id, [CacheEvent.from_dict(e) for e in report.events])
         if report.tokens and not report.warning:
             self._dirty.discard(conv.name)
         return report
@@ -279,7 +273,7 @@ def describe_save(session: str, report: CacheFileReport) -> str:
         return f"KV cache of {session!r} not saved: {report.warning}"
     if not report.tokens:
         return f"KV cache of {session!r} not saved: {report.skipped or 'nothing cached'}"
-    where = report.paths[0] if len(report.paths) == 1 else f"{len(report.paths)} files"
+    where = report.paths[0] if len(report.paths) == 1 else f"{len(report.paths)} ranks' tiers"
     size = format_size(sum(report.bytes))
     return (
         f"saved the KV cache of {session!r}: {report.tokens:,} tokens, {size}, "

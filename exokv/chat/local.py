@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable
 
 from exokv.chat import kvsave
@@ -46,24 +45,19 @@ class LocalClient:
     def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
         self.engine.remember_replies(pairs)
 
-    # -- saved KV caches (exokv.chat.kvsave): one shard per rank, here just rank 0 ------
+    # -- /save and resuming (exokv.chat.kvsave): the disk tier ----------------------
 
-    def save_cache(
-        self, session: str, messages: list[dict[str, str]], model_id: str
-    ) -> CacheFileReport:
-        """Save the cached prefix of `messages` (system prompt included) for `session`."""
-        return kvsave.save_session(
-            self.engine, session, messages, model_id, save_id=uuid.uuid4().hex
-        )
-
-    def load_cache(
-        self, session: str, messages: list[dict[str, str]], model_id: str
-    ) -> CacheFileReport:
-        """Load `session`'s saved cache into the prefix cache if it verifies; else warn."""
-        loaded, report = kvsave.prepare_load(self.engine, session, messages, model_id)
-        if loaded is not None:
-            kvsave.commit_load(self.engine, loaded, session, report)
+    def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        """Write the conversation's cached path to the disk tier and persist the tree."""
+        report = kvsave.save_session(self.engine, session, messages)
+        tier = self.engine.coord.tier
+        if tier is not None and report.tokens and tier.store.failed:
+            report.warning = tier.store.failed
         return report
+
+    def load_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        """How much of a resumed conversation the restored tree holds."""
+        return kvsave.on_disk(self.engine, session, messages)
 
     def close(self) -> None:
         self.engine.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
 from exokv.config import parse_budgets
 from exokv.engine import EngineOptions
-from exokv.errors import ExokvError, UsageError
+from exokv.errors import UsageError
 
 
 @dataclass
@@ -135,16 +135,6 @@ def interactive(opts: ChatOptions) -> bool:
     return sys.stdout.isatty() or sys.stderr.isatty()
 
 
-def _model_id(name: str) -> str:
-    from exokv.model.resolve import model_id
-
-    try:
-        return model_id(name)
-    except ExokvError:
-        # E.g. a model that exists only on the ranks' hosts: saved caches still name it.
-        return name
-
-
 def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
     """Open the store, start the ranks, run the REPL or script mode, save and close.
 
@@ -172,7 +162,6 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
                     run_id,
                     opts.model,
                     client=client,
-                    model_id=_model_id(opts.model),
                     use_cache=keep_cache(opts),
                     max_kv_size=opts.max_kv_size,
                     locks=locks,

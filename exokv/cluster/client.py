@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from exokv.cache.tiers import disk_budget_text
 from exokv.cluster import channel
 from exokv.cluster.launch import (
     LaunchPlan,
@@ -222,27 +223,15 @@ class ClusterClient:
         for reply, tokens in pairs:
             self._keep_reply(reply, tokens)
 
-    # -- saved KV caches (exokv.chat.kvsave): every rank saves and loads its own shard --
+    # -- /save and resuming (exokv.chat.kvsave): every rank's disk tier --------------
 
-    def save_cache(self, session: str, messages: list[dict[str, str]], model_id: str) -> Any:
-        """Save the cached prefix of `messages` for `session`, one shard per rank."""
-        import uuid
+    def save_cache(self, session: str, messages: list[dict[str, str]]) -> Any:
+        """Write the conversation's cached path to every rank's disk tier."""
+        return self._report({"type": "save", "session": session, "messages": messages})
 
-        return self._report(
-            {
-                "type": "save",
-                "session": session,
-                "messages": messages,
-                "model_id": model_id,
-                "save_id": uuid.uuid4().hex,
-            }
-        )
-
-    def load_cache(self, session: str, messages: list[dict[str, str]], model_id: str) -> Any:
-        """Load `session`'s saved shards if every rank's verifies (else none is used)."""
-        return self._report(
-            {"type": "load", "session": session, "messages": messages, "model_id": model_id}
-        )
+    def load_cache(self, session: str, messages: list[dict[str, str]]) -> Any:
+        """How much of a resumed conversation the ranks' restored tree holds."""
+        return self._report({"type": "load", "session": session, "messages": messages})
 
     def _report(self, message: dict[str, Any]) -> Any:
         from exokv.chat.kvsave import CacheFileReport
@@ -286,7 +275,7 @@ class ClusterClient:
                 graceful = False
         if proc is not None:
             # With a disk tier the ranks spill what RAM holds and persist it: more time.
-            patience = 60.0 if getattr(self.opts, "disk_budget", None) else 5.0
+            patience = 60.0 if (disk_budget_text(self.opts) or "0") != "0" else 5.0
             _wait(proc, patience if graceful else 0.0)
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
@@ -386,8 +375,8 @@ class ClusterClient:
             args += ["--budgets", ",".join(map(str, budgets))]
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
-        if getattr(opts, "disk_budget", None) is not None:  # the disk tier (exokv.cache.tiers)
-            args += ["--disk-budget", str(opts.disk_budget)]
+        # The disk tier (exokv.cache.tiers): the ranks get what this chat decided.
+        args += ["--disk-budget", disk_budget_text(opts) or "0"]
         if getattr(opts, "kv_bits", None) is not None:
             args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]
         if self.plan.local:  # a pid means nothing on another host

@@ -388,78 +388,32 @@ class Rank:
                 gather_s = group.seconds["gather"] - before_s["gather"]
                 self._log(turn, result, counts, gather_s)
 
-    # -- saved KV caches: one shard per rank, all or nothing ---------------------
-
-    def _layout(self) -> str:
-        """What a shard depends on besides the model: how the layers are spread."""
-        split = self.args.split or "even"
-        return f"{self.args.parallel}:{self.world.size()}:{split}"
+    # -- /save and resuming: the disk tier (exokv.chat.kvsave) ---------------------
 
     def _save(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
+        """Every rank writes its shard of the conversation's path; a write that failed on
+        any rank (a full disk) makes the save fail on all of them."""
         from exokv.chat import kvsave
 
         session = message["session"]
-        error = ""
-        try:
-            report = kvsave.save_session(
-                engine,
-                session,
-                message["messages"],
-                message["model_id"],
-                rank=self.rank,
-                layout=self._layout(),
-                save_id=message["save_id"],
-            )
-        except OSError as err:
-            report = kvsave.CacheFileReport(session=session)
-            error = str(err)
-        size = report.bytes[0] if report.bytes else 0
-        rows = group.gather([0 if error else 1, report.tokens, size])
-        report.bytes = [row[2] for row in rows]
-        report.paths = [str(kvsave.shard_path(session, r)) for r in range(len(rows))]
-        failed = [r for r, row in enumerate(rows) if not row[0]]
-        if failed:
-            why = error if failed[0] == self.rank else "could not write its shard"
-            report.warning = f"rank {failed[0]}: {why}"
+        report = kvsave.save_session(engine, session, message["messages"])
+        tier = engine.coord.tier
+        failed = bool(tier is not None and report.tokens and tier.store.failed)
+        rows = group.gather([1 if failed else 0])
+        bad = [r for r, row in enumerate(rows) if row[0]]
+        if bad:
+            why = tier.store.failed if bad[0] == self.rank else "a write failed"
+            report.warning = f"rank {bad[0]}: {why}"
+        if tier is not None:
+            report.paths = [str(tier.store.root.parent / f"rank{r}") for r in range(len(rows))]
         return report
 
     def _load(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
-        """Every rank verifies its own shard; the cache is used only if all of them agree."""
-        import zlib
-
+        """A resumed session: how much of it the restored tree holds (the same on every
+        rank: the tree is); its next turn loads that from disk."""
         from exokv.chat import kvsave
 
-        session = message["session"]
-        loaded, report = kvsave.prepare_load(
-            engine,
-            session,
-            message["messages"],
-            message["model_id"],
-            rank=self.rank,
-            layout=self._layout(),
-        )
-        status = 1 if loaded is not None else (2 if report.warning else 0)  # ok, none, bad
-        same = zlib.crc32(loaded.save_id.encode()) if loaded else 0
-        size = report.bytes[0] if report.bytes else 0
-        rows = group.gather([status, len(loaded.tokens) if loaded else 0, same, size])
-        statuses = [row[0] for row in rows]
-        if all(st == 1 for st in statuses) and len({(row[1], row[2]) for row in rows}) == 1:
-            assert loaded is not None
-            kvsave.commit_load(engine, loaded, session, report)  # one gather, on every rank
-            report.bytes = [row[3] for row in rows]
-            report.paths = [str(kvsave.shard_path(session, r)) for r in range(len(rows))]
-            return report
-        if all(st == 0 for st in statuses) or status == 2:
-            return report  # nothing saved anywhere, or this rank's own reason
-        if 2 in statuses:
-            why = f"rank {statuses.index(2)}'s shard does not verify"
-        elif 0 in statuses:
-            why = f"rank {statuses.index(0)} has no shard"
-        else:
-            why = "the ranks' shards come from different saves"
-        return kvsave.CacheFileReport(
-            session=session, warning=f"saved KV cache of session {session!r}: {why}"
-        )
+        return kvsave.on_disk(engine, message["session"], message["messages"])
 
     # -- rank 0 and the channel -------------------------------------------------
 

@@ -41,21 +41,15 @@ class SessionLocks:
             return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._path(session), os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:
-            return  # a read-only home: nothing can be written to it by anyone anyway
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _holder(fd)
-            os.close(fd)
-            who = f"another exokv chat (pid {holder})" if holder else "another exokv chat"
+            fd = hold(self._path(session), {"session": session})
+        except LockHeld as held:
+            who = f"another exokv chat (pid {held.pid})" if held.pid else "another exokv chat"
             raise SessionBusy(
                 f"session {session!r} is open in {who}; end that chat first, "
                 "or pick another --session"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "session": session}).encode())
+        except OSError:
+            return  # a read-only home: nothing can be written to it by anyone anyway
         self._held[session] = fd
 
     def release_all(self) -> None:
@@ -69,6 +63,30 @@ class SessionLocks:
     def _path(self, session: str) -> Path:
         digest = hashlib.sha256(session.encode()).hexdigest()[:24]
         return self.directory / f"session-{digest}.lock"
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; `pid` is its process id when it said so."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(f"held by pid {pid}")
+        self.pid = pid
+
+
+def hold(path: Path, info: dict) -> int:
+    """Take `path`'s flock for this process and write our pid in it; the open file
+    descriptor holds the lock until it is closed (or the process ends). Raises LockHeld
+    naming the holder, or OSError when the file cannot be opened."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise LockHeld(holder) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), **info}).encode())
+    return fd
 
 
 def _holder(fd: int) -> int | None:

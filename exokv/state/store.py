@@ -39,8 +39,8 @@ def db_path(home: Path | None = None) -> Path:
 
 
 def caches_dir(home: Path | None = None) -> Path:
-    """Where saved KV caches live; `exokv cache clear` empties it."""
-    return (home if home is not None else exokv_home()) / "caches"
+    """Where the disk tier keeps KV (exokv.cache.tiers); `exokv cache clear` empties it."""
+    return (home if home is not None else exokv_home()) / "kv"
 
 
 def _corrupt(path: Path, why: str) -> ExokvError:
@@ -744,9 +744,10 @@ class Store:
 
 
 def clear_saved_caches(home: Path | None = None) -> int:
-    """Delete the saved KV caches and the disk tier (kv/); returns how many files went."""
+    """Delete the disk tier's KV (and caches/, where earlier versions kept a file per session);
+    returns how many files went."""
     count = 0
-    for directory in (caches_dir(home), (home if home is not None else exokv_home()) / "kv"):
+    for directory in (caches_dir(home), (home if home is not None else exokv_home()) / "caches"):
         if directory.is_dir():
             count += sum(1 for p in directory.rglob("*") if p.is_file())
             shutil.rmtree(directory)
