@@ -301,7 +301,7 @@ def clear(
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Forget cache entries, events, memory samples and saved KV caches; keep conversations.
+    """Forget cache entries, events, memory samples and the disk tier; keep conversations.
 
     Refuses while a chat is running: quit it first (its cache lives in its memory).
     """
@@ -336,7 +336,7 @@ def clear(
     _console().print(
         f"Cleared the records of {_plural(counts['entries'], 'cache entry')}, "
         f"{_plural(counts['events'], 'event')}, {_plural(counts['samples'], 'memory sample')} "
-        f"and {_plural(counts['saved_caches'], 'saved cache file')}. "
+        f"and {_plural(counts['saved_caches'], 'disk tier file')}. "
         "Sessions and messages are kept."
     )
 
@@ -350,7 +350,7 @@ def _confirm_or_refuse() -> None:
     if not _stdin_is_interactive():
         raise ExokvError("not clearing without confirmation: run `exokv cache clear --yes`")
     question = (
-        "Delete the cache statistics, eviction log, memory samples and saved KV caches? "
+        "Delete the cache statistics, eviction log, memory samples and the KV cache on disk? "
         "(sessions and messages are kept)"
     )
     try:

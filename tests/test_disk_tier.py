@@ -146,3 +146,51 @@ def test_an_unreadable_persisted_tree_starts_cold_and_says_why(tokenizer, tmp_pa
     assert "unreadable" in again.tier_notice and "starting cold" in again.tier_notice
     assert not list(tmp_path.glob("*.kv"))  # files of no tree are removed
     assert play(again, chats(1, 1))[0].cached_tokens == 0
+
+
+def test_one_chat_per_tier_directory(tokenizer, tmp_path, capsys):  # noqa: F811
+    """A second engine on a tier directory in use runs from RAM and says which chat has it;
+    once the first is closed, the next one gets the tier (and what the first left)."""
+    import os
+
+    first = tiered("window", tokenizer, tmp_path, None)
+    play(first, chats(1, 1))
+    second = tiered("window", tokenizer, tmp_path, None)
+    err = capsys.readouterr().err
+    assert second.coord.tier is None and first.coord.tier is not None
+    assert f"in use by another exokv chat (pid {os.getpid()})" in err
+    assert "RAM only" in err and len(err.strip().splitlines()) == 1
+    first.close()
+    third = tiered("window", tokenizer, tmp_path, None)
+    assert third.coord.tier is not None and not third.tier_notice
+    assert any(n.payload.tier == "disk" for n in third.cache.tree.nodes())
+
+
+def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
+    """A whole, checksummed file holding other positions than the tree says (e.g. a
+    node rewritten after a split, with an older tree.json left by a killed chat) is a
+    miss on load, and the replies are right."""
+    from exokv.records import TurnRequest
+    from tests.test_cache_budget import _with_replies
+
+    reference, _ = working_set("state", tokenizer)
+    script = chats(4, 2)
+    engine = tiered("state", tokenizer, tmp_path, None)
+    first = play(engine, script[:4])
+    replies = {r.session: [r.reply] for r in first}
+    pairs = [(r.reply, engine.reply_tokens(r.reply)) for r in first]
+    engine.close()
+    files = sorted(tmp_path.glob("*.kv"), key=lambda f: f.stat().st_size)
+    # Every file now holds the positions of another entry (a valid file, the wrong one).
+    contents = [f.read_bytes() for f in files]
+    for f, data in zip(files, contents[1:] + contents[:1], strict=True):
+        f.write_bytes(data)
+    again = tiered("state", tokenizer, tmp_path, None)
+    again.remember_replies(pairs)
+    results = []
+    for session, messages in script[4:]:
+        full = _with_replies(messages, replies[session])
+        results.append(again.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
+    assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+    drops = [e for r in results for e in r.events if e.kind == "drop"]
+    assert drops and all("unreadable contents" in e.reason for e in drops)

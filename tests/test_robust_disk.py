@@ -1,6 +1,6 @@
-"""A full disk under the saved KV caches, and a read-only home (real mounts, as root).
+"""A full disk under the KV disk tier, and a read-only home (real mounts, as root).
 
-A 16 KB tmpfs mounted on EXOKV_HOME/caches fills up on the first shard; a read-only
+A 16 KB tmpfs mounted on EXOKV_HOME/kv has no room for the first entry; a read-only
 bind mount of a healthy home is a home nobody can write. Each mount is undone in
 teardown; where mounting is not allowed (not root, no tmpfs) the tests skip and say so.
 """
@@ -31,9 +31,9 @@ def _umount(target: Path) -> None:
 
 @pytest.fixture
 def full_caches(tmp_path: Path, models_dir: Path) -> Iterator[Path]:
-    """A home whose caches folder is a 16 KB tmpfs: no KV cache shard fits."""
+    """A home whose disk tier folder is a 16 KB tmpfs: no KV cache entry fits."""
     home = home_with_models(tmp_path / "h", models_dir, link=True)
-    caches = home / "caches"
+    caches = home / "kv"
     caches.mkdir()
     why = _mount(["-t", "tmpfs", "-o", "size=16k", "tmpfs", str(caches)])
     if why:
