@@ -50,6 +50,7 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     args = (
         *("--model", model, "-n", "2", "--split", "3,1", *extra),
         *("--cache-budget", ",".join(str(b) for b in budgets)),
+        *("--disk-budget", "0"),  # RAM evictions are what this test is about
         *("--starting-port", str(port)),
     )
     turns = run_script(home, SCRIPT, *args, env=env)

@@ -87,7 +87,7 @@ def test_small_budget_evicts_lru_not_in_use(tmp_path):
         script += [f"/new {name}", f"Tell me about {name} and the sea and the mountains."]
     script += ["/switch a", "And more about a?", "/switch b", "And more about b?"]
     budget = 150_000  # about two of the three conversations at ~1 KB per token on tiny
-    cached = chat_json(script, tmp_path / "a", "--cache-budget", str(budget))
+    cached = chat_json(script, tmp_path / "a", "--cache-budget", str(budget), "--disk-budget", "0")
     cold = chat_json(script, tmp_path / "b", "--no-cache")
     assert [t["reply"] for t in cached] == [t["reply"] for t in cold]
     evicts = [e for t in cached for e in t["events"] if e["kind"] == "evict"]

@@ -321,7 +321,8 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
     # it has room, or the next turn would prefill from different points.
     home = home_with_models(tmp_path / "two", models_dir)
     env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
-    args = ("-n", "2", "--split", "3,1", "--cache-budget", "1MB,20KB", "--starting-port", "25140")
+    args = ("-n", "2", "--split", "3,1", "--cache-budget", "1MB,20KB", "--disk-budget", "0")
+    args += ("--starting-port", "25140")
     two = run_script(home, SESSIONS_SCRIPT, *args, env=env)
     cold = run_script(
         home_with_models(tmp_path / "cold", models_dir), SESSIONS_SCRIPT, "--no-cache"
@@ -379,11 +380,12 @@ def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) 
     home = home_with_models(tmp_path / "h", models_dir)
     args = ("-n", "2", "--session", "s")
     first = run_script(home, SCRIPT[:2], *args, "--starting-port", "25180")
-    shards = sorted(p.name for p in (home / "caches").glob("*/rank*.safetensors"))
-    assert shards == ["rank0.safetensors", "rank1.safetensors"]  # saved on quit, per rank
+    trees = sorted(p.parent.name for p in (home / "kv").glob("*/*/rank*/tree.json"))
+    assert trees == ["rank0", "rank1"]  # each rank's disk tier, persisted on quit
     resumed = run_script(home, SCRIPT[2:3], *args, "--starting-port", "25190")
-    # The whole earlier conversation comes back from the two shards, not recomputed.
+    # The whole earlier conversation comes back from the two ranks' tiers, not recomputed.
     assert resumed[0]["cached_tokens"] >= first[-1]["prompt_tokens"]
+    assert any(e["kind"] == "load" for e in resumed[0]["events"])
 
 
 @pytest.mark.timeout(90)

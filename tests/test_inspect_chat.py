@@ -15,6 +15,7 @@ from chat_helpers import cache_json, exokv_text
 
 BUDGET = 200_000
 CHAT = ["chat", "--model", "builtin:tiny", "--json", "--cache-budget", "200KB", "--max-tokens", "8"]
+CHAT += ["--disk-budget", "0"]  # evictions, not spills: what the tables are checked on
 LINES = [
     "Hello there, tell me about the weather in Paris today",
     "And what about tomorrow in London?",

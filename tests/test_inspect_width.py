@@ -44,8 +44,10 @@ def home(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Path:
         "/switch paris",
         "One more thing about Paris: is it sunny in the spring?",
     ]
-    proc = run_exokv(["chat", "--model", "builtin:tiny", "--json", "--cache-budget", "60KB",
-                      "--max-tokens", "8"], path, "\n".join(lines) + "\n")  # fmt: skip
+    args = ["--cache-budget", "60KB", "--disk-budget", "0", "--max-tokens", "8"]
+    proc = run_exokv(
+        ["chat", "--model", "builtin:tiny", "--json", *args], path, "\n".join(lines) + "\n"
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     return path
 

@@ -251,7 +251,7 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
     term = chat_terminal(home, "--max-tokens", "12", "--session", "s1")
     try:
         term.expect(r"resumed 's1': 3 turns")
-        loaded = term.expect(r"loaded its KV cache: ([\d,]+) tokens")
+        loaded = term.expect(r"its KV cache: ([\d,]+) tokens on disk")
         term.expect(prompt("s1"))
         _, st6 = say(term, "s1", "One more thing.")
         term.type("/quit\r")
@@ -477,7 +477,7 @@ def test_resume_without_model_keeps_the_sessions_model(tmp_path: Path, models: P
         term.expect(r"resuming 'pasta' on builtin:tiny")
         term.expect(r"exokv · builtin:tiny · 1 rank")
         term.expect(r"resumed 'pasta': 1 turn\b")
-        term.expect(r"loaded its KV cache: [\d,]+ tokens")
+        term.expect(r"its KV cache: [\d,]+ tokens on disk")
         _, status = say(term, "pasta", "And then?")
         term.type("/quit\r")
         term.expect(r"saved the KV cache of 'pasta'")

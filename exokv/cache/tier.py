@@ -161,7 +161,7 @@ class DiskTier:
         for node in path:
             if not self.on_disk(node):
                 if self.stopped:
-                    why = self.stopped
+                    why = "the disk tier is full or unwritable"
                     break
                 self._forget_copy(node.id)
                 if not self._make_room(self.node_bytes(node), node):
@@ -239,7 +239,7 @@ class DiskTier:
             # The same reason on every rank (events are compared across ranks); the
             # rank that failed says why on its own stderr.
             reason = f"unreadable on rank {rank}" + (f": {why}" if self.group.size == 1 else "")
-            if rank == self.group.rank:
+            if rank == self.group.rank and why != "its write failed":  # that was warned of
                 where = f"rank {rank}: " if self.group.size > 1 else ""
                 self._warn(
                     f"{where}disk tier entry {used[agreed].id} ({self.store.path(used[agreed].id)})"
@@ -287,7 +287,10 @@ class DiskTier:
             if skip < 0 or end < node.depth or (record.state and end != node.depth):
                 return None
             length = len(node.key)
-            p.kv = [layers.take(kv, skip, skip + length) for kv in obj["kv"]]
+            p.kv = [
+                kv if skip == 0 and _seq_len(kv) == length else layers.take(kv, skip, skip + length)
+                for kv in obj["kv"]
+            ]
             if any(_seq_len(kv) != length for kv in p.kv):
                 return None
             p.windows = []

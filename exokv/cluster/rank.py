@@ -390,6 +390,11 @@ class Rank:
 
     # -- /save and resuming: the disk tier (exokv.chat.kvsave) ---------------------
 
+    def _layout(self) -> str:
+        """What a rank's disk tier depends on besides the model: how the layers are spread."""
+        split = self.args.split or "even"
+        return f"{self.args.parallel}:{self.world.size()}:{split}"
+
     def _save(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
         """Every rank writes its shard of the conversation's path; a write that failed on
         any rank (a full disk) makes the save fail on all of them."""

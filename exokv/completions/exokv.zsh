@@ -75,7 +75,7 @@ _exokv() {
             subs=()
             opts=('--model:builtin:tiny|small|base, a path or a HF repo id' '-m:builtin:tiny|small|base, a path or a HF repo id' '--ranks:ranks on this machine, started by mlx.launch' '-n:ranks on this machine, started by mlx.launch' '--parallel:pipeline|tensor (how --ranks > 1 shard the model)' '--starting-port:first port of the ranks'\'' ring (default: free ports)' '--turns:turns per conversation' '--context:prompt tokens of the last turn' '--reply-tokens:most tokens per reply' '--scenario:linear|switch|branch|shared-prefix|all (or a comma list)' '--repeat:runs per scenario; medians are reported' '--seed:seed of the generated conversations' '--json:print one JSON document to stdout' '--plot:write a PNG of TTFT per turn (matplotlib)' '--cache-budget:the same cache byte budget for mlx-lm-lru (as mlx_lm.server --prompt-cache-bytes) and exokv, e.g. 48MB; cold and carried are not affected' '--kv-bits:quantized KV (4 or 8) for exokv and exokv+disk; drift reported' '--kv-group-size:quantization group size' '--help:Show this message and exit') ;;
         "exokv cache")
-            subs=('clear:Forget cache entries, events, memory samples and saved KV caches; keep conversations' 'entries:One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used' 'evictions:The eviction log, newest first: what went, why, and every rank'\''s pressure then' 'pressure:Memory pressure per rank: the latest sample and a sparkline of recent ones' 'stats:Per rank and total: entries, cached tokens, bytes, budget, hits, misses, evictions')
+            subs=('clear:Forget cache entries, events, memory samples and the disk tier; keep conversations' 'entries:One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used' 'evictions:The eviction log, newest first: what went, why, and every rank'\''s pressure then' 'pressure:Memory pressure per rank: the latest sample and a sparkline of recent ones' 'stats:Per rank and total: entries, cached tokens, bytes, budget, hits, misses, evictions')
             opts=('--help:Show this message and exit') ;;
         "exokv cache clear")
             subs=()
@@ -102,7 +102,7 @@ _exokv() {
             subs=()
             opts=('--json:one JSON document' '--help:Show this message and exit') ;;
         "exokv sessions")
-            subs=('list:Every conversation, most recently used first: turns, tokens, model, last used' 'rename:Rename a conversation; its saved KV cache on this machine follows it' 'rm:Delete a conversation, its turns and its saved KV cache (cache statistics stay)' 'show:The conversation'\''s transcript, with its model and system prompt')
+            subs=('list:Every conversation, most recently used first: turns, tokens, model, last used' 'rename:Rename a conversation (its KV cache is keyed by its tokens: it follows)' 'rm:Delete a conversation and its turns (its KV on disk ages out; `exokv cache clear`)' 'show:The conversation'\''s transcript, with its model and system prompt')
             opts=('--help:Show this message and exit') ;;
         "exokv sessions list")
             subs=()
