@@ -43,6 +43,40 @@ def caches_dir(home: Path | None = None) -> Path:
     return (home if home is not None else exokv_home()) / "kv"
 
 
+@contextmanager
+def _opening(path: Path) -> Iterator[None]:
+    """One opener at a time sets a database up (integrity check, WAL, migrations).
+
+    SQLite answers "database is locked" at once, not after the busy timeout, to a
+    connection that switches a rollback-journal file to WAL while another has it
+    open, so concurrent first opens of an old database are taken in turn: an
+    `flock` on a file beside it, which the system releases if the holder dies.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(path.with_name(path.name + "-open.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield  # nowhere to put the lock (a read-only folder): nothing can write either
+        return
+    try:
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise ExokvError(
+                        f"the state database {path} is being opened by another exokv "
+                        "that does not finish; try again"
+                    ) from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _corrupt(path: Path, why: str) -> ExokvError:
     why = " ".join(why.split())  # one line, whatever SQLite said
     moves = [f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.corrupt')}"]
@@ -206,7 +240,7 @@ class Store:
         except sqlite3.Error as err:
             raise ExokvError(f"cannot open the state database {path}: {err}") from err
         store = cls(db, path)
-        with _closed_on_failure(db, path):
+        with _closed_on_failure(db, path), _opening(path):
             if existed:
                 store._check_integrity()
             with store._guard():
