@@ -158,7 +158,7 @@ def test_a_chat_over_ssh_on_two_hosts(
     assert [t["turn"] for t in turns] == [1, 2, 3], err
     assert all(t["ranks"] == 2 for t in turns)
     assert turns[1]["cached_tokens"] > 0  # the prefix cache works across the two hosts
-    # Both ranks saved their shard of the KV cache on quit, each where its host keeps it.
-    shards = sorted(p.name for p in (home / "caches").glob("*/rank*.safetensors"))
-    assert shards == ["rank0.safetensors", "rank1.safetensors"]
+    # Both ranks kept their shard of the KV cache on quit, each in its own disk tier.
+    trees = sorted(p.parent.name for p in (home / "kv").glob("*/*/rank*/tree.json"))
+    assert trees == ["rank0", "rank1"]
     assert _ranks_left(home) == []

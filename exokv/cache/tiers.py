@@ -33,8 +33,9 @@ def validate_tier_options(disk_budget: str | None, kv_bits: int | None, group: i
         raise UsageError(f"--kv-group-size {group}: use 32, 64 or 128")
 
 
-def parse_disk_budget(text: str, where: Path) -> int:
-    """'20GB' -> bytes; 'auto' -> a share of the free space at `where`; '0' -> 0 (off)."""
+def parse_disk_budget(text: str, where: Path, ranks_here: int = 1) -> int:
+    """'20GB' -> bytes; 'auto' -> a share of the free space at `where` (divided among
+    the ranks sharing this machine's disk); '0' -> 0 (off)."""
     from exokv.config import parse_size
 
     text = text.strip()
@@ -43,7 +44,7 @@ def parse_disk_budget(text: str, where: Path) -> int:
     if text.lower() == "auto":
         from exokv.cache.disk import free_bytes
 
-        return int(AUTO_SHARE * free_bytes(where))
+        return int(AUTO_SHARE * free_bytes(where) / max(ranks_here, 1))
     try:
         return parse_size(text)
     except UsageError:
@@ -69,7 +70,7 @@ def tier_options(opts: Any, rank: int, layout: str) -> dict[str, Any]:
         return out
     full = f"{layout}-kv{bits or 16}g{group}-max{getattr(opts, 'max_kv_size', None) or 0}"
     where = tier_dir(_identity(opts.model), full, rank)
-    budget = parse_disk_budget(text, where)
+    budget = parse_disk_budget(text, where, int(getattr(opts, "ranks_here", 1) or 1))
     # Every rank must have the tier or none (its numbers ride in the turn's gather):
     # `auto` on a rank with no free space is a tier of 0 bytes, not no tier.
     if budget > 0 or text.strip().lower() == "auto":
@@ -84,7 +85,9 @@ def shown_disk_budget(opts: Any) -> int | None:
     text = disk_budget_text(opts)
     if text is None:
         return None
-    return parse_disk_budget(text, exokv_home()) or None
+    here = 1 if getattr(opts, "hosts", None) or getattr(opts, "hostfile", None) else None
+    ranks = here or int(getattr(opts, "ranks", 1) or 1)
+    return parse_disk_budget(text, exokv_home(), ranks) or None
 
 
 def disk_budget_text(opts: Any) -> str | None:
