@@ -97,16 +97,13 @@ class DiskTier:
         self.cache.evict(node)
 
     def _make_room(self, size: list[int], node: Node) -> bool:
+        """Drop on-disk leaves, least recently used first, until `size` more fits on
+        every rank's disk. The tree keeps them in order, so no walk (a leaf is never
+        an ancestor of `node`)."""
         while not self._fits(size):
-            victims = [
-                n
-                for n in self.cache.tree.nodes()
-                if is_disk(n) and not n.children and n.locks == 0 and n is not node
-            ]
-            victims = [n for n in victims if not _is_ancestor(n, node)]
-            if not victims:
+            victim = next((n for n in self.cache.tree.lru_nonresident() if n is not node), None)
+            if victim is None:
                 return False
-            victim = min(victims, key=lambda n: (n.last_used, n.id))
             self.drop(victim, "disk budget")
         return True
 
@@ -293,15 +290,6 @@ class DiskTier:
             if is_disk(node):
                 self.store.delete(node.id)
         self.totals = dict.fromkeys(self.cache.classes, 0)
-
-
-def _is_ancestor(a: Node, b: Node) -> bool:
-    n = b.parent
-    while n is not None:
-        if n is a:
-            return True
-        n = n.parent
-    return False
 
 
 def _arrays(p: Payload, window_classes: list[StorageClass]) -> dict[str, Any]:
