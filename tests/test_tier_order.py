@@ -1,6 +1,7 @@
-"""The disk tier under its own budget: what it drops is the least recently used
-on-disk leaf, read from the tree's order of non-resident leaves (no walk), the very
-node a walk of the whole tree picks, and the chat's replies do not change."""
+"""The disk tier reads the tree's orders, never walks it: under its own budget it drops
+the least recently used on-disk leaf (the very node a walk of the whole tree picks,
+and the chat's replies do not change), and a turn with half the tree on disk reads
+its path and its evictions, not the tree."""
 
 from __future__ import annotations
 
