@@ -327,29 +327,44 @@ def _split_empty(payload: Any, k: int) -> tuple[Any, Any]:
     return Payload(start=payload.start), Payload(start=payload.start + k)
 
 
-def bench_engine(sizes: list[int], depth: int, repeat: int, seed: int) -> list[dict[str, Any]]:
+def bench_engine(
+    sizes: list[int], depth: int, repeat: int, seed: int, disk: bool = False
+) -> list[dict[str, Any]]:
     """Engine.turn on builtin:tiny with the tree padded to `size` nodes: overhead_s
     and TTFT of a short cached turn. The padding is other conversations' nodes
-    holding no K/V (empty payloads): the turn's own K/V is real."""
+    holding no K/V (empty payloads): the turn's own K/V is real.
+
+    With `disk`, a disk tier is on and full: the lower half of every padding
+    conversation is on disk, the padding is counted in the RAM budget (as tokens
+    times the measured bytes per token) and both budgets are what is held after
+    padding, so every turn spills RAM leaves and every spill drops on-disk leaves."""
+    import tempfile
+
     from mlx_lm import load
 
     from exokv.cache.prefix_cache import Payload
-    from exokv.engine import Engine
+    from exokv.engine import Engine, EngineOptions
     from exokv.model.builtin import ensure_builtin
     from exokv.records import TurnRequest
 
     model, tokenizer = load(str(ensure_builtin("tiny")))
     rows = []
     for size in sizes:
-        engine = Engine(model, tokenizer)
+        tmp = tempfile.TemporaryDirectory(prefix="exokv-bench-disk-")
+        options = EngineOptions(disk_dir=tmp.name, disk_budget=1) if disk else None
+        engine = Engine(model, tokenizer, options=options)
         rng = random.Random(seed)
         pad = engine.cache.tree
+        ends = []
         for c in range(max(1, round(size / depth))):
             conv = [100_000 + c] + [rng.randrange(256) for _ in range(depth * TURN - 1)]
             (node,), _ = pad.insert(conv, lambda a, b: Payload(start=a), _split_empty)
+            ends.append(node)
             while len(node.key) > TURN:
                 node = pad.split(node, len(node.key) - TURN, _split_empty)
         padded = sum(1 for _ in pad.nodes())
+        if disk:
+            _spill_padding(engine, ends)
         messages = [{"role": "system", "content": "You are terse."}]
         overheads, ttfts, walls = [], [], []
         for t in range(repeat + 1):
@@ -363,15 +378,39 @@ def bench_engine(sizes: list[int], depth: int, repeat: int, seed: int) -> list[d
                 overheads.append(result.overhead_s * 1000)
                 ttfts.append(result.ttft_s * 1000)
                 walls.append(wall * 1000)
-        rows.append(
-            {
-                "nodes": padded,
-                "overhead_ms": statistics.median(overheads),
-                "ttft_ms": statistics.median(ttfts),
-                "turn_ms": statistics.median(walls),
-            }
-        )
+        row = {
+            "nodes": padded,
+            "overhead_ms": statistics.median(overheads),
+            "ttft_ms": statistics.median(ttfts),
+            "turn_ms": statistics.median(walls),
+        }
+        if disk:
+            tier = engine.coord.tier
+            on_disk = sum(1 for n in pad.nodes() if n.payload.tier == "disk")
+            row.update(on_disk=on_disk, spills=tier.spills, drops=tier.drops)
+            tier.store.flush()
+        rows.append(row)
+        tmp.cleanup()
     return rows
+
+
+def _spill_padding(engine: Any, ends: list[Node]) -> None:
+    """Count the padding in the cache's figures, put the lower half of each padding
+    conversation on disk (no files: the turns never read them) and make both budgets
+    what is held now, so the cache is full in RAM and on disk."""
+    cache, tier = engine.cache, engine.coord.tier
+    for node in cache.tree.nodes():
+        cache._account(cache.counts(node), 0, {}, 0)
+    for end in ends:
+        path = []
+        while end.parent is not None:
+            path.append(end)
+            end = end.parent
+        for node in path[: len(path) // 2]:  # deepest first: on-disk nodes stay below RAM
+            cache.detach(node)
+            tier._count(node, +1)
+    engine.coord.budget = engine.coord.held_bytes()[0]
+    tier.budget = tier.disk_bytes()[0]
 
 
 def bench_common_prefix(tokens: int, repeat: int) -> dict[str, Any]:
@@ -397,6 +436,11 @@ def main() -> None:
     ap.add_argument(
         "--engine", action="store_true", help="also: Engine.turn's overhead_s in padded trees"
     )
+    ap.add_argument(
+        "--disk",
+        action="store_true",
+        help="with --engine: a full disk tier under a full RAM budget (spills and drops each turn)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -409,7 +453,7 @@ def main() -> None:
         contexts = [int(c) for c in args.contexts.split(",")]
         doc["render"] = bench_render(contexts, args.repeat, args.seed)
     if args.engine:
-        doc["engine"] = bench_engine(sizes, args.depth, args.repeat, args.seed)
+        doc["engine"] = bench_engine(sizes, args.depth, args.repeat, args.seed, args.disk)
     if args.json:
         print(json.dumps(doc, indent=2))
         return
@@ -451,11 +495,16 @@ def print_tables(doc: dict[str, Any]) -> None:
             )
 
     if "engine" in doc:
-        print("\nEngine.turn on builtin:tiny, median ms: nodes | overhead_s | TTFT | whole turn")
+        disk = "on_disk" in doc["engine"][0]
+        print(
+            "\nEngine.turn on builtin:tiny, median ms: nodes | overhead_s | TTFT | whole turn"
+            + (" | on disk | spills | drops (a full disk tier)" if disk else "")
+        )
         for row in doc["engine"]:
+            more = f" | {row['on_disk']} | {row['spills']} | {row['drops']}" if disk else ""
             print(
                 f"{row['nodes']} | {row['overhead_ms']:.2f} | {row['ttft_ms']:.1f} | "
-                f"{row['turn_ms']:.1f}"
+                f"{row['turn_ms']:.1f}{more}"
             )
 
 

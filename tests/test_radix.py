@@ -195,6 +195,42 @@ TOKENS = st.integers(0, 3)
 SEQS = st.lists(TOKENS, min_size=0, max_size=8)
 
 
+class Edge(list):
+    """A payload that can leave residence (as the disk tier's on-disk nodes do)."""
+
+    cold = False
+
+
+def is_warm(payload) -> bool:
+    return not getattr(payload, "cold", False)
+
+
+def split_edge(payload, k):
+    head, tail = Edge(payload[:k]), Edge(payload[k:])
+    head.cold = tail.cold = getattr(payload, "cold", False)
+    return head, tail
+
+
+def set_cold(tree: RadixTree, node: Node, cold: bool, in_place: bool) -> None:
+    """Move a node in or out of residence, by a new payload or by changing it in place."""
+    if in_place:
+        if not isinstance(node.payload, Edge):
+            node.payload = Edge(node.payload)
+        node.payload.cold = cold
+        tree.resize(node)
+    else:
+        edge = Edge(node.payload)
+        edge.cold = cold
+        node.payload = edge
+
+
+def warm_path(tree: RadixTree, tokens) -> None:
+    """What the disk tier does before an insert: the path's nodes come back, top down."""
+    for node in tree.match(tokens).path:
+        if not is_warm(node.payload):
+            set_cold(tree, node, False, in_place=False)
+
+
 class Reference:
     """Every token prefix the tree should hold; longest match by linear scan."""
 
@@ -221,7 +257,8 @@ class Reference:
 class RadixMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
-        self.tree = RadixTree(size_of=len)  # payloads are token lists: weight = tokens held
+        # Payloads are token lists (weight = tokens held), some of them not resident.
+        self.tree = RadixTree(size_of=len, resident=is_warm)
         self.ref = Reference()
         self.seen_ids: set[int] = set()
         self.held: list[tuple[list[Node], tuple[int, ...], int]] = []  # locks in use
@@ -238,6 +275,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=SEQS)
     def insert(self, tokens) -> None:
+        warm_path(self.tree, tokens)
         before = {n.id for n in self.tree.nodes()}
         added, split = insert(self.tree, tokens)
         new = self._record_new_ids(before)
@@ -305,9 +343,39 @@ class RadixMachine(RuleBasedStateMachine):
         node = data.draw(st.sampled_from(long))
         k = data.draw(st.integers(1, len(node.key) - 1))
         before = {n.id for n in self.tree.nodes()}
-        upper = self.tree.split(node, k, split_list)
+        upper = self.tree.split(node, k, split_edge)
         assert self._record_new_ids(before) == {upper.id}
         self.ops.append(("split", node.id, k))
+
+    @rule(data=st.data(), in_place=st.booleans())
+    def spill(self, data, in_place) -> None:
+        # A node leaves residence only when none of its children is resident.
+        warm = [
+            n
+            for n in self.tree.nodes()
+            if is_warm(n.payload) and not any(is_warm(c.payload) for c in n.children.values())
+        ]
+        if not warm:
+            return
+        node = data.draw(st.sampled_from(warm))
+        set_cold(self.tree, node, True, in_place)
+        self.ops.append(("cold", node.id, in_place))
+
+    @rule(data=st.data(), in_place=st.booleans())
+    def load(self, data, in_place) -> None:
+        # A node comes back with every ancestor not resident yet, from the top down.
+        cold = [n for n in self.tree.nodes() if not is_warm(n.payload)]
+        if not cold:
+            return
+        node = data.draw(st.sampled_from(cold))
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        for n in reversed(path):
+            if not is_warm(n.payload):
+                set_cold(self.tree, n, False, in_place)
+                self.ops.append(("warm", n.id, in_place))
 
     @rule()
     def drain(self) -> None:
@@ -330,6 +398,9 @@ class RadixMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.tree.check()  # includes: every incremental figure equals a full recount
+        for node in self.tree.nodes():  # the generator keeps the tier's invariant
+            if not is_warm(node.payload):
+                assert not any(is_warm(c.payload) for c in node.children.values())
         assert self.tree.weight == sum(len(n.key) for n in self.tree.nodes())
         for node_id in self.seen_ids:
             found = self.tree.find(node_id)
@@ -352,9 +423,10 @@ class RadixMachine(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         # Rank coherence: a second tree fed the same operations is identical, ids included.
-        other, held = RadixTree(size_of=len), []
+        other, held = RadixTree(size_of=len, resident=is_warm), []
         for op, arg, *more in self.ops:
             if op == "insert":
+                warm_path(other, arg)
                 insert(other, list(arg))
             elif op == "lock":
                 held.append(other.match(arg).path)
@@ -364,16 +436,20 @@ class RadixMachine(RuleBasedStateMachine):
             elif op == "touch":
                 other.touch(other.match(arg).path)
             elif op == "split":
-                other.split(other.find(arg), more[0], split_list)
+                other.split(other.find(arg), more[0], split_edge)
+            elif op in ("cold", "warm"):
+                set_cold(other, other.find(arg), op == "cold", more[0])
             else:
                 other.remove_leaf(other.find(arg))
         assert shape(other) == shape(self.tree)
         assert [n.locks for n in other.nodes()] == [n.locks for n in self.tree.nodes()]
+        assert [n.resident for n in other.nodes()] == [n.resident for n in self.tree.nodes()]
         assert other.figures() == self.tree.figures()
         # The digest tells trees apart: one more operation on one side changes it.
-        if self.tree.evictable():
+        leaf = next((n for n in other.nodes() if n.is_leaf and not n.locks), None)
+        if leaf is not None:
             shapes = other.digest
-            other.remove_leaf(next(other.lru_leaves()))
+            other.remove_leaf(leaf)
             assert other.digest != shapes
 
 
@@ -416,6 +492,33 @@ def test_lru_leaves_follow_use_locks_and_evictions():
     assert [n.id for n in tree.lru_leaves()] == [
         n.id for n in sorted([c, upper], key=lambda n: (n.last_used, n.id))
     ]
+    tree.check()
+
+
+def test_resident_and_nonresident_orders_follow_spills_loads_and_locks():
+    tree = RadixTree(size_of=len, resident=is_warm)
+    a = insert(tree, [1, 2, 3])[0][0]
+    b = insert(tree, [1, 2, 4])[0][-1]  # upper (1, 2) over a and b
+    c = insert(tree, [5])[0][0]
+    upper = a.parent
+    assert list(tree.lru_leaves()) == [a, b, c] and list(tree.lru_nonresident()) == []
+    set_cold(tree, a, True, in_place=True)  # a spilled: changed in place, the tree told
+    assert list(tree.lru_leaves()) == [b, c] and list(tree.lru_nonresident()) == [a]
+    set_cold(tree, b, True, in_place=False)  # b spilled: a new payload
+    # upper's children are all off: upper is a resident leaf, with its own last use.
+    assert list(tree.lru_leaves()) == sorted([upper, c], key=lambda n: (n.last_used, n.id))
+    assert list(tree.lru_nonresident()) == [a, b]
+    tree.lock([b])
+    assert list(tree.lru_nonresident()) == [a]
+    tree.unlock([b])
+    set_cold(tree, upper, True, in_place=False)  # not a leaf: in neither order
+    assert list(tree.lru_nonresident()) == [a, b] and list(tree.lru_leaves()) == [c]
+    tree.remove_leaf(a)
+    tree.remove_leaf(b)  # upper, childless now, is the next to leave the tree
+    assert list(tree.lru_nonresident()) == [upper]
+    warm_path(tree, [1, 2])  # loaded back
+    assert list(tree.lru_leaves()) == sorted([upper, c], key=lambda n: (n.last_used, n.id))
+    assert list(tree.lru_nonresident()) == []
     tree.check()
 
 

@@ -10,14 +10,14 @@ to bring every rank within its budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from exokv.cache.layers import KV, STATE, StorageClass
 from exokv.cache.memory import MemorySample
-from exokv.cache.policy import Entry, Eviction, RankLoad, plan, plan_lru
+from exokv.cache.policy import Entry, Eviction, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
-from exokv.cache.radix import Node
+from exokv.cache.radix import Node, RadixTree
 from exokv.cache.tier import DiskTier
 from exokv.cluster.group import Group
 from exokv.errors import ExokvError
@@ -238,60 +238,20 @@ class Coordinator:
     ) -> None:
         """Evict by the plan, the same entries on every rank."""
         pinned = pinned or set()
-        if self.tier is not None:
-            planned = self._plan_ram_only(loads, pinned)
-        else:
-            planned = self._plan_lru(loads, pinned)
+        rates = self.last.rates
+        planned = plan_tree(
+            self.cache.tree,
+            lambda node: _bytes(self.cache.counts(node), rates),
+            loads,
+            self.threshold,
+            pinned,
+        )
         pressures = [load.pressure for load in self.last.loads]
         # The plan is complete before anything is evicted: the leaf order it read changes.
         for eviction in planned:
             node = self.cache.tree.find(eviction.entry)
             event = self._evict_event(node, decision, eviction.reason, pressures)
             self._remove(node, event, events)
-
-    def _plan_lru(self, loads: list[RankLoad], pinned: set[Node]) -> list[Eviction]:
-        """Least recently used unlocked leaves, taken lazily from the tree's own order,
-        so the cost is the evictions', not the tree's size."""
-        tree = self.cache.tree
-        rates = self.last.rates
-
-        def entry(node: Node) -> Entry:
-            parent = node.parent.id if node.parent is not None and node.parent.parent else None
-            return Entry(node.id, parent, node.last_used, node.locks > 0 or node in pinned)
-
-        def entry_of(node_id: int) -> Entry | None:
-            node = tree.find(node_id)
-            return None if node is None else entry(node)
-
-        return plan_lru(
-            (entry(n) for n in tree.lru_leaves() if n not in pinned),
-            entry=entry_of,
-            children=lambda node_id: len(tree.find(node_id).children),
-            sizes_of=lambda node_id: _bytes(self.cache.counts(tree.find(node_id)), rates),
-            ranks=loads,
-            threshold=self.threshold,
-        )
-
-    def _plan_ram_only(self, loads: list[RankLoad], pinned: set[Node]) -> list[Eviction]:
-        """The plan over the entries in RAM alone (a node whose children are all on disk
-        is a leaf of RAM). It walks the tree: the disk tier is opt-in, and its RAM-only
-        leaf order is not kept by the tree yet."""
-        nodes = [n for n in self.cache.tree.nodes() if n.payload.tier == "ram"]
-        rates = self.last.rates
-        sizes = [[0] * len(nodes) for _ in loads]
-        for i, node in enumerate(nodes):
-            for r, b in enumerate(_bytes(self.cache.counts(node), rates)):
-                sizes[r][i] = b
-        entries = [
-            Entry(
-                id=n.id,
-                parent=n.parent.id if n.parent is not None else None,
-                last_used=n.last_used,
-                locked=n.locks > 0 or n in pinned,
-            )
-            for n in nodes
-        ]
-        return plan(entries, sizes, loads, self.threshold)
 
     def _remove(self, node: Node, event: CacheEvent, events: list[CacheEvent]) -> None:
         """Evict `node` from RAM: to the disk tier when there is one (a spill), else away."""
@@ -376,6 +336,37 @@ class Coordinator:
             last_used=node.last_used,
             tier=node.payload.tier,
         )
+
+
+def plan_tree(
+    tree: RadixTree,
+    sizes_of: Callable[[Node], list[int]],
+    loads: Sequence[RankLoad],
+    threshold: float,
+    pinned: set[Node] | frozenset[Node] = frozenset(),
+) -> list[Eviction]:
+    """`policy.plan_lru` over what the tree holds resident (in RAM), read lazily from
+    the tree's own LRU order of resident leaves, so the cost is the evictions', not
+    the tree's size. Without a disk tier every node is resident: the tree's leaves.
+    On-disk nodes are not entries: a RAM node whose children are all on disk is a
+    leaf, and a parent becomes one when its last RAM child goes."""
+
+    def entry(node: Node) -> Entry:
+        parent = node.parent.id if node.parent is not None and node.parent.parent else None
+        return Entry(node.id, parent, node.last_used, node.locks > 0 or node in pinned)
+
+    def entry_of(node_id: int) -> Entry | None:
+        node = tree.find(node_id)
+        return None if node is None else entry(node)
+
+    return plan_lru(
+        (entry(n) for n in tree.lru_leaves() if n not in pinned),
+        entry=entry_of,
+        children=lambda node_id: tree.find(node_id).resident_children,
+        sizes_of=lambda node_id: sizes_of(tree.find(node_id)),
+        ranks=loads,
+        threshold=threshold,
+    )
 
 
 def _bytes(counts: dict[StorageClass, int], rates: Sequence[dict[StorageClass, int]]) -> list[int]:

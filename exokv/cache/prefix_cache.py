@@ -75,8 +75,9 @@ class PrefixCache:
         self.window_leaves = [leaf for leaf in self.leaves if leaf.cls[0] == "window"]
         self.state_leaves = [leaf for leaf in self.leaves if leaf.cls == STATE]
         self.window_classes = [c for c in self.classes if c[0] == "window"]
-        # The tree sums payload bytes and lists the nodes a turn changed (for the store).
-        self.tree = RadixTree(size_of=_payload_size)
+        # The tree sums payload bytes, lists the nodes a turn changed (for the store) and
+        # keeps the LRU orders of RAM leaves and of on-disk leaves (for the disk tier).
+        self.tree = RadixTree(size_of=_payload_size, resident=_in_ram)
         self.totals: dict[StorageClass, int] = dict.fromkeys(self.classes, 0)
         self._bytes = 0
         self.tier: Any = None  # exokv.cache.tier.DiskTier, when there is a disk tier
@@ -320,8 +321,8 @@ class PrefixCache:
 
     def attach(self, node: Node, payload: Payload) -> None:
         """`node` is back in RAM with `payload`."""
-        node.payload = payload
         payload.tier = "ram"
+        node.payload = payload  # after the tier is set: the tree re-reads both
         self._account(self.counts(node), payload.nbytes, {}, 0)
 
     def cut(self, node: Node, k: int) -> Node:
@@ -432,3 +433,7 @@ def _payload_bytes(p: Payload) -> int:
 
 def _payload_size(p: Payload | None) -> int:
     return p.nbytes if p is not None else 0
+
+
+def _in_ram(p: Payload | None) -> bool:
+    return p is None or p.tier == "ram"

@@ -12,6 +12,14 @@ bookkeeping costs what the turn changed, never a walk of the whole tree:
 (the sum of the payloads' sizes), `tree.lru_leaves()` (the evictable leaves,
 least recently used first), `tree.find(id)` and `tree.drain_changed()`.
 `recount()` and `check()` compute the same figures the slow way, from scratch.
+
+A payload can be resident or not (a predicate the tree is given; by default every
+payload is). The owner keeps the non-resident nodes a lower part of the tree (a
+node is non-resident only if its children are too), and the tree keeps two orders:
+`lru_leaves()`, the resident nodes none of whose children are resident (what can
+leave residence next), and `lru_nonresident()`, the non-resident nodes with no
+children at all (what can leave the tree next). With every payload resident the
+first is simply the leaves.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ class Node:
         "session",
         "_tree",
         "_lru",
+        "_cold",
+        "resident",
+        "resident_children",
     )
 
     def __init__(
@@ -67,6 +78,9 @@ class Node:
         self.session = ""
         self._tree: RadixTree | None = None  # set while the node is part of a tree
         self._lru: tuple[int, int] | None = None  # its key in the tree's evictable set
+        self._cold: tuple[int, int] | None = None  # its key in the non-resident leaf set
+        self.resident = True  # the tree's predicate on the payload, as last evaluated
+        self.resident_children = 0  # children whose payload is resident
 
     @property
     def payload(self) -> Any:
@@ -110,24 +124,32 @@ class Figures:
     count: int
     digest: int
     weight: int
-    lru: list[tuple[int, int]]  # (last_used, id) of every unlocked leaf, in order
+    lru: list[tuple[int, int]]  # (last_used, id) of every unlocked resident leaf, in order
+    nonresident: list[tuple[int, int]]  # the same of every unlocked non-resident leaf
 
 
 # split_payload(payload, k) -> (payload of the first k tokens, payload of the rest)
 SplitPayload = Callable[[Any, int], tuple[Any, Any]]
 SizeOf = Callable[[Any], int]
+Resident = Callable[[Any], bool]
 
 
 def _no_size(payload: Any) -> int:
     return 0
 
 
+def _always(payload: Any) -> bool:
+    return True
+
+
 class RadixTree:
     node_type: type[Node] = Node  # the class of new nodes (tests count reads with a subclass)
 
-    def __init__(self, size_of: SizeOf | None = None) -> None:
-        """size_of(payload) is the number `weight` sums (e.g. bytes); 0 for every node if None."""
+    def __init__(self, size_of: SizeOf | None = None, resident: Resident | None = None) -> None:
+        """size_of(payload) is the number `weight` sums (e.g. bytes); 0 for every node if None.
+        resident(payload) says whether a payload is resident (e.g. in RAM); True if None."""
         self._size_of = size_of or _no_size
+        self._resident = resident or _always
         self.root = self.node_type(id=0, parent=None, key=(), depth=0)
         self._next_id = 1
         self.clock = 0
@@ -135,6 +157,7 @@ class RadixTree:
         self._digest = 0
         self.weight = 0
         self._lru: SortedList = SortedList()
+        self._cold: SortedList = SortedList()
         self._changed: dict[int, Node] = {}
 
     def tick(self) -> int:
@@ -154,14 +177,22 @@ class RadixTree:
         return self._digest & _DIGEST_BITS
 
     def lru_leaves(self) -> Iterator[Node]:
-        """Unlocked leaves, least recently used first (ties: lower id first). Lazy:
+        """Unlocked resident nodes with no resident child (with every payload resident:
+        the unlocked leaves), least recently used first (ties: lower id first). Lazy:
         taking the first k costs O(k + log n). Do not change the tree while iterating."""
         index = self._index
         for _, node_id in self._lru:
             yield index[node_id]
 
+    def lru_nonresident(self) -> Iterator[Node]:
+        """Unlocked non-resident nodes with no children, least recently used first; lazy
+        like `lru_leaves`."""
+        index = self._index
+        for _, node_id in self._cold:
+            yield index[node_id]
+
     def evictable(self) -> int:
-        """How many unlocked leaves there are."""
+        """How many nodes `lru_leaves` lists."""
         return len(self._lru)
 
     def find(self, node_id: int) -> Node | None:
@@ -175,7 +206,8 @@ class RadixTree:
         return changed
 
     def resize(self, node: Node) -> None:
-        """Count `node`'s payload again: call it after changing a payload in place."""
+        """Count `node`'s payload again, its size and whether it is resident: call it
+        after changing a payload in place."""
         if node._tree is not self:
             return
         size = self._size_of(node._payload)
@@ -183,6 +215,15 @@ class RadixTree:
             self.weight += size - node.size
             node.size = size
             self._changed[node.id] = node  # its bytes are reported
+        resident = bool(self._resident(node._payload))
+        if resident != node.resident:
+            node.resident = resident
+            parent = node.parent
+            assert parent is not None
+            parent.resident_children += 1 if resident else -1
+            self._changed[node.id] = node  # where it is is reported
+            self._refresh(node)
+            self._refresh(parent)
 
     # -- reading ----------------------------------------------------------------
 
@@ -265,12 +306,16 @@ class RadixTree:
         del parent.children[node.key[0]]
         parent.children[upper.key[0]] = upper
         node.key = node.key[k:]
-        node.payload = tail
         node.parent = upper
         upper.children[node.key[0]] = node
+        if node.resident:
+            parent.resident_children -= 1
+            upper.resident_children += 1
+        node.payload = tail  # after the move: a change of residence is counted in upper
         self._digest += _node_hash(node)
         self._changed[node.id] = node
         self._refresh(upper)
+        self._refresh(parent)
         return upper
 
     def remove_leaf(self, node: Node) -> None:
@@ -280,6 +325,8 @@ class RadixTree:
         assert parent is not None
         self._forget(node)
         del parent.children[node.key[0]]
+        if node.resident:
+            parent.resident_children -= 1
         node.parent = None
         self._refresh(parent)
 
@@ -288,12 +335,14 @@ class RadixTree:
         new node never reuses the id of a cleared one."""
         for node in self._index.values():
             node._tree = None
-            node._lru = None
+            node._lru = node._cold = None
             node._payload = None
             node.parent = None
         self.root.children.clear()
+        self.root.resident_children = 0
         self._index.clear()
         self._lru.clear()
+        self._cold.clear()
         self._changed.clear()
         self._digest = 0
         self.weight = 0
@@ -301,7 +350,7 @@ class RadixTree:
     def lock(self, path: Sequence[Node]) -> None:
         for node in path:
             node.locks += 1
-            if node._lru is not None:
+            if node._lru is not None or node._cold is not None:
                 self._refresh(node)
 
     def unlock(self, path: Sequence[Node]) -> None:
@@ -309,7 +358,7 @@ class RadixTree:
             if node.locks <= 0:
                 raise ValueError(f"node {node.id} is not locked")
             node.locks -= 1
-            if not node.locks and not node.children:
+            if not node.locks:
                 self._refresh(node)
 
     def touch(self, path: Sequence[Node]) -> None:
@@ -322,18 +371,35 @@ class RadixTree:
     def recount(self) -> Figures:
         """The incremental figures computed from scratch by a walk of the whole tree."""
         digest = weight = count = 0
-        lru = []
+        lru, cold = [], []
         for node in self.nodes():
             count += 1
             digest += _node_hash(node)
             weight += self._size_of(node.payload)
-            if not node.children and not node.locks:
+            if node.locks:
+                continue
+            if not self._resident(node.payload):
+                if not node.children:
+                    cold.append((node.last_used, node.id))
+            elif not any(self._resident(c.payload) for c in node.children.values()):
                 lru.append((node.last_used, node.id))
-        return Figures(count=count, digest=digest & _DIGEST_BITS, weight=weight, lru=sorted(lru))
+        return Figures(
+            count=count,
+            digest=digest & _DIGEST_BITS,
+            weight=weight,
+            lru=sorted(lru),
+            nonresident=sorted(cold),
+        )
 
     def figures(self) -> Figures:
         """The incremental figures as the tree holds them."""
-        return Figures(count=len(self), digest=self.digest, weight=self.weight, lru=list(self._lru))
+        return Figures(
+            count=len(self),
+            digest=self.digest,
+            weight=self.weight,
+            lru=list(self._lru),
+            nonresident=list(self._cold),
+        )
 
     def check(self) -> None:
         """Raise AssertionError if the tree's invariants do not hold."""
@@ -349,8 +415,12 @@ class RadixTree:
             assert self._index.get(node.id) is node, f"node {node.id} not indexed"
             assert node._tree is self
             assert node.size == self._size_of(node.payload), f"node {node.id} size"
+            assert node.resident == bool(self._resident(node.payload)), f"node {node.id} resident"
             for first, child in node.children.items():
                 assert child.key[0] == first
+        for node in [self.root, *self._index.values()]:
+            held = sum(1 for c in node.children.values() if c.resident)
+            assert node.resident_children == held, f"node {node.id} resident children"
         assert seen == set(self._index), "the id index holds removed nodes"
         assert self.figures() == self.recount(), "incremental figures differ from a recount"
 
@@ -383,6 +453,9 @@ class RadixTree:
         parent.children[key[0]] = node
         node._tree = self
         node.size = self._size_of(payload)
+        node.resident = bool(self._resident(payload))
+        if node.resident:
+            parent.resident_children += 1
         self.weight += node.size
         self._index[node.id] = node
         self._digest += _node_hash(node)
@@ -395,6 +468,9 @@ class RadixTree:
         if node._lru is not None:
             self._lru.remove(node._lru)
             node._lru = None
+        if node._cold is not None:
+            self._cold.remove(node._cold)
+            node._cold = None
         del self._index[node.id]
         self._changed.pop(node.id, None)
         self._digest -= _node_hash(node)
@@ -404,23 +480,30 @@ class RadixTree:
     def _use(self, node: Node, now: int) -> None:
         node.last_used = now
         self._changed[node.id] = node
-        if node._lru is not None or not node.children:  # only a leaf's place can change
-            self._refresh(node)
+        if node._lru is not None or node._cold is not None or not node.resident_children:
+            self._refresh(node)  # only a leaf's place (of either order) can change
 
     def _refresh(self, node: Node) -> None:
-        """Put `node` in the evictable set, or take it out, as it now is."""
-        want = (
-            (node.last_used, node.id)
-            if not node.children and not node.locks and node._tree is self
-            else None
-        )
-        if want == node._lru:
-            return
-        if node._lru is not None:
-            self._lru.remove(node._lru)
-        if want is not None:
-            self._lru.add(want)
-        node._lru = want
+        """Put `node` in the order it belongs to (resident or not), or in neither."""
+        hot = cold = None
+        if not node.locks and node._tree is self:
+            if node.resident:
+                if not node.resident_children:
+                    hot = (node.last_used, node.id)
+            elif not node.children:
+                cold = (node.last_used, node.id)
+        if hot != node._lru:
+            if node._lru is not None:
+                self._lru.remove(node._lru)
+            if hot is not None:
+                self._lru.add(hot)
+            node._lru = hot
+        if cold != node._cold:
+            if node._cold is not None:
+                self._cold.remove(node._cold)
+            if cold is not None:
+                self._cold.add(cold)
+            node._cold = cold
 
 
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:

@@ -105,17 +105,25 @@ class DiskTier:
         self.cache.evict(node)
 
     def _make_room(self, size: list[int], node: Node) -> bool:
+        """Drop on-disk leaves, least recently used first, until `size` more fits on
+        every rank's disk. The tree keeps them in order, so no walk (a leaf is never
+        an ancestor of `node`)."""
         while not self._fits(size):
-            victims = [
-                n
-                for n in self.cache.tree.nodes()
-                if is_disk(n) and not n.children and n.locks == 0 and n is not node
-            ]
-            victims = [n for n in victims if not _is_ancestor(n, node)]
-            if not victims:
+            victim = next((n for n in self.cache.tree.lru_nonresident() if n is not node), None)
+            if victim is not None:
+                self.drop(victim, "disk budget")
+            elif not self._forget_oldest_copy(node):
                 return False
-            victim = min(victims, key=lambda n: (n.last_used, n.id))
-            self.drop(victim, "disk budget")
+        return True
+
+    def _forget_oldest_copy(self, node: Node) -> bool:
+        """Free the disk a /save copy holds (its node stays in RAM); False if none.
+        Copies are few (a session's path per /save): a scan is cheap."""
+        tree = self.cache.tree
+        copies = [n for i in self.copies if (n := tree.find(i)) is not None and n is not node]
+        if not copies:
+            return False
+        self._forget_copy(min(copies, key=lambda n: (n.last_used, n.id)).id)
         return True
 
     def _fits(self, size: list[int]) -> bool:
@@ -371,15 +379,6 @@ class DiskTier:
                 self.store.delete(node.id)
         self.copies = {}
         self.totals = dict.fromkeys(self.cache.classes, 0)
-
-
-def _is_ancestor(a: Node, b: Node) -> bool:
-    n = b.parent
-    while n is not None:
-        if n is a:
-            return True
-        n = n.parent
-    return False
 
 
 def _arrays(node: Node, window_classes: list[StorageClass]) -> dict[str, Any]:
