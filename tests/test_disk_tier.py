@@ -194,3 +194,30 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
     assert [r.reply for r in results] == [r.reply for r in reference[4:]]
     drops = [e for r in results for e in r.events if e.kind == "drop"]
     assert drops and all("unreadable contents" in e.reason for e in drops)
+
+
+def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path):  # noqa: F811
+    """/save copies count against the disk budget; when a spill finds no entry on disk to
+    drop, the oldest copy's file goes (its entry stays in RAM) rather than the spill."""
+    from exokv.chat import kvsave
+    from exokv.records import TurnRequest
+    from tests.test_cache_budget import _with_replies
+
+    engine = tiered("window", tokenizer, tmp_path, None)
+    script = chats(2, 2)
+    first = play(engine, script[:2])
+    tier = engine.coord.tier
+    s0 = _with_replies(script[0][1], []) + [{"role": "assistant", "content": first[0].reply}]
+    saved = kvsave.save_session(engine, "s0", s0)
+    assert saved.tokens and tier.copies and tier.spills == 0
+    tier.budget = tier.disk_bytes()[0]  # the disk is now full of s0's copies
+    tier.budgets = [tier.budget]
+    engine.coord.budget = engine.cache.total_bytes  # the next turn must evict
+    copies = len(tier.copies)
+    full = _with_replies(script[2][1], [first[0].reply])
+    result = engine.turn(TurnRequest(session="s0", messages=full, max_tokens=8))
+    spills = [e for e in result.events if e.kind == "spill"]
+    assert spills and spills[0].session == "s1"
+    assert len(tier.copies) < copies
+    assert tier.disk_bytes()[0] <= tier.budget
+    assert engine.cache.total_bytes <= engine.coord.budget

@@ -120,7 +120,9 @@ class DiskTier:
         """Free the disk a /save copy holds (its node stays in RAM); False if none.
         Copies are few (a session's path per /save): a scan is cheap."""
         tree = self.cache.tree
-        copies = [n for i in self.copies if (n := tree.find(i)) is not None and n is not node]
+        for gone in [i for i in self.copies if tree.find(i) is None]:
+            self._forget_copy(gone)
+        copies = [n for i in self.copies if (n := tree.find(i)) is not node]
         if not copies:
             return False
         self._forget_copy(min(copies, key=lambda n: (n.last_used, n.id)).id)
