@@ -88,17 +88,24 @@ def test_a_corrupt_spilled_file_is_a_miss_with_the_right_reply(tokenizer, tmp_pa
     )
 
 
-def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
-    from exokv.records import TurnRequest
-    from tests.test_cache_budget import _with_replies
-
-    reference, _ = working_set("state", tokenizer)
+def _first_half_then_quit(tok, home: Path) -> tuple[list, list, dict, list]:
+    """The 4-conversation script's first turns on a tiered engine that then closes:
+    (the unbudgeted reference results, the script, replies per session, replies' tokens)."""
+    reference, _ = working_set("state", tok)
     script = chats(4, 2)
-    engine = tiered("state", tokenizer, tmp_path, None)
+    engine = tiered("state", tok, home, None)
     first = play(engine, script[:4])
     replies = {r.session: [r.reply] for r in first}
     pairs = [(r.reply, engine.reply_tokens(r.reply)) for r in first]
     engine.close()
+    return reference, script, replies, pairs
+
+
+def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
+    from exokv.records import TurnRequest
+    from tests.test_cache_budget import _with_replies
+
+    reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
     again = tiered("state", tokenizer, tmp_path, None)
     assert again.tier_notice == ""
     again.remember_replies(pairs)
@@ -173,13 +180,7 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
     from exokv.records import TurnRequest
     from tests.test_cache_budget import _with_replies
 
-    reference, _ = working_set("state", tokenizer)
-    script = chats(4, 2)
-    engine = tiered("state", tokenizer, tmp_path, None)
-    first = play(engine, script[:4])
-    replies = {r.session: [r.reply] for r in first}
-    pairs = [(r.reply, engine.reply_tokens(r.reply)) for r in first]
-    engine.close()
+    reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
     files = sorted(tmp_path.glob("*.kv"), key=lambda f: f.stat().st_size)
     # Every file now holds the positions of another entry (a valid file, the wrong one).
     contents = [f.read_bytes() for f in files]

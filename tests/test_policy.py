@@ -263,6 +263,16 @@ def test_plan_equals_the_former_full_scan(scenario):
     assert plan(entries, sizes, ranks, threshold) == naive_plan(entries, sizes, ranks, threshold)
 
 
+def _touch_and_lock(tree: RadixTree, seqs, touches, locks) -> None:
+    """Use the listed conversations (LRU order) and lock others' paths (a turn in flight)."""
+    for i in touches:
+        if i < len(seqs):
+            tree.touch(tree.match(seqs[i]).path)
+    for i in locks:
+        if i < len(seqs):
+            tree.lock(tree.match(seqs[i]).path)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), max_size=12),
@@ -274,12 +284,7 @@ def test_plan_lru_over_a_tree_equals_plan_over_its_entry_list(seqs, touches, loc
     tree = RadixTree(size_of=len)
     for s in seqs:
         tree.insert(s, lambda a, b, s=s: list(s[a:b]), lambda p, k: (p[:k], p[k:]))
-    for i in touches:
-        if i < len(seqs):
-            tree.touch(tree.match(seqs[i]).path)
-    for i in locks:
-        if i < len(seqs):
-            tree.lock(tree.match(seqs[i]).path)
+    _touch_and_lock(tree, seqs, touches, locks)
     nodes = list(tree.nodes())
     entries = [Entry(n.id, n.parent.id, n.last_used, n.locks > 0) for n in nodes]
     sizes = [[n.size for n in nodes], [2 * n.size for n in nodes]]
@@ -370,12 +375,7 @@ def test_plan_over_the_ram_leaf_order_equals_the_ram_only_full_walk(
             moved = Part(node.payload)
             moved.on_disk = True
             node.payload = moved
-    for i in touches:
-        if i < len(seqs):
-            tree.touch(tree.match(seqs[i]).path)
-    for i in locks:
-        if i < len(seqs):
-            tree.lock(tree.match(seqs[i]).path)
+    _touch_and_lock(tree, seqs, touches, locks)
     pinned = {n for n in tree.nodes() if n.id in pins}
     ram = sum(len(n.payload) for n in tree.nodes() if in_ram(n.payload))
     loads = [load(ram, budget=budget), load(2 * ram + 1, budget=2 * budget + 5)]

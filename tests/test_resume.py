@@ -163,11 +163,10 @@ def test_a_bad_saved_cache_is_reported_and_ignored(
     assert again["reply"] == reference["cold"][3]["reply"]
 
 
-def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference) -> None:
-    """/save is the crash-safe point: a chat killed after it resumes from the disk tier."""
-    home = home_with_models(tmp_path / "home", models, link=True)
+def _demo_chat(home: Path) -> subprocess.Popen:
+    """`--session demo` in script mode with --json, its stdin and stdout piped."""
     env = {k: v for k, v in os.environ.items() if k != "EXOKV_DEBUG"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
         + ["--max-tokens", "12", "--session", "demo"],
         stdin=subprocess.PIPE,
@@ -175,6 +174,12 @@ def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference)
         stderr=subprocess.PIPE,
         env={**env, "EXOKV_HOME": str(home)},
     )
+
+
+def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference) -> None:
+    """/save is the crash-safe point: a chat killed after it resumes from the disk tier."""
+    home = home_with_models(tmp_path / "home", models, link=True)
+    proc = _demo_chat(home)
     assert proc.stdin is not None and proc.stdout is not None
     try:
         for line in [*TURNS, "/save"]:
@@ -197,15 +202,7 @@ def test_sigkill_after_turn_two_keeps_turns_one_and_two(
     models: Path, tmp_path: Path, reference
 ) -> None:
     home = home_with_models(tmp_path / "home", models, link=True)
-    env = {k: v for k, v in os.environ.items() if k != "EXOKV_DEBUG"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
-        + ["--max-tokens", "12", "--session", "demo"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**env, "EXOKV_HOME": str(home)},
-    )
+    proc = _demo_chat(home)
     assert proc.stdin is not None and proc.stdout is not None
     done = []
     try:

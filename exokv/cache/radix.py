@@ -131,6 +131,7 @@ class Figures:
 # split_payload(payload, k) -> (payload of the first k tokens, payload of the rest)
 SplitPayload = Callable[[Any, int], tuple[Any, Any]]
 SizeOf = Callable[[Any], int]
+Key = tuple[int, int]  # (last_used, id): a node's place in an LRU order
 Resident = Callable[[Any], bool]
 
 
@@ -492,18 +493,18 @@ class RadixTree:
                     hot = (node.last_used, node.id)
             elif not node.children:
                 cold = (node.last_used, node.id)
-        if hot != node._lru:
-            if node._lru is not None:
-                self._lru.remove(node._lru)
-            if hot is not None:
-                self._lru.add(hot)
-            node._lru = hot
-        if cold != node._cold:
-            if node._cold is not None:
-                self._cold.remove(node._cold)
-            if cold is not None:
-                self._cold.add(cold)
-            node._cold = cold
+        node._lru = _reposition(self._lru, node._lru, hot)
+        node._cold = _reposition(self._cold, node._cold, cold)
+
+
+def _reposition(order: SortedList, old: Key | None, new: Key | None) -> Key | None:
+    """Move an entry of a sorted order from key `old` to `new` (None: not in it)."""
+    if new != old:
+        if old is not None:
+            order.remove(old)
+        if new is not None:
+            order.add(new)
+    return new
 
 
 def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
