@@ -225,7 +225,8 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     axes[0][0].legend()
     title = f"exokv bench: {doc['model']}, {doc['turns']} turns to {doc['context']} tokens"
     if doc.get("cache_budget") is not None:
-        title += f"\ncache budget {_bytes(doc['cache_budget'])} (mlx-lm-lru and exokv)"
+        which = doc.get("cache_budget_strategies") or ["mlx-lm-lru", "exokv"]
+        title += f"\ncache budget {_bytes(doc['cache_budget'])} ({', '.join(which)})"
     fig.suptitle(title)
     fig.tight_layout()
     try:
