@@ -31,7 +31,7 @@ def bench(
     context: int = typer.Option(2000, "--context", help="prompt tokens of the last turn"),
     reply_tokens: int = typer.Option(32, "--reply-tokens", help="most tokens per reply"),
     scenario: str = typer.Option(
-        "all", "--scenario", help="linear|switch|branch|shared-prefix|all (or a comma list)"
+        "all", "--scenario", help="linear|switch|branch|shared-prefix|restart|all (or a comma list)"
     ),
     repeat: int = typer.Option(1, "--repeat", help="runs per scenario; medians are reported"),
     seed: int = typer.Option(0, "--seed", help="seed of the generated conversations"),
