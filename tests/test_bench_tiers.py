@@ -91,6 +91,8 @@ def test_the_misfit_line_names_the_head_dim_and_a_group_that_fits() -> None:
     line = kv_group_misfit(model(hidden_size=192, num_attention_heads=4), 4, 32, "")
     assert "head dimension is 48" in line and "leave out --kv-bits" in line
     assert "(mlx: shape)" in kv_group_misfit(SimpleNamespace(), 4, 32, "mlx: shape")
+    # Heads the group divides: something else did not fit, and mlx's words say what.
+    assert "(mlx: other)" in kv_group_misfit(model(head_dim=64), 4, 32, "mlx: other")
 
 
 def test_mlx_still_refuses_groups_under_32() -> None:

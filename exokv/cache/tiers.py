@@ -37,7 +37,7 @@ def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
     if not isinstance(dim, int):
         hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", 0)
         dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
-    if dim <= 0:  # not a model whose arguments say it: mlx's own words
+    if dim <= 0 or dim % group == 0:  # the arguments do not explain it: mlx's own words
         return f"--kv-bits {bits} --kv-group-size {group} does not fit this model's KV ({cause})"
     fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
     if fits:
