@@ -8,9 +8,11 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+from rich.console import Console
 from test_bench import _bench
 
 from exokv.bench import STRATEGIES
+from exokv.bench.report import print_tables
 from exokv.cache.tiers import GROUP_SIZES, kv_group_misfit
 
 ARGS = ["--model", "builtin:tiny", "--turns", "2", "--context", "120", "--reply-tokens", "8"]
@@ -48,6 +50,14 @@ def test_exokv_disk_under_a_budget_and_after_a_restart(tmp_path: Path) -> None:
     assert after["exokv+disk"]["cached_tokens"] > 3 * others
     names = {t["name"] for t in doc["targets"]}
     assert {"switch_disk_vs_limit", "restart_disk_vs_limit"} <= names
+    fraction = doc["scenarios"]["switch"]["budget_fraction_of_working_set"][0]
+    assert f"budget 20.0 KB = {fraction:.2f} of the working set" in _tables(doc)
+
+
+def _tables(doc: dict) -> str:
+    console = Console(record=True, width=250)
+    print_tables(doc, console)
+    return console.export_text()
 
 
 def test_kv_bits_reports_bytes_per_token_and_drift(tmp_path: Path) -> None:
@@ -69,6 +79,8 @@ def test_kv_bits_reports_bytes_per_token_and_drift(tmp_path: Path) -> None:
         assert len(drift) == len(s["turns"])
         assert all(d is None or d >= 0 for d in drift)
     assert doc["replies_match"]  # the unquantized strategies still agree
+    shown = _tables(doc)
+    assert "KV 640 B/token at 8 bits (group 32): 0.31x float32 (2048 B), 0.62x fp16" in shown
 
 
 def test_kv_bits_must_be_4_or_8_and_fit_the_heads(tmp_path: Path) -> None:
