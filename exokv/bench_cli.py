@@ -31,7 +31,7 @@ def bench(
     context: int = typer.Option(2000, "--context", help="prompt tokens of the last turn"),
     reply_tokens: int = typer.Option(32, "--reply-tokens", help="most tokens per reply"),
     scenario: str = typer.Option(
-        "all", "--scenario", help="linear|switch|branch|shared-prefix|all (or a comma list)"
+        "all", "--scenario", help="linear|switch|branch|shared-prefix|restart|all (or a comma list)"
     ),
     repeat: int = typer.Option(1, "--repeat", help="runs per scenario; medians are reported"),
     seed: int = typer.Option(0, "--seed", help="seed of the generated conversations"),
@@ -76,12 +76,17 @@ def bench(
     validate_tier_options(None, kv_bits, kv_group_size)
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
-    need = turns * min_turn_tokens(reply_tokens)
+    # shared-prefix gives its conversations' turns the half of --context that its
+    # shared system prompt leaves.
+    share = 2 if "shared-prefix" in names else 1
+    need = share * turns * min_turn_tokens(reply_tokens)
     if context < need:
+        where = " (shared-prefix: in the half its system prompt leaves)" if share > 1 else ""
         raise UsageError(
             f"--context {context} is smaller than {turns} turn(s) of at least "
-            f"{min_turn_tokens(reply_tokens)} tokens (a short message and a {reply_tokens}-token "
-            f"reply): use --context {need} or more, or fewer --turns or --reply-tokens"
+            f"{min_turn_tokens(reply_tokens)} tokens{where} (a short message and a "
+            f"{reply_tokens}-token reply): use --context {need} or more, or fewer --turns or "
+            "--reply-tokens"
         )
     if plot:
         from exokv.bench.report import check_plot_available

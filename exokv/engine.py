@@ -92,11 +92,11 @@ class Engine:
         except ValueError as err:
             if not self.options.kv_bits:
                 raise
-            raise ExokvError(
-                f"--kv-bits {self.options.kv_bits} --kv-group-size "
-                f"{self.options.kv_group_size} does not fit this model's KV heads ({err}); "
-                "the group size must divide the head dimension"
-            ) from None
+            from exokv.cache.tiers import kv_group_misfit
+            from exokv.errors import UsageError
+
+            o = self.options
+            raise UsageError(kv_group_misfit(model, o.kv_bits, o.kv_group_size, str(err))) from None
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
         self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)

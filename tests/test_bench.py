@@ -42,7 +42,7 @@ def _bench(args: list[str], home: Path, prelude: str = "") -> subprocess.Complet
 @pytest.fixture(scope="module")
 def bench_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
     home = tmp_path_factory.mktemp("home")
-    args = ["--model", "builtin:tiny", "--turns", "3", "--context", "200"]
+    args = ["--model", "builtin:tiny", "--turns", "3", "--context", "200", "--reply-tokens", "8"]
     proc = _bench([*args, "--scenario", "all", "--json"], home)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -113,6 +113,7 @@ def test_the_caches_do_what_they_claim(bench_doc: dict) -> None:
     [
         (["--turns", "0"], "--turns"),
         (["--context", "10"], "--context"),
+        (["--scenario", "shared-prefix", "--turns", "4", "--context", "300"], "shared-prefix"),
         (["--scenario", "nope"], "unknown scenario"),
         (["--scenario", "linear,zigzag"], "unknown scenario"),
         (["--repeat", "0"], "--repeat"),
@@ -137,7 +138,7 @@ def test_under_a_cache_budget_exokv_keeps_the_shared_prefix(tmp_path: Path) -> N
     # of 2 turns. 1.3 MB holds the prompt and most conversations' tails once (exokv),
     # not a full copy per conversation (mlx-lm-lru, 300-400 tokens each).
     budget = 1_300_000
-    args = ["--model", "builtin:tiny", "--turns", "8", "--context", "400", "--reply-tokens", "8"]
+    args = ["--model", "builtin:tiny", "--turns", "2", "--context", "400", "--reply-tokens", "8"]
     proc = _bench(
         [*args, "--scenario", "shared-prefix", "--cache-budget", "1300KB", "--json"], tmp_path
     )
@@ -167,7 +168,7 @@ def test_under_a_cache_budget_exokv_keeps_the_shared_prefix(tmp_path: Path) -> N
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
     blocked = "import sys; sys.modules['matplotlib'] = None; "
-    args = ["--model", "builtin:tiny", "--turns", "1", "--context", "100", "--plot"]
+    args = ["--model", "builtin:tiny", "--turns", "1", "--context", "120", "--plot"]
     proc = _bench([*args, str(tmp_path / "x.png")], tmp_path, blocked)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
@@ -216,7 +217,8 @@ def test_scenario_shapes() -> None:
     assert retry.messages == branch[1].messages  # the same prompt again
     edit = branch[-1]
     assert len(edit.messages) == 4  # system, user 1, reply 1, the edited user 2
-    shared = _play("shared-prefix", turns=8)
-    assert len(shared) == 16
+    shared = _play("shared-prefix", turns=2)
+    assert len(shared) == 16  # 8 conversations of --turns turns each
+    assert [s.conversation for s in shared[:9]] == [f"user{c}" for c in range(1, 9)] + ["user1"]
     systems = {s.messages[0]["content"] for s in shared}
     assert len(systems) == 1 and len(next(iter(systems)).split()) > 100

@@ -85,7 +85,9 @@ def test_two_ranks_give_the_one_rank_document(docs: tuple[dict, dict]) -> None:
         peaks = summary_two["strategies"][s]["peak_cache_bytes"]
         assert len(peaks) == 2
         assert sum(peaks) == summary_one["strategies"][s]["peak_cache_bytes"][0]
-    assert sum(summary_two["bytes_per_token"]) == summary_one["bytes_per_token"][0]
+    for key in ("bytes_per_token", "bytes_per_token_unquantized", "bytes_per_token_fp16"):
+        assert len(summary_two[key]) == 2, key
+        assert sum(summary_two[key]) == summary_one[key][0], key
 
 
 @pytest.mark.timeout(300)

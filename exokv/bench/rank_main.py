@@ -32,7 +32,17 @@ from exokv.cluster.rank import beat, release_stdin, report_error
 PROGRESS_MARK = "exokv-bench-progress "
 DOC_MARK = "exokv-bench-doc "
 # Per-rank lists in the document: one value per rank (the runner fills rank 0's).
-PER_RANK_KEYS = ("peak_cache_bytes", "budget_peak_bytes", "bytes_per_token", "ideal_cache_bytes")
+PER_RANK_KEYS = (
+    "peak_cache_bytes",
+    "budget_peak_bytes",
+    "bytes_per_token",
+    "ideal_cache_bytes",
+    "bytes_per_token_unquantized",
+    "bytes_per_token_fp16",
+    "bytes_vs_fp16",
+    "working_set_bytes",
+    "budget_fraction_of_working_set",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,6 +123,7 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
             "",
         )
         console.print(table)
+        console.print(_sizes_line(doc, s))
         if budget is not None:
             _print_budget(console, name, s, budget)
     table = Table(title="targets")
@@ -139,6 +140,29 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
     console.print(table)
     if not doc["replies_match"]:
         console.print(f"[red]replies differ in {len(doc['mismatches'])} turn(s)[/]")
+
+
+def _sizes_line(doc: dict[str, Any], s: dict[str, Any]) -> str:
+    """Bytes per token of exokv's cache against the model's own dtype and fp16, and
+    under a budget, the share of the working set the budget holds (rank 0)."""
+    ours, full, fp16 = (
+        s[k][0] for k in ("bytes_per_token", "bytes_per_token_unquantized", "bytes_per_token_fp16")
+    )
+    dtype = s["kv_dtype"]
+    if doc.get("kv_bits"):
+        kv = (
+            f"KV {ours} B/token at {doc['kv_bits']} bits (group {doc['kv_group_size']}): "
+            f"{ours / full:.2f}x {dtype} ({full} B), {ours / fp16:.2f}x fp16 ({fp16} B)"
+        )
+    else:
+        kv = f"KV {ours} B/token in {dtype} (fp16 would be {fp16} B)"
+    if "budget_fraction_of_working_set" in s:
+        kv += (
+            f"; budget {_bytes(s['budget_bytes'])} = "
+            f"{s['budget_fraction_of_working_set'][0]:.2f} of the working set "
+            f"({_bytes(s['working_set_bytes'][0])}: distinct tokens x bytes per token)"
+        )
+    return kv
 
 
 def _print_budget(console: Console, name: str, s: dict[str, Any], budget: int) -> None:
@@ -201,7 +225,8 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     axes[0][0].legend()
     title = f"exokv bench: {doc['model']}, {doc['turns']} turns to {doc['context']} tokens"
     if doc.get("cache_budget") is not None:
-        title += f"\ncache budget {_bytes(doc['cache_budget'])} (mlx-lm-lru and exokv)"
+        which = doc.get("cache_budget_strategies") or ["mlx-lm-lru", "exokv"]
+        title += f"\ncache budget {_bytes(doc['cache_budget'])} ({', '.join(which)})"
     fig.suptitle(title)
     fig.tight_layout()
     try:

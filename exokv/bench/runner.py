@@ -135,6 +135,7 @@ def run(
         results[name] = _summarise(runs)
         if config.cache_budget is not None:
             _check_budget(results[name], config.cache_budget)
+            _against_working_set(results[name], config.cache_budget)
     doc: dict[str, Any] = {
         "model": config.model,
         "ranks": config.ranks,
@@ -275,7 +276,8 @@ def _run_once(
         shutil.rmtree(disk.disk_dir, ignore_errors=True)
     return {
         "restart_at": scen.restart_at,
-        "bytes_per_token_fp16": _fp_bytes_per_token(model) if config.kv_bits else None,
+        "kv_bits": config.kv_bits,
+        "kv": _unquantized_kv(model),
         "turns": rows,
         "peak_cache_bytes": peak,
         "budget_peak_bytes": budget_peak,
@@ -289,18 +291,33 @@ def _eos(tokenizer: Any) -> set[int]:
     return set(getattr(tokenizer, "eos_token_ids", []) or [])
 
 
-def _fp_bytes_per_token(model: Any) -> int:
-    """Bytes per token of the model's unquantized cache (every rank calls it alike)."""
+def _unquantized_kv(model: Any) -> dict[str, Any]:
+    """What one token adds to the model's own, unquantized cache on this rank: bytes in
+    the model's KV dtype, that dtype, and the same elements at 2 bytes each (fp16).
+    Every rank calls it alike (a pipeline forward is itself collective)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from exokv.cache import layers
+
+    made: list[list[Any]] = []
+
+    def make() -> list[Any]:
+        made.append(make_prompt_cache(model))
+        return made[-1]
 
     def run(cache: list[Any]) -> None:
         model(mx.array([[0]]), cache=cache)
         mx.eval([layers.arrays(c.state) for c in cache])
 
-    rates = layers.measure_rates(lambda: make_prompt_cache(model), run)
-    return sum(rate for c, rate in rates.items() if c != layers.STATE)
+    rates = layers.measure_rates(make, run)
+    per_token = sum(rate for c, rate in rates.items() if c != layers.STATE)
+    found = [a.dtype for c in made[0] for a in layers.arrays(c.state)]
+    dtype = found[0] if found else mx.float32
+    return {
+        "bytes_per_token": per_token,
+        "dtype": str(dtype).removeprefix("mlx.core."),
+        "bytes_per_token_fp16": per_token * 2 // dtype.size,
+    }
 
 
 def _row(o: Outcome) -> dict[str, Any]:
@@ -385,7 +402,7 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry["spilled"] = sum(c["spilled"] for c in cells)
             entry["loaded_tokens"] = sum(c["loaded_tokens"] for c in cells)
         drift = [c["drift_tokens"] for c in cells if c.get("drift_tokens") is not None]
-        if s in QUANTIZED and first.get("bytes_per_token_fp16"):
+        if s in QUANTIZED and first.get("kv_bits"):
             entry["drifted_turns"] = len(drift)
             entry["drift_tokens"] = [c.get("drift_tokens") for c in cells]
         summary["strategies"][s] = entry
@@ -400,9 +417,12 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "ideal_cached_fraction": sum(t["ideal_cached_tokens"] for t in turns) / prompt_total,
     }
     summary["distinct_tokens"] = first["distinct_tokens"]
-    summary["bytes_per_token"] = [first["bytes_per_token"]]
-    if first.get("bytes_per_token_fp16"):
-        summary["bytes_per_token_fp16"] = [first["bytes_per_token_fp16"]]
+    summary["bytes_per_token"] = [first["bytes_per_token"]]  # exokv's cache (--kv-bits)
+    kv = first["kv"]
+    summary["kv_dtype"] = kv["dtype"]
+    summary["bytes_per_token_unquantized"] = [kv["bytes_per_token"]]
+    summary["bytes_per_token_fp16"] = [kv["bytes_per_token_fp16"]]
+    summary["bytes_vs_fp16"] = [first["bytes_per_token"] / kv["bytes_per_token_fp16"]]
     if first.get("restart_at"):
         summary["restart_at"] = first["restart_at"]
         after = [t for t in turns if t["turn"] >= first["restart_at"]]
@@ -446,6 +466,23 @@ def _check_budget(summary: dict[str, Any], budget: int) -> None:
         entry["within_budget"] = not over
         entry["over_budget_turns"] = over
         entry["unavoidably_over_budget_turns"] = unavoidable
+
+
+WORKING_SET = (
+    "distinct tokens of every sequence the scenario ran (prompts and generated replies, "
+    "counted in a token trie) x bytes per token of exokv's cache on this rank: what a cache "
+    "must hold to lose nothing (ideal_cache_bytes)"
+)
+
+
+def _against_working_set(summary: dict[str, Any], budget: int) -> None:
+    """What share of the scenario's working set the budget holds, so a figure quoted as
+    "a budget of a third of the working set" can be checked."""
+    ideal = summary["ideal_cache_bytes"][0]
+    summary["working_set_bytes"] = [ideal]
+    summary["working_set"] = WORKING_SET
+    summary["budget_bytes"] = budget
+    summary["budget_fraction_of_working_set"] = [budget / ideal if ideal else 0.0]
 
 
 # -- the issue's targets --------------------------------------------------------------

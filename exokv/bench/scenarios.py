@@ -15,7 +15,9 @@ for every strategy) replies, a step's messages are built only when it runs:
 - ``restart``: switch, with every strategy started again (a new process) before
   the first turn of the second half (``Scenario.restart_at``).
 - ``shared-prefix``: 8 conversations sharing one long system prompt (half the
-  context), max(1, T // 4) turns each, interleaved.
+  context), T turns each, interleaved (as many users of one assistant, each in
+  a conversation of several turns: ``--turns`` is turns per conversation in
+  every scenario).
 """
 
 from __future__ import annotations
@@ -189,13 +191,12 @@ def build(name: str, turns: int, context: int, render: Render, seed: int = 0) ->
         system = sized_text(rng, render, [], "system", context // 2)
         system = "You are the assistant of a library. The rules follow. " + system
         start = len(render([_system(system)]))
-        per_conv = max(1, turns // 4)
         convs = [f"user{c + 1}" for c in range(SHARED_CONVERSATIONS)]
         for conv in convs:
             histories[conv] = [_system(system)]
         plan = [
-            PlanItem(conv, "user", target(t, per_conv, start))
-            for t in range(1, per_conv + 1)
+            PlanItem(conv, "user", target(t, turns, start))
+            for t in range(1, turns + 1)
             for conv in convs
         ]
     scen = Scenario(name=name, plan=plan, render=render, seed=seed, histories=histories)

@@ -33,6 +33,28 @@ def validate_tier_options(disk_budget: str | None, kv_bits: int | None, group: i
         raise UsageError(f"--kv-group-size {group}: use 32, 64 or 128")
 
 
+def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
+    """The one line for a model whose KV head dimension --kv-group-size does not divide
+    (mlx quantizes the last axis in groups of 32, 64 or 128, nothing smaller)."""
+    args = getattr(model, "args", None)
+    dim = getattr(args, "head_dim", None)
+    if not isinstance(dim, int):
+        hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", 0)
+        dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
+    if dim <= 0 or dim % group == 0:  # the arguments do not explain it: mlx's own words
+        return f"--kv-bits {bits} --kv-group-size {group} does not fit this model's KV ({cause})"
+    fits = [str(g) for g in GROUP_SIZES if dim % g == 0]
+    if fits:
+        hint = f"use --kv-group-size {' or '.join(fits)}"
+    else:
+        sizes = ", ".join(map(str, GROUP_SIZES))
+        hint = f"mlx quantizes in groups of {sizes} only, so leave out --kv-bits for this model"
+    return (
+        f"--kv-bits {bits} --kv-group-size {group}: this model's attention head dimension is "
+        f"{dim}, not a multiple of {group}; {hint}"
+    )
+
+
 def parse_disk_budget(text: str, where: Path, ranks_here: int = 1) -> int:
     """'20GB' -> bytes; 'auto' -> a share of the free space at `where` (divided among
     the ranks sharing this machine's disk); '0' -> 0 (off)."""

@@ -77,7 +77,7 @@ complete -c exokv -n '__exokv_at exokv bench' -l starting-port -x -d 'first port
 complete -c exokv -n '__exokv_at exokv bench' -l turns -x -d 'turns per conversation'
 complete -c exokv -n '__exokv_at exokv bench' -l context -x -d 'prompt tokens of the last turn'
 complete -c exokv -n '__exokv_at exokv bench' -l reply-tokens -x -d 'most tokens per reply'
-complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -a 'linear switch branch shared-prefix restart all' -d 'linear|switch|branch|shared-prefix|all (or a comma list)'
+complete -c exokv -n '__exokv_at exokv bench' -l scenario -x -a 'linear switch branch shared-prefix restart all' -d 'linear|switch|branch|shared-prefix|restart|all (or a comma list)'
 complete -c exokv -n '__exokv_at exokv bench' -l repeat -x -d 'runs per scenario; medians are reported'
 complete -c exokv -n '__exokv_at exokv bench' -l seed -x -d 'seed of the generated conversations'
 complete -c exokv -n '__exokv_at exokv bench' -l json -d 'print one JSON document to stdout'
