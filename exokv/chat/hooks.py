@@ -122,9 +122,11 @@ class StoreHooks(ChatHooks):
         if not self.use_cache or probe is None:
             return None
         report = probe(conv.name, conv.prompt())
-        if report.tokens:
+        if not report.tokens:
+            return None
+        if report.on_disk:
             return f"{report.tokens:,} tokens on disk, loaded by the next turn"
-        return None
+        return f"{report.tokens:,} tokens cached, prefilled no more"
 
     def stored_sessions(self) -> list[str]:
         return self.store.session_names()

@@ -34,6 +34,7 @@ class CacheFileReport:
     warning: str | None = None  # a problem: the cache was not (fully) saved
     skipped: str | None = None  # nothing to do, not a problem (no tier, nothing cached)
     events: list[dict[str, Any]] = field(default_factory=list)  # CacheEvent dicts (drops)
+    on_disk: bool = False  # at resume: all of `tokens` is on disk (else some is in RAM)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,5 +80,6 @@ def on_disk(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheF
     tokens = engine.render(messages)
     match = engine.cache.tree.match(tokens)
     report.tokens = min(match.length, len(tokens))
+    report.on_disk = all(n.payload.tier == "disk" for n in match.path)
     report.paths = [str(tier.store.root)]
     return report
