@@ -349,6 +349,8 @@ def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(models: Path, tmp_path
     assert report.bytes[0] == ram  # what it wrote is what RAM holds, and RAM still holds it
     assert e.cache.total_bytes == ram
     assert all(n.payload.tier == "ram" for n in e.cache.tree.nodes())
+    held = kvsave.on_disk(e, "s", conv)
+    assert held.tokens == report.tokens and not held.on_disk  # saved, and still in RAM
     assert (tmp_path / "tier" / "tree.json").is_file() and list((tmp_path / "tier").glob("*.kv"))
     written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "tier").glob("*.kv")}
 
@@ -365,7 +367,8 @@ def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(models: Path, tmp_path
     e.coord.tier.store.release()
     fresh = engine(**tier)
     fresh.remember_replies([(result.reply, e.reply_tokens(result.reply))])
-    assert kvsave.on_disk(fresh, "s", nxt).tokens == report.tokens
+    found = kvsave.on_disk(fresh, "s", nxt)
+    assert found.tokens == report.tokens and found.on_disk  # a new process: all on disk
     turn = fresh.turn(TurnRequest("s", nxt, max_tokens=10))
     assert turn.cached_tokens == report.tokens
     cold = engine()
