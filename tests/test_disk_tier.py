@@ -222,3 +222,26 @@ def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path)
     assert len(tier.copies) < copies
     assert tier.disk_bytes()[0] <= tier.budget
     assert engine.cache.total_bytes <= engine.coord.budget
+
+
+@pytest.mark.parametrize(
+    ("given", "budgets", "no_cache", "want"),
+    [
+        (None, "", False, "auto"),  # on by default
+        ("20GB", "", False, "20GB"),
+        ("0", "", False, "0"),
+        (None, "0", False, None),  # --cache-budget 0 keeps nothing: nothing to spill
+        (None, "2MB,0KB", False, None),
+        (None, "1MB,2MB", False, "auto"),
+        ("20GB", "", True, None),  # --no-cache
+    ],
+)
+def test_the_disk_tier_is_on_unless_the_chat_keeps_nothing(given, budgets, no_cache, want):
+    from exokv.cache.tiers import disk_budget_text, shown_disk_budget
+    from exokv.chat.run import ChatOptions
+
+    opts = ChatOptions("builtin:tiny", disk_budget=given, cache_budget=budgets or None)
+    opts.no_cache = no_cache
+    assert disk_budget_text(opts) == want
+    shown = shown_disk_budget(opts)
+    assert (shown is not None and shown > 0) == (want not in (None, "0"))

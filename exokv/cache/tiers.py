@@ -117,9 +117,18 @@ def disk_budget_text(opts: Any) -> str | None:
     if getattr(opts, "no_cache", False):
         return None
     budgets = getattr(opts, "budgets", None) or getattr(opts, "cache_budget", None) or ""
-    if any(b.strip() in ("0", "0B") for b in str(budgets).split(",")):
+    if any(_is_zero(b) for b in str(budgets).split(",")):
         return None  # a rank keeps nothing: nothing to spill either
     return getattr(opts, "disk_budget", None) or DEFAULT_DISK_BUDGET
+
+
+def _is_zero(size: str) -> bool:
+    from exokv.config import parse_size
+
+    try:
+        return size.strip() != "" and parse_size(size.strip()) == 0
+    except UsageError:
+        return False  # reported by the option's own check
 
 
 def _identity(model: str) -> str:
