@@ -72,20 +72,25 @@ def test_a_corrupt_spilled_file_is_a_miss_with_the_right_reply(tokenizer, tmp_pa
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
     replies = {r.session: [r.reply] for r in first}
-    results = []
-    for session, messages in script[4:]:
-        from tests.test_cache_budget import _with_replies
-
-        full = _with_replies(messages, replies[session])
-        from exokv.records import TurnRequest
-
-        results.append(engine.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
+    results = _second_half(engine, script, replies)
     assert [r.reply for r in results] == [r.reply for r in reference[4:]]
     drops = [e for r in results for e in r.events if e.kind == "drop"]
     assert drops and all("checksum" in e.reason for e in drops)
     assert any(
         r.cached_tokens < ref.cached_tokens for r, ref in zip(results, reference[4:], strict=True)
     )
+
+
+def _second_half(engine: Engine, script: list, replies: dict) -> list:
+    """The script's second turns, each conversation with its first reply."""
+    from exokv.records import TurnRequest
+    from tests.test_cache_budget import _with_replies
+
+    out = []
+    for session, messages in script[4:]:
+        full = _with_replies(messages, replies[session])
+        out.append(engine.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
+    return out
 
 
 def _first_half_then_quit(tok, home: Path) -> tuple[list, list, dict, list]:
@@ -102,18 +107,12 @@ def _first_half_then_quit(tok, home: Path) -> tuple[list, list, dict, list]:
 
 
 def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
-    from exokv.records import TurnRequest
-    from tests.test_cache_budget import _with_replies
-
     reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
     again = tiered("state", tokenizer, tmp_path, None)
     assert again.tier_notice == ""
     again.remember_replies(pairs)
-    results = []
-    for session, messages in script[4:]:
-        full = _with_replies(messages, replies[session])
-        results.append(again.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
-        assert any(e.kind == "load" for e in results[-1].events)
+    results = _second_half(again, script, replies)
+    assert all(any(e.kind == "load" for e in r.events) for r in results)
     assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference[4:]]
     assert [r.reply for r in results] == [r.reply for r in reference[4:]]
 
@@ -177,8 +176,6 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
     """A whole, checksummed file holding other positions than the tree says (e.g. a
     node rewritten after a split, with an older tree.json left by a killed chat) is a
     miss on load, and the replies are right."""
-    from exokv.records import TurnRequest
-    from tests.test_cache_budget import _with_replies
 
     reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
     files = sorted(tmp_path.glob("*.kv"), key=lambda f: f.stat().st_size)
@@ -188,10 +185,7 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
         f.write_bytes(data)
     again = tiered("state", tokenizer, tmp_path, None)
     again.remember_replies(pairs)
-    results = []
-    for session, messages in script[4:]:
-        full = _with_replies(messages, replies[session])
-        results.append(again.turn(TurnRequest(session=session, messages=full, max_tokens=8)))
+    results = _second_half(again, script, replies)
     assert [r.reply for r in results] == [r.reply for r in reference[4:]]
     drops = [e for r in results for e in r.events if e.kind == "drop"]
     assert drops and all("unreadable contents" in e.reason for e in drops)

@@ -249,7 +249,8 @@ def test_sigkill_after_turn_two_keeps_turns_one_and_two(
 
 @pytest.fixture(scope="module")
 def engine(models: Path):
-    from exokv.engine import Engine
+    """A factory of engines on builtin:tiny: `engine(**EngineOptions fields)`."""
+    from exokv.engine import Engine, EngineOptions
     from exokv.model.resolve import load_model
 
     old = os.environ.get("EXOKV_HOME")
@@ -261,7 +262,7 @@ def engine(models: Path):
             del os.environ["EXOKV_HOME"]
         else:
             os.environ["EXOKV_HOME"] = old
-    return lambda: Engine(model, tokenizer)
+    return lambda **options: Engine(model, tokenizer, options=EngineOptions(**options))
 
 
 def _long_prompt() -> list[dict[str, str]]:
@@ -319,23 +320,8 @@ def test_controller_drops_an_exchange_stopped_before_its_first_token(engine) -> 
     assert len(chat.current.messages) == 2
 
 
-def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(models: Path, tmp_path: Path) -> None:
-    from exokv.engine import Engine, EngineOptions
-    from exokv.model.resolve import load_model
+def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(engine, tmp_path: Path) -> None:
     from exokv.records import TurnRequest
-
-    old = os.environ.get("EXOKV_HOME")
-    os.environ["EXOKV_HOME"] = str(models.parent)
-    try:
-        model, tokenizer = load_model("builtin:tiny")
-    finally:
-        if old is None:
-            del os.environ["EXOKV_HOME"]
-        else:
-            os.environ["EXOKV_HOME"] = old
-
-    def engine(**options: Any) -> Engine:
-        return Engine(model, tokenizer, options=EngineOptions(**options))
 
     tier = {"disk_dir": str(tmp_path / "tier"), "disk_budget": 1 << 30}
     e = engine(**tier)
