@@ -632,6 +632,19 @@ class CountingNode(Node):
         return object.__getattribute__(self, name)
 
 
+def begin_turn(tree: RadixTree, prompt: list[int], over: int) -> tuple:
+    """A turn's start on `tree`: its match touched and locked, the tree's figures then,
+    and one rank whose budget is `over` below what the tree holds."""
+    from exokv.cache.policy import RankLoad
+
+    match = tree.match(prompt)
+    tree.touch(match.path)
+    tree.lock(match.path)
+    figures = (len(tree), tree.digest, tree.weight)
+    ranks = [RankLoad(cache_bytes=tree.weight, budget=tree.weight - over, pressure=0, ram=1)]
+    return match, figures, ranks
+
+
 class CountingTree(RadixTree):
     node_type = CountingNode
 
@@ -641,7 +654,7 @@ def test_a_turns_bookkeeping_visits_the_path_and_what_changed_not_the_tree():
     the figures, 10 evictions from the LRU order, insert, unlock, the changed
     entries) reads a number of nodes bounded by its path and its evictions."""
     global VISITED
-    from exokv.cache.policy import Entry, RankLoad, plan_lru
+    from exokv.cache.policy import Entry, plan_lru
 
     rng = random.Random(0)
     tree = CountingTree(size_of=lambda p: 0 if p is None else len(p))
@@ -662,11 +675,7 @@ def test_a_turns_bookkeeping_visits_the_path_and_what_changed_not_the_tree():
     prompt = convs[7] + [1, 2, 3]
     VISITED = set()
     try:
-        match = tree.match(prompt)
-        tree.touch(match.path)
-        tree.lock(match.path)
-        figures = (len(tree), tree.digest, tree.weight)
-        ranks = [RankLoad(cache_bytes=tree.weight, budget=tree.weight - 50, pressure=0, ram=1)]
+        match, figures, ranks = begin_turn(tree, prompt, over=50)
         evictions = plan_lru(
             (entry(n) for n in tree.lru_leaves()),
             entry=lambda i: entry(tree.find(i)) if tree.find(i) else None,

@@ -60,7 +60,6 @@ def test_a_turns_bookkeeping_with_half_the_tree_on_disk_visits_what_changed():
 
     import tests.test_radix as tr
     from exokv.cache.coordinate import plan_tree
-    from exokv.cache.policy import RankLoad
 
     rng = random.Random(0)
     tree = tr.CountingTree(size_of=lambda p: 0 if p is None else len(p), resident=tr.is_warm)
@@ -80,11 +79,7 @@ def test_a_turns_bookkeeping_with_half_the_tree_on_disk_visits_what_changed():
     prompt = convs[7] + [1, 2, 3]
     tr.VISITED = set()
     try:
-        match = tree.match(prompt)
-        tree.touch(match.path)
-        tree.lock(match.path)
-        figures = (len(tree), tree.digest, tree.weight)
-        ranks = [RankLoad(cache_bytes=tree.weight, budget=tree.weight - 50, pressure=0, ram=1)]
+        match, figures, ranks = tr.begin_turn(tree, prompt, over=50)
         evictions = plan_tree(tree, lambda n: [n.size], ranks, 1.0, set(match.path))
         for e in evictions:
             tree.remove_leaf(next(tree.lru_nonresident()))  # room on disk
