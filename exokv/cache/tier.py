@@ -14,6 +14,12 @@ A load can fail on one rank only (a missing, truncated or corrupt file). The ran
 agree on it with one small gather, made only on turns whose hit reaches on-disk
 nodes (identical on every rank: the tree says so): the hit stops before the first
 node any rank could not read, which is dropped with its subtree.
+
+/save writes a session's path to disk without leaving RAM: its nodes get *copies*
+(files counted against the disk budget), so evicting one later writes nothing, and
+the persisted tree lets a new process, even after a crash, start with the session
+warm. A load checks that the file holds exactly the positions the tree's record
+needs (a file is named by its node's id, and a node keeps its id through splits).
 """
 
 from __future__ import annotations
