@@ -198,6 +198,35 @@ def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference)
     assert turn["reply"] == reference["cold"][3]["reply"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
+def test_sigterm_or_sighup_end_the_chat_like_quit(
+    models: Path, tmp_path: Path, reference, sig: int
+) -> None:
+    """`kill` or a closed terminal: one line, exit 128+N, and the KV cache reaches the disk
+    tier on the way out, so the next chat resumes warm."""
+    home = home_with_models(tmp_path / "home", models, link=True)
+    proc = _demo_chat(home)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        for line in TURNS:
+            proc.stdin.write(line.encode() + b"\n")
+            proc.stdin.flush()
+            json.loads(proc.stdout.readline())
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    name = signal.Signals(sig).name
+    assert code == 128 + sig and err.strip().splitlines() == [
+        f"exokv: error: terminated by {name}; the conversation and its KV cache are kept"
+    ], err
+    (turn,), err = chat(home, [NEXT], "--session", "demo")
+    assert "warning" not in err and "starting cold" not in err
+    assert turn["cached_tokens"] == reference["warm"][3]["cached_tokens"]
+    assert turn["reply"] == reference["cold"][3]["reply"]
+
+
 def test_sigkill_after_turn_two_keeps_turns_one_and_two(
     models: Path, tmp_path: Path, reference
 ) -> None:

@@ -140,9 +140,18 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
 
     Every finished turn is written to the store as it ends; on /quit, Ctrl-D or the
     end of standard input the current session's KV cache is saved too. An exception
-    or a third Ctrl-C skips that save (the conversation itself is already stored).
+    or a third Ctrl-C skips that save (the conversation itself is already stored),
+    and so do SIGTERM and SIGHUP, which end the chat as an error would: the ranks
+    still shut down cleanly and keep their KV cache in the disk tier.
     """
     validate(opts)
+    from exokv.chat.signals import ended_by_signals
+
+    with ended_by_signals():
+        return _run_chat(opts, hooks)
+
+
+def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
     from exokv.chat.hooks import StoreHooks, stderr_warning
     from exokv.state import Store, register_chat
     from exokv.state.locks import SessionLocks
