@@ -10,6 +10,7 @@ import typer
 import typer.core
 
 from exokv import __version__
+from exokv.chat.signals import Terminated
 from exokv.config import debug_enabled
 from exokv.errors import ExokvError, UsageError
 
@@ -218,6 +219,9 @@ def main() -> None:
     except (KeyboardInterrupt, typer.Abort, click.exceptions.Abort, EOFError):
         print("exokv: interrupted", file=sys.stderr)
         sys.exit(130)
+    except Terminated as err:
+        print(f"exokv: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     except (typer.Exit, click.exceptions.Exit) as err:
         sys.exit(err.exit_code)
     except Exception as err:  # noqa: BLE001 - the last line of defence: one line, exit 1

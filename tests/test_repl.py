@@ -16,6 +16,7 @@ import pty
 import re
 import select
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -519,6 +520,25 @@ def test_repeated_ctrl_c_stops_the_reply_and_never_exits(tmp_path: Path, models:
     assert "RuntimeWarning" not in term.text and "Traceback" not in term.text
     assert _num(status2.group(2)) > 0
     assert [m["role"] for m in _db_messages(home, "c")] == ["user", "assistant"] * 2
+
+
+def test_sigterm_while_a_reply_streams_ends_the_repl(tmp_path: Path, models: Path) -> None:
+    """The REPL shows a failed turn's error and goes on; a SIGTERM is not such an error:
+    it ends the chat (one line, exit 143) with the KV cache kept on disk."""
+    home = home_with_models(tmp_path / "home", models, link=True)
+    term = chat_terminal(home, "--max-tokens", "2000", "--session", "t")
+    try:
+        term.expect(prompt("t"))
+        term.type("Tell me a long story.\r")
+        term.expect(prompt("t") + r"Tell me a long story\.\s*\n")
+        term.expect(r"\S{20}")  # the reply is streaming
+        term.proc.send_signal(signal.SIGTERM)
+        term.expect(r"exokv: terminated by SIGTERM; the conversation and its KV cache are kept")
+    finally:
+        code = term.close()
+    assert code == 128 + signal.SIGTERM, term.text[-2000:]
+    assert "Traceback" not in term.text
+    assert list(home.glob("kv/*/*/rank0/tree.json"))
 
 
 def test_redirected_stdout_gets_a_transcript(tmp_path: Path, models: Path) -> None:

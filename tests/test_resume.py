@@ -219,7 +219,7 @@ def test_sigterm_or_sighup_end_the_chat_like_quit(
         proc.kill()
     name = signal.Signals(sig).name
     assert code == 128 + sig and err.strip().splitlines() == [
-        f"exokv: error: terminated by {name}; the conversation and its KV cache are kept"
+        f"exokv: terminated by {name}; the conversation and its KV cache are kept"
     ], err
     (turn,), err = chat(home, [NEXT], "--session", "demo")
     assert "warning" not in err and "starting cold" not in err

@@ -4,8 +4,10 @@ Python's default for both is to die at once, which skips every `finally`: the ra
 KV cache would never reach the disk tier, and a closed terminal window (SIGHUP) or
 a `kill` would cost the next chat a cold prefill of everything. Inside
 `ended_by_signals()` the first of them raises `Terminated` in the main thread, so the
-chat unwinds like an error (the store closed, the ranks shut down, what RAM holds
-spilled); a second one while that runs is ignored (SIGKILL still ends it at once).
+chat unwinds like Ctrl-C at the top (the store closed, the ranks shut down, what RAM
+holds spilled); a second one while that runs is ignored (SIGKILL still ends it at
+once). `Terminated` is a BaseException, as KeyboardInterrupt is, so that no handler
+of errors on the way (the REPL shows a failed turn's error and goes on) swallows it.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from exokv.errors import ExokvError
-
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-class Terminated(ExokvError):
+class Terminated(BaseException):  # noqa: N818 - named like KeyboardInterrupt
     """The chat was asked to end by a signal; the exit code is 128 + its number."""
 
     def __init__(self, signum: int) -> None:
