@@ -98,6 +98,8 @@ def old_render(tokenizer: Any, replies: dict[str, list[int]], messages: list[dic
     """Engine.render before exokv.prompt: templates the history before every reply."""
 
     def template(ms):
+        if not ms:
+            return ""  # a reply first in the history has nothing before it
         return tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
 
     def encode(text):

@@ -22,35 +22,11 @@ def tokenizer(models_dir):
 
 
 def reference_render(tokenizer, replies: dict[str, list[int]], messages) -> list[int]:
-    """The render from scratch: template the history before every reply, encode it all."""
+    """The render from scratch (the engine's former algorithm, which the bookkeeping
+    benchmark times as its "before")."""
+    from benchmarks.bookkeeping import old_render
 
-    def template(ms):
-        if not ms:
-            return ""
-        return tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
-
-    def encode(text):
-        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-    messages = list(messages)
-    text = template(messages)
-    tokens: list[int] = []
-    pos = 0
-    for i, message in enumerate(messages):
-        reply = replies.get(message["content"]) if message["role"] == "assistant" else None
-        if not reply:
-            continue
-        head = template(messages[:i])
-        end = len(head) + len(message["content"])
-        if (
-            len(head) < pos
-            or not text.startswith(head)
-            or text[len(head) : end] != message["content"]
-        ):
-            continue
-        tokens += encode(text[pos : len(head)]) + reply
-        pos = end
-    return tokens + encode(text[pos:])
+    return old_render(tokenizer, replies, list(messages))
 
 
 class Chat:
