@@ -37,6 +37,14 @@ def _store() -> Store | None:
     return Store.open_existing(exokv_home())
 
 
+def _store_of(name: str) -> Store:
+    """The store, for a command on session `name`; no store at all means no such session."""
+    store = _store()
+    if store is None:
+        raise _no_session(name)
+    return store
+
+
 def _no_session(name: str) -> ExokvError:
     return ExokvError(f"no session {name!r}: `exokv sessions list` shows them")
 
@@ -82,9 +90,7 @@ def show(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """The conversation's transcript, with its model and system prompt."""
-    store = _store()
-    if store is None:
-        raise _no_session(name)
+    store = _store_of(name)
     with store:
         info = store.session_info(name)
         if info is None:
@@ -110,9 +116,7 @@ def rm(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Delete a conversation and its turns (its KV on disk ages out; `exokv cache clear`)."""
-    store = _store()
-    if store is None:
-        raise _no_session(name)
+    store = _store_of(name)
     _not_in_use(name)
     with store:
         count = store.delete_session(name)
@@ -131,9 +135,7 @@ def rename(
     """Rename a conversation (its KV cache is keyed by its tokens: it follows)."""
     if not new.strip() or new != new.strip():
         raise ExokvError(f"invalid name {new!r}: no spaces around it, and not empty")
-    store = _store()
-    if store is None:
-        raise _no_session(old)
+    store = _store_of(old)
     _not_in_use(old)
     with store:
         store.rename_session(old, new)
