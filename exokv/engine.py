@@ -153,7 +153,6 @@ class Engine:
         """Keep the cache for the next run (the disk tier); every rank alike, no collective."""
         if self.coord.tier is not None:
             self.coord.tier.close()
-            self.coord.tier.store.release()
 
     @property
     def collectives(self) -> int:

@@ -349,7 +349,8 @@ class DiskTier:
 
     def close(self) -> None:
         """Spill what RAM holds (parents first, as the disk budget allows: the same
-        on every rank), wait for the writes and persist the tree."""
+        on every rank), wait for the writes, persist the tree and give the directory up
+        to the next chat."""
         if not self.stopped and not self.store.failed:
             for node in list(self.cache.tree.nodes()):
                 if node.payload is None or is_disk(node) or node.locks:
@@ -361,6 +362,7 @@ class DiskTier:
                     self._spill(node)
         self.store.flush()
         self.persist()
+        self.store.release()
 
     # -- reporting -------------------------------------------------------------------
 

@@ -107,9 +107,10 @@ def shown_disk_budget(opts: Any) -> int | None:
     text = disk_budget_text(opts)
     if text is None:
         return None
-    here = 1 if getattr(opts, "hosts", None) or getattr(opts, "hostfile", None) else None
-    ranks = here or int(getattr(opts, "ranks", 1) or 1)
-    return parse_disk_budget(text, exokv_home(), ranks) or None
+    # Ranks on several hosts each have a disk of their own; -n N share this one.
+    several_hosts = getattr(opts, "hosts", None) or getattr(opts, "hostfile", None)
+    ranks_here = 1 if several_hosts else int(getattr(opts, "ranks", 1) or 1)
+    return parse_disk_budget(text, exokv_home(), ranks_here) or None
 
 
 def disk_budget_text(opts: Any) -> str | None:
