@@ -118,7 +118,7 @@ class StoreHooks(ChatHooks):
 
     def _cached(self, conv: Conversation) -> str | None:
         """How much of a resumed session the cache holds (the disk tier kept it), in words."""
-        probe = getattr(self.client, "load_cache", None)
+        probe = getattr(self.client, "cache_held", None)
         if not self.use_cache or probe is None:
             return None
         report = probe(conv.name, conv.prompt())

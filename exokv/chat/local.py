@@ -55,7 +55,7 @@ class LocalClient:
             report.warning = tier.store.failed
         return report
 
-    def load_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+    def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """How much of a resumed conversation the restored tree holds."""
         return kvsave.on_disk(self.engine, session, messages)
 

@@ -229,9 +229,9 @@ class ClusterClient:
         """Write the conversation's cached path to every rank's disk tier."""
         return self._report({"type": "save", "session": session, "messages": messages})
 
-    def load_cache(self, session: str, messages: list[dict[str, str]]) -> Any:
+    def cache_held(self, session: str, messages: list[dict[str, str]]) -> Any:
         """How much of a resumed conversation the ranks' restored tree holds."""
-        return self._report({"type": "load", "session": session, "messages": messages})
+        return self._report({"type": "held", "session": session, "messages": messages})
 
     def _report(self, message: dict[str, Any]) -> Any:
         from exokv.chat.kvsave import CacheFileReport

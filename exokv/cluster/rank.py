@@ -345,9 +345,9 @@ class Rank:
                 # rank must render them alike, so this travels like a turn.
                 engine.remember_replies([(r, t) for r, t in message["pairs"]])
                 continue
-            if kind in ("save", "load"):
-                save_or_load = self._save if kind == "save" else self._load
-                report = save_or_load(engine, group, message)
+            if kind in ("save", "held"):
+                answer = self._save if kind == "save" else self._held
+                report = answer(engine, group, message)
                 if self.link is not None:
                     self.link.send(
                         {"type": "report", "id": message.get("id"), "report": report.to_dict()}
@@ -413,7 +413,7 @@ class Rank:
             report.paths = [str(tier.store.root.parent / f"rank{r}") for r in range(len(rows))]
         return report
 
-    def _load(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
+    def _held(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
         """A resumed session: how much of it the restored tree holds (the same on every
         rank: the tree is); its next turn loads that from disk."""
         from exokv.chat import kvsave
@@ -454,7 +454,7 @@ class Rank:
                     self._stop_for = message.get("id")
                     if self._stop_for == self.current:
                         self.stop.set()
-            elif kind in ("turn", "remember", "save", "load", "shutdown"):
+            elif kind in ("turn", "remember", "save", "held", "shutdown"):
                 self.inbox.put(message)
 
     def _heartbeat(self) -> None:
