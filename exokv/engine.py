@@ -210,6 +210,7 @@ class Engine:
             self.coord.begin(self.decision, new_tokens, probe, events, copied=copied)
             overhead = time.perf_counter() - overhead
             stopped = False
+            store = use_cache and not self.cache.exact_anywhere
             for stop in self._stops(len(tokens), hit.length, meets):
                 stopped = self._prefill(
                     hit.cache, tokens[ran:stop], ran, len(tokens), on_progress, should_stop
@@ -217,7 +218,7 @@ class Engine:
                 if stopped:
                     break
                 ran = stop
-                if use_cache and stop < len(tokens) - 1:
+                if store and stop > hit.length:
                     tic = time.perf_counter()
                     self._insert(tokens, hit.cache, ran, request.session, events)
                     overhead += time.perf_counter() - tic
@@ -264,9 +265,16 @@ class Engine:
 
     def _stops(self, n: int, hit: int, meets: int) -> list[int]:
         """Where prefill pauses: the prompt's end (all but its last token, which decode
-        runs), and before it, where the prompt leaves the tree (`meets`) when a hit there
-        would need window slices or states that only this run can give: the tree will be
-        split there, and the next conversation sharing the prefix can start there."""
+        runs), and before it, where the prompt leaves the tree (`meets`).
+
+        With full attention only, any token of a stored path is a hit, so the turn's
+        one insert after the reply serves every later prompt. Otherwise a point is a
+        hit only where the tree holds the window slices and states of that point, which
+        only this run can give, so the turn stores one at each stop it prefilled up to
+        (the engine's loop): where the prompt leaves the tree (the tree is split there,
+        and the next conversation sharing the prefix, a system prompt, starts there)
+        and the prompt's end (so /retry, or any prompt that branches after this one's
+        end, reuses all of it but the token decode runs)."""
         if self.cache.exact_anywhere or not hit < meets < n - 1:
             return [n - 1]
         return [meets, n - 1]

@@ -26,6 +26,9 @@ from exokv.records import CacheEvent, EntryInfo, RankStats
 _FIXED = 9  # numbers before the per-class rates in the gathered vector
 _DIGEST = 8
 _MAX_WINDOWS = 7  # distinct sliding windows a model may use (startup agreement)
+# Points a turn stores at most (engine.Engine._stops): where its prompt leaves the tree,
+# its prompt's end and its reply's end.
+_POINTS = 3
 
 
 def agree_classes(group: Group, local: Sequence[StorageClass]) -> list[StorageClass]:
@@ -105,18 +108,18 @@ class Coordinator:
         return _bytes(self.cache.totals, self.all_rates())
 
     def headroom(self, new_tokens: int, copied: int = 0) -> int:
-        """Most bytes this turn's inserts can add on this rank. A turn stores at most two
-        points (where it leaves the tree, and its end): every new token's K/V, at most a
-        window per point for each sliding window, and a state per point. `copied`:
-        tokens of full-attention K/V the turn's cache holds beside the tree's copy."""
+        """Most bytes this turn's inserts can add on this rank: every new token's K/V,
+        and for each of the points a turn stores (at most `_POINTS`) a window for each
+        sliding window and a state. `copied`: tokens of full-attention K/V the turn's
+        cache holds beside the tree's copy."""
         total = 0
         for c, rate in self.rates.items():
             if c == KV:
                 total += (new_tokens + copied) * rate
             elif c == STATE:
-                total += 2 * rate
+                total += _POINTS * rate
             else:
-                total += min(new_tokens + c[1], 2 * c[1]) * rate
+                total += min(new_tokens + c[1], _POINTS * c[1]) * rate
         return total
 
     # -- before the turn: the one collective and the plan ---------------------------
