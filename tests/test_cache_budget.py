@@ -172,9 +172,10 @@ def test_a_conversation_larger_than_the_budget_keeps_its_longest_prefix(kind, to
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_shared_prefix_is_held_once_in_memory(kind, tokenizer):
     """8 conversations sharing a system prompt hold at most 1.3x the bytes of the shared
-    prompt plus their distinct suffixes (and a state each, where the model has states),
-    measured as MLX's active memory, not by our own counters. The texts are long enough
-    that the allocator's rounding of small arrays does not dominate."""
+    prompt plus their distinct suffixes (and where the model has states, one where they
+    leave the shared prompt, and one at each prompt's end and each reply's end),
+    measured as MLX's active memory, not by our own counters. The texts are long
+    enough that the allocator's rounding of small arrays does not dominate."""
     engine = engine_for(kind, tokenizer)
     system = SYSTEM * 8
     script = [
@@ -191,7 +192,71 @@ def test_shared_prefix_is_held_once_in_memory(kind, tokenizer):
     held = mx.get_active_memory() - before
     rates = engine.coord.rates
     distinct = sum(len(n.key) for n in engine.cache.tree.nodes())
-    ideal = distinct * engine.bytes_per_token + 9 * rates.get(layers.STATE, 0)
+    states = 1 + 2 * len(script)
+    ideal = distinct * engine.bytes_per_token + states * rates.get(layers.STATE, 0)
     assert held <= 1.3 * ideal, (held, ideal)
     assert engine.cache.total_bytes <= held
     assert all(r.cached_tokens > 0 for r in results[2:])
+
+
+# A pasted paragraph: several sliding windows (16 and 24 tokens here) long.
+PASTED = " ".join(f"line {i} of the pasted report says the river rose again" for i in range(8))
+
+
+def _retries(engine: Engine, use_cache: bool = True, check=None) -> list:
+    """A long message, /retry (the same messages again), a second long message, /retry."""
+
+    def turn(messages):
+        request = TurnRequest("r", messages, max_tokens=8, use_cache=use_cache)
+        result = engine.turn(request)
+        if check is not None:
+            check(result)
+        return result
+
+    one = turn(_pasted())
+    return [one, turn(_pasted()), turn(_pasted(one.reply)), turn(_pasted(one.reply))]
+
+
+def _pasted(reply: str | None = None) -> list[dict[str, str]]:
+    """The first long message, or with `reply` to it, the second."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PASTED}]
+    if reply is None:
+        return messages
+    return [*messages, {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And upstream? " + PASTED}]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_retry_after_a_long_message_reuses_its_whole_prompt_within_the_budget(kind, tokenizer):
+    """Every cache kind serves /retry from the end of its prompt (all of it but the token
+    decode runs), as full attention does: the turn stored that point for its sliding
+    windows and states. Counted in the budget like any entry: under a budget that holds
+    this conversation but not another one beside it, the other is evicted, the budget
+    holds after every turn, the byte counts stay exact, and the replies are unchanged."""
+    probe = engine_for(kind, tokenizer)
+    _retries(probe)
+    budget = probe.cache.total_bytes * 6 // 5
+
+    def check(result):
+        held = engine.cache.total_bytes
+        assert held <= budget, (held, budget)
+        assert held == stored_bytes(engine.cache) == engine.cache.tree.weight
+        assert result.rank_stats[0].cache_bytes == held
+
+    engine = engine_for(kind, tokenizer, budget=budget)
+    other = play(engine, chats(2, 2), check=check)  # other conversations, evicted for it
+    results = _retries(engine, check=check)
+    assert sum(r.evictions for r in other + results) > 0
+    one, retry, two, retry2 = results
+    for retried, original in ((retry, one), (retry2, two)):
+        assert retried.prompt_tokens > 100
+        assert retried.cached_tokens == retried.prompt_tokens - 1, (kind, retried.cached_tokens)
+        assert retried.reply == original.reply
+    if kind == "window-keep":  # the reference is a carried cache (see above)
+        carried = Carried(engine_for(kind, tokenizer))
+        messages = (_pasted(), _pasted(one.reply))
+        want = [carried.turn(TurnRequest("r", m, max_tokens=8)) for m in messages]
+        assert [one.reply, two.reply] == want
+    else:
+        plain = _retries(engine_for(kind, tokenizer), use_cache=False)
+        assert [r.reply for r in results] == [r.reply for r in plain]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from chat_helpers import cache_json, home_with_models
-from test_cluster import rank_log, run_script
-from zoo_helpers import zoo_models
+from test_cluster import rank_log, replies, run_script
+from zoo_helpers import LONG_MESSAGE, zoo_models
 
 # Four conversations sharing their start: each new one splits the tree's edges.
 SCRIPT = [
@@ -62,15 +62,7 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     logs = [rank_log(home, 0), rank_log(home, 1)]
     assert len(logs[0]) == len(logs[1]) == len(turns) == 7
 
-    for t0, t1 in zip(*logs, strict=True):
-        own = [t0["rank_stats"][0]["cache_bytes"], t1["rank_stats"][1]["cache_bytes"]]
-        # After every turn each rank holds at most its budget ...
-        assert all(b <= budget for b, budget in zip(own, budgets, strict=True)), own
-        # ... and what each rank computes the other holds is what that rank holds.
-        assert t1["rank_stats"][0]["cache_bytes"] == own[0]
-        assert t0["rank_stats"][1]["cache_bytes"] == own[1]
-        assert t0["events"] == t1["events"]  # every decision alike, evictions included
-        assert t0["collectives"]["gather"] == 1  # still one gather per turn
+    own = _within_budgets_alike(logs, budgets)
 
     evictions = [e for t in logs[0] for e in t["events"] if e["kind"] == "evict"]
     # Rank 1's small budget drives them all (when one conversation alone is over it,
@@ -86,3 +78,59 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     rows = pressure if isinstance(pressure, list) else pressure.get("ranks", pressure)
     last = {r["rank"]: r["cache_bytes"] for r in rows}
     assert last == {0: logs[0][-1]["rank_stats"][0]["cache_bytes"], 1: own[1]}
+
+
+def _within_budgets_alike(logs: list[list[dict]], budgets: tuple[int, int]) -> list[int]:
+    """Check both ranks' records of every turn; returns the last turn's bytes per rank."""
+    own: list[int] = []
+    for t0, t1 in zip(*logs, strict=True):
+        own = [t0["rank_stats"][0]["cache_bytes"], t1["rank_stats"][1]["cache_bytes"]]
+        # After every turn each rank holds at most its budget ...
+        assert all(b <= budget for b, budget in zip(own, budgets, strict=True)), own
+        # ... and what each rank computes the other holds is what that rank holds.
+        assert t1["rank_stats"][0]["cache_bytes"] == own[0]
+        assert t0["rank_stats"][1]["cache_bytes"] == own[1]
+        assert t0["events"] == t1["events"]  # every decision alike, evictions included
+        assert t0["collectives"]["gather"] == 1  # still one gather per turn
+    return own
+
+
+# Two conversations, the second retried. Rank 1's budget holds one conversation but
+# not both: the first is evicted (partly) for the second, never the retried prompt.
+RETRY_SCRIPT = ["/new a", LONG_MESSAGE, "/new b", "Then: " + LONG_MESSAGE, "/retry"]
+RETRY_CASES = {
+    "max-kv-size": ("builtin:tiny", ("--max-kv-size", "48"), (200_000, 20_000)),
+    "gemma3": ("builtin:gemma3-tiny", (), (200_000, 16_000)),
+    "qwen3-next": ("builtin:qwen3-next-tiny", (), (200_000, 22_000)),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(RETRY_CASES))
+def test_retry_after_a_long_message_is_served_whole_on_uneven_ranks_and_budgets(
+    case: str, tmp_path: Path, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The point a turn stores at its prompt's end (sliding windows, --max-kv-size,
+    states) serves /retry on two uneven ranks as on one, counted in each rank's budget."""
+    model, extra, budgets = RETRY_CASES[case]
+    models = models_dir if model == "builtin:tiny" else zoo_models(tmp_path_factory)
+    home = home_with_models(tmp_path / "two", models, link=True)
+    port = 27610 + 10 * list(RETRY_CASES).index(case)
+    args = (
+        *("--model", model, "-n", "2", "--split", "3,1", *extra),
+        *("--cache-budget", ",".join(str(b) for b in budgets), "--disk-budget", "0"),
+        *("--starting-port", str(port)),
+    )
+    turns = run_script(home, RETRY_SCRIPT, *args, env={"EXOKV_RANK_LOG": "1"})
+    # Under --max-kv-size too: these prompts pause only within the first window, where
+    # the rotating cache's chunking changes nothing (see the README).
+    plain = run_script(home_with_models(tmp_path / "plain", models, link=True), RETRY_SCRIPT,
+                       "--model", model, "--no-cache", *extra)  # fmt: skip
+    assert replies(turns) == replies(plain)
+    retry = turns[-1]
+    assert retry["reply"] == turns[-2]["reply"]
+    assert retry["cached_tokens"] == retry["prompt_tokens"] - 1 > 100, retry
+    logs = [rank_log(home, 0), rank_log(home, 1)]
+    _within_budgets_alike(logs, budgets)
+    reasons = [e["reason"] for t in logs[0] for e in t["events"] if e["kind"] == "evict"]
+    assert "budget rank 1" in reasons and all(r.startswith("budget rank ") for r in reasons)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from chat_helpers import home_with_models, run_exokv
-from zoo_helpers import CACHED_TURNS, FAMILIES, replies, zoo_chat, zoo_models
+from zoo_helpers import CACHED_TURNS, FAMILIES, RETRIED, replies, zoo_chat, zoo_models
 
 from exokv.model import zoo
 from exokv.model.families import supports_tensor
@@ -83,7 +83,12 @@ def test_cache_no_cache_and_pipeline_agree(
     assert len(hot) == 5 and all(t["ranks"] == 1 for t in hot)
     for i in CACHED_TURNS:
         assert hot[i]["cached_tokens"] > 0, (i, hot[i])
-    assert hot[2]["command"] == "/retry" and hot[2]["reply"] == hot[1]["reply"]
+    assert hot[RETRIED]["command"] == "/retry"
+    assert hot[RETRIED]["reply"] == hot[RETRIED - 1]["reply"]
+    # /retry after a long message reuses all its prompt, sliding windows and states too
+    # (the turn stored a point at its prompt's end); two ranks below cache the same.
+    retry = hot[RETRIED]
+    assert retry["cached_tokens"] == retry["prompt_tokens"] - 1 > 100, retry
     # The replies depend on the prompt: a degenerate model would prove nothing.
     assert len(set(replies(hot))) >= 3 and all(len(set(r)) > 2 for r in replies(hot))
 

@@ -16,13 +16,20 @@ from exokv.model import zoo
 
 FAMILIES = list(zoo.FAMILIES)
 
+# A message several 32-token sliding windows long (the families that have one), as a
+# pasted paragraph is: /retry after it must reuse all of it (RETRIED).
+LONG_MESSAGE = (
+    "And what about tomorrow in London? I am taking the early train from the north "
+    "station, then a bus along the river to the museum, and I would like to know "
+    "whether to bring a coat, an umbrella or both, and when the rain should stop."
+)
 # Two sessions, a /retry and a switch back: turn 2, the retry and the switch-back
 # turn must all be served partly from the cache. The prompts cross the 32-token
 # sliding window of the families that have one.
 SCRIPT = [
     "/new a",
     "Hello there, tell me about the weather in Paris today",
-    "And what about tomorrow in London?",
+    LONG_MESSAGE,
     "/retry",
     "/new b",
     "A question about cooking pasta",
@@ -30,6 +37,7 @@ SCRIPT = [
     "One more thing about Paris: is it sunny?",
 ]
 CACHED_TURNS = (1, 2, 4)  # indexes of the turns above that must hit the cache
+RETRIED = 2  # the /retry: its whole prompt but the token decode runs is cached
 
 _generated: dict[str, Path] = {}
 
