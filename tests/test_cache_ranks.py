@@ -46,13 +46,7 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     models = models_dir if model == "builtin:tiny" else zoo_models(tmp_path_factory)
     home = home_with_models(tmp_path / "two", models, link=True)
     env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
-    port = 27510 + 10 * list(CASES).index(case)
-    args = (
-        *("--model", model, "-n", "2", "--split", "3,1", *extra),
-        *("--cache-budget", ",".join(str(b) for b in budgets)),
-        *("--disk-budget", "0"),  # RAM evictions are what this test is about
-        *("--starting-port", str(port)),
-    )
+    args = _two_ranks(CASES[case], 27510 + 10 * list(CASES).index(case))
     turns = run_script(home, SCRIPT, *args, env=env)
     if not extra:  # --max-kv-size: a rotating cache's replies depend on the chunking
         # Under the budgets, evictions and cuts included, the same replies as no cache.
@@ -78,6 +72,17 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     rows = pressure if isinstance(pressure, list) else pressure.get("ranks", pressure)
     last = {r["rank"]: r["cache_bytes"] for r in rows}
     assert last == {0: logs[0][-1]["rank_stats"][0]["cache_bytes"], 1: own[1]}
+
+
+def _two_ranks(case: tuple[str, tuple[str, ...], tuple[int, int]], port: int) -> tuple[str, ...]:
+    """The chat's flags for a case: two ranks split 3,1, the case's budgets."""
+    model, extra, budgets = case
+    return (
+        *("--model", model, "-n", "2", "--split", "3,1", *extra),
+        *("--cache-budget", ",".join(str(b) for b in budgets)),
+        *("--disk-budget", "0"),  # RAM evictions are what these tests are about
+        *("--starting-port", str(port)),
+    )
 
 
 def _within_budgets_alike(logs: list[list[dict]], budgets: tuple[int, int]) -> list[int]:
@@ -115,12 +120,7 @@ def test_retry_after_a_long_message_is_served_whole_on_uneven_ranks_and_budgets(
     model, extra, budgets = RETRY_CASES[case]
     models = models_dir if model == "builtin:tiny" else zoo_models(tmp_path_factory)
     home = home_with_models(tmp_path / "two", models, link=True)
-    port = 27610 + 10 * list(RETRY_CASES).index(case)
-    args = (
-        *("--model", model, "-n", "2", "--split", "3,1", *extra),
-        *("--cache-budget", ",".join(str(b) for b in budgets), "--disk-budget", "0"),
-        *("--starting-port", str(port)),
-    )
+    args = _two_ranks(RETRY_CASES[case], 27610 + 10 * list(RETRY_CASES).index(case))
     turns = run_script(home, RETRY_SCRIPT, *args, env={"EXOKV_RANK_LOG": "1"})
     # Under --max-kv-size too: these prompts pause only within the first window, where
     # the rotating cache's chunking changes nothing (see the README).
