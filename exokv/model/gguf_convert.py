@@ -1,0 +1,338 @@
+"""A GGUF file as an mlx-lm model directory: config, tokenizer and MLX weights.
+
+``mx.load`` reads GGUF natively: Q4_0, Q4_1 and Q8_0 tensors come back as MLX
+affine-quantized arrays (weight, scales, biases; groups of 32), so they stay
+quantized; F32, F16 and BF16 come back as they are. The directory written here
+is an ordinary mlx-lm checkpoint (one safetensors file per layer, so a pipeline
+rank reads only its own), loaded by the same loader as any other model.
+
+The config comes from the file's metadata through transformers' table of GGUF
+keys, the tokenizer through transformers' GGUF tokenizer builders (the parts
+that need no torch), and the chat template from the metadata as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from exokv.errors import ExokvError
+
+GGUF_MAGIC = b"GGUF"
+# GGUF architecture -> mlx-lm model_type.
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+GROUP_SIZE = 32
+# What mx.load keeps as it is (float) or as MLX quantized arrays, by GGML type id.
+GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# GGUF tensor name (after blk.N.) -> mlx-lm module path (after model.layers.N.).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Gemma 3 has four norms per layer; llama.cpp names the one before the MLP ffn_norm.
+_GEMMA3_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SUFFIXES = ("weight", "bias", "scales", "biases")
+# llama.cpp pre-tokenizers that isolate each digit before GPT-2's split (SmolLM's).
+_DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file that starts with the GGUF magic (a .gguf, or an ollama blob)."""
+    try:
+        with open(path, "rb") as f:
+            return path.is_file() and f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, metadata) as mx.load gives them; a file mlx cannot read is one line."""
+    import mlx.core as mx
+
+    _check_types(path)
+    try:
+        tensors, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
+        raise ExokvError(f"cannot read the GGUF file {path}: {' '.join(str(e).split())}") from e
+    return tensors, metadata
+
+
+def convert_gguf(src: Path, out: Path) -> int:
+    """Write the mlx-lm directory for GGUF ``src`` into ``out``; the parameter count."""
+    from exokv.model import builtin
+
+    tensors, meta = read_gguf(src)
+    arch = _text(meta.get("general.architecture"))
+    if arch not in FAMILIES:
+        raise ExokvError(
+            f"{src}: GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    config = gguf_config(arch, meta, tensors)
+    weights = mlx_weights(arch, config, tensors)
+    config.update(_quantization(weights))
+    builtin.write_json(out / "config.json", config)
+    builtin.write_generation_config(config, out)
+    write_tokenizer(arch, meta, out)
+    builtin.write_weights(weights, out)
+    return _param_count(weights, config)
+
+
+# --- config ----------------------------------------------------------------------------
+
+
+def gguf_config(arch: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face style config.json for an mlx-lm model of this file."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    config: dict[str, Any] = {"model_type": FAMILIES[arch]}
+    for key, name in GGUF_CONFIG_MAPPING[arch].items():
+        value = meta.get(f"{arch}.{key}")
+        if name and value is not None:
+            config[name] = _value(value)
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    config.setdefault("vocab_size", len(tokens))
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    head_dim = meta.get(f"{arch}.attention.key_length")
+    if head_dim is not None:
+        config["head_dim"] = _value(head_dim)
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    config.setdefault("max_position_embeddings", 32768)
+    config.setdefault("rope_theta", 10000.0)
+    config["tie_word_embeddings"] = "output.weight" not in tensors
+    config["rope_scaling"] = _rope_scaling(arch, meta)
+    for gguf_key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = meta.get(f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            config[name] = _value(value)
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    config["pad_token_id"] = _value(pad) if pad is not None else config.get("eos_token_id")
+    if arch == "gemma3":
+        config.update(_gemma3_fields(meta, config))
+    if arch == "qwen2":
+        # mlx-lm's qwen2 always has q/k/v biases; a file without them cannot be loaded.
+        config["attention_bias"] = True
+    return config
+
+
+def _rope_scaling(arch: str, meta: dict[str, Any]) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None or _text(kind) == "none":
+        return None
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if _text(kind) != "linear" or factor is None:
+        raise ExokvError(
+            f"GGUF rope scaling {_text(kind)!r} is not supported (only linear); "
+            "convert the original checkpoint with mlx_lm.convert instead"
+        )
+    return {"rope_type": "linear", "factor": float(_value(factor))}
+
+
+def _gemma3_fields(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp fixes in code for Gemma 3 rather than storing in the file."""
+    layers = config["num_hidden_layers"]
+    pattern = meta.get("gemma3.attention.sliding_window_pattern")
+    if pattern is None:
+        every = 6
+    elif isinstance(pattern, list) or getattr(pattern, "size", 1) > 1:
+        # One flag per layer (true: sliding); the global layers mark the period.
+        flags = [bool(f) for f in _value(pattern)]
+        globals_ = [i for i, sliding in enumerate(flags) if not sliding]
+        every = globals_[0] + 1 if globals_ else layers + 1
+    else:
+        every = int(_value(pattern))
+    # Gemma 3 27B scales queries by its hidden size per head, the others by head_dim.
+    heads = config["num_attention_heads"]
+    scalar = config["hidden_size"] // heads if layers == 62 else config["head_dim"]
+    swa_base = meta.get("gemma3.rope.freq_base_swa")
+    return {
+        "sliding_window_pattern": every,
+        "query_pre_attn_scalar": scalar,
+        "rope_local_base_freq": float(_value(swa_base)) if swa_base is not None else 10000.0,
+    }
+
+
+# --- weights ---------------------------------------------------------------------------
+
+
+def mlx_weights(arch: str, config: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
+    """The file's tensors under mlx-lm's names, undoing what llama.cpp's converter did."""
+    names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
+    weights: dict[str, Any] = {}
+    for key, value in tensors.items():
+        base, _, suffix = key.rpartition(".")
+        if suffix not in _SUFFIXES:
+            raise ExokvError(f"unexpected tensor {key!r} in the GGUF file")
+        block = _BLOCK.match(base)
+        if block:
+            layer, part = block.groups()
+            if part not in names:
+                raise ExokvError(f"the GGUF tensor {key!r} has no place in mlx-lm's {arch} model")
+            name = f"model.layers.{layer}.{names[part]}.{suffix}"
+        elif base in _TOP_NAMES:
+            name = f"{_TOP_NAMES[base]}.{suffix}"
+        else:
+            raise ExokvError(f"the GGUF tensor {key!r} has no place in mlx-lm's {arch} model")
+        if arch == "llama" and block and block.group(2) in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads"]
+            if block.group(2) == "attn_k":
+                heads = config["num_key_value_heads"]
+            value = _unpermute_rows(value, heads)
+        if arch == "gemma3" and base.endswith("norm") and suffix == "weight":
+            # llama.cpp stores Gemma's RMSNorm scale as 1 + w; mlx-lm adds the 1 itself.
+            value = value - 1
+        weights[name] = value
+    return weights
+
+
+def _unpermute_rows(value: Any, heads: int) -> Any:
+    """Undo llama.cpp's Q/K row order (interleaved RoPE pairs) back to Hugging Face's.
+
+    Rows are output features and quantization groups run along the input, so
+    the same row order applies to a quantized weight, its scales and its biases.
+    """
+    import mlx.core as mx
+
+    rows = value.shape[0]
+    half = rows // heads // 2
+    order = mx.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)
+    return value[order]
+
+
+def _quantization(weights: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's quantization config: the common bits, and each module that differs."""
+    bits = {}
+    for key, value in weights.items():
+        if key.endswith(".scales"):
+            module = key[: -len(".scales")]
+            columns = weights[f"{module}.weight"].shape[-1]
+            bits[module] = columns * 32 // (value.shape[-1] * GROUP_SIZE)
+    if not bits:
+        return {}
+    counts: dict[int, int] = {}
+    for b in bits.values():
+        counts[b] = counts.get(b, 0) + 1
+    common = max(counts, key=lambda b: (counts[b], -b))
+    quant: dict[str, Any] = {"group_size": GROUP_SIZE, "bits": common, "mode": "affine"}
+    for module, b in sorted(bits.items()):
+        if b != common:
+            quant[module] = {"group_size": GROUP_SIZE, "bits": b}
+    return {"quantization": quant, "quantization_config": quant}
+
+
+def _param_count(weights: dict[str, Any], config: dict[str, Any]) -> int:
+    quant = config.get("quantization") or {}
+    total = 0
+    for key, value in weights.items():
+        if key.endswith((".scales", ".biases")) and f"{key.rpartition('.')[0]}.scales" in weights:
+            continue
+        module = key.rpartition(".")[0]
+        if key.endswith(".weight") and f"{module}.scales" in weights:
+            bits = (quant.get(module) or quant)["bits"]
+            total += value.size * 32 // bits
+        else:
+            total += value.size
+    return total
+
+
+def _check_types(path: Path) -> None:
+    """One line naming a tensor type mx.load would not keep (e.g. Q4_K) and the supported."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise ExokvError(f"{path} is not a readable GGUF file: {' '.join(str(e).split())}") from e
+    for tensor in reader.tensors:
+        type_id = int(tensor.tensor_type)
+        if type_id not in GGML_TYPES:
+            raise ExokvError(
+                f"{path}: tensor {tensor.name} is {tensor.tensor_type.name}, which exokv cannot "
+                f"load; supported GGUF types: {', '.join(GGML_TYPES.values())}"
+            )
+
+
+# --- tokenizer -------------------------------------------------------------------------
+
+
+def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
+    """tokenizer.json and tokenizer_config.json (with the chat template) from the metadata."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
+
+    from exokv.model import builtin
+
+    fields = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    spec = {
+        name: _value(meta[f"tokenizer.{key}"])
+        for key, name in fields.items()
+        if f"tokenizer.{key}" in meta
+    }
+    if "tokens" not in spec:
+        raise ExokvError("the GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
+    try:
+        backend, _ = convert_gguf_tokenizer(arch, spec)
+    except ValueError as e:
+        raise ExokvError(f"cannot build the GGUF file's tokenizer: {e}") from e
+    if spec.get("pre_tokenizer_type") in _DIGIT_SPLIT_PRE:
+        from tokenizers import pre_tokenizers
+
+        # llama.cpp splits digits one by one for these; transformers' table has no entry.
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    backend.save(str(out / "tokenizer.json"))
+    tokens = spec["tokens"]
+
+    def token(field: str) -> str | None:
+        index = spec.get(field)
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unk_token_id"),
+        "pad_token": token("pad_token_id"),
+        "add_bos_token": bool(_value(add_bos)) if add_bos is not None else False,
+        "clean_up_tokenization_spaces": False,
+    }
+    template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        tokenizer_config["chat_template"] = _text(template)
+    builtin.write_json(out / "tokenizer_config.json", tokenizer_config)
+
+
+def _value(value: Any) -> Any:
+    """A metadata value as plain Python (mx.load gives numbers and arrays as mx.array)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) or value is None else str(_value(value))
