@@ -48,6 +48,8 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32") -> Path:
     _write_config(writer, config, arch)
     _write_tokenizer(writer, src, config)
     kind = gguf.GGMLQuantizationType[qtype]
+    file_type = "ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}"
+    writer.add_file_type(gguf.LlamaFileType[file_type])
     for key, value in source_weights(src).items():
         module, _, suffix = key.rpartition(".")
         name = names.get_name(module)

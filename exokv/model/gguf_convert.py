@@ -13,7 +13,11 @@ that need no torch), and the chat template from the metadata as it is.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,9 @@ GROUP_SIZE = 32
 # GGUF types kept as they are: floats, and what mx.load gives as MLX quantized arrays.
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 NATIVE_TYPES = {"F32": 32, "F16": 16, "BF16": 16, "Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# Types mx.load reads only by casting to float16 (its Q4_K decoding disagrees with
+# llama.cpp's): decoded by the gguf package like the ones it cannot read.
+MLX_CASTS = ("Q2_K", "Q4_K", "Q6_K")
 # Types decoded by the gguf package and quantized again, at about their bits per weight.
 REQUANTIZED = {
     "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
@@ -93,11 +100,15 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{', '.join(NATIVE_TYPES)} (kept as they are) and "
             f"{', '.join(REQUANTIZED)} (quantized again for MLX)"
         )
-    try:
-        # Fails on a type mlx cannot read at all (Q5_0, ...): then every tensor is decoded.
-        loaded = mx.load(str(path))
-    except Exception:  # noqa: BLE001 - mlx raises plain exceptions
-        loaded = {}
+    loaded: dict[str, Any] = {}
+    # mx.load refuses a file holding a type it cannot read at all (Q5_0, ...): then
+    # every tensor is decoded, the kept types too.
+    if all(k.name in NATIVE_TYPES or k.name in MLX_CASTS for k in kinds.values()):
+        try:
+            with _gguf_named(path) as named:
+                loaded = mx.load(str(named))
+        except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
+            raise ExokvError(f"cannot read the GGUF file {path}: {_one_line(e)}") from e
     tensors: dict[str, Any] = {}
     for tensor in reader.tensors:
         name, kind = tensor.name, tensor.tensor_type.name
@@ -110,6 +121,18 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             tensors.update(_decoded(tensor, kind))
     return tensors, metadata
+
+
+@contextlib.contextmanager
+def _gguf_named(path: Path) -> Iterator[Path]:
+    """``path``, or a link to it ending in .gguf: mx.load picks the format by extension."""
+    if path.suffix == ".gguf":
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="exokv-gguf-") as tmp:
+        link = Path(tmp) / "model.gguf"
+        link.symlink_to(path.resolve())
+        yield link
 
 
 def _decoded(tensor: Any, kind: str) -> dict[str, Any]:
@@ -141,17 +164,22 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def convert_gguf(src: Path, out: Path) -> int:
-    """Write the mlx-lm directory for GGUF ``src`` into ``out``; the parameter count."""
+def convert_gguf(src: Path, out: Path, on_start: Callable[[], None] | None = None) -> int:
+    """Write the mlx-lm directory for GGUF ``src`` into ``out``; the parameter count.
+
+    ``on_start`` runs once the file is known to be one exokv can convert.
+    """
     from exokv.model import builtin
 
-    tensors, meta = read_gguf(src)
-    arch = _text(meta.get("general.architecture"))
+    arch = _text(gguf_header(src, ("general.architecture",)).get("general.architecture"))
     if arch not in FAMILIES:
         raise ExokvError(
             f"{src}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(FAMILIES))}"
         )
+    tensors, meta = read_gguf(src)
+    if on_start is not None:
+        on_start()
     config = gguf_config(arch, meta, tensors)
     weights = mlx_weights(arch, config, tensors)
     config.update(_quantization(weights))
@@ -167,6 +195,7 @@ def convert_gguf(src: Path, out: Path) -> int:
 
 def gguf_config(arch: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face style config.json for an mlx-lm model of this file."""
+    _quiet_transformers()
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     config: dict[str, Any] = {"model_type": FAMILIES[arch]}
@@ -324,6 +353,7 @@ def _param_count(weights: dict[str, Any], config: dict[str, Any]) -> int:
 
 def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
     """tokenizer.json and tokenizer_config.json (with the chat template) from the metadata."""
+    _quiet_transformers()
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
@@ -376,6 +406,13 @@ def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
     builtin.write_json(out / "tokenizer_config.json", tokenizer_config)
 
 
+def _quiet_transformers() -> None:
+    """No advice about PyTorch on import: exokv uses only transformers' tokenizer parts."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 def _value(value: Any) -> Any:
     """A metadata value as plain Python (mx.load gives numbers and arrays as mx.array)."""
     if hasattr(value, "tolist"):
@@ -412,8 +449,13 @@ def gguf_header(path: Path, wanted: tuple[str, ...]) -> dict[str, Any]:
     For listings: the gguf package's reader parses every array of the file
     (a vocabulary of 150,000 strings) before giving one key. Stops once all are found.
     """
-    import struct
+    try:
+        return _read_header(path, wanted)
+    except (struct.error, UnicodeDecodeError, ValueError, MemoryError, OverflowError) as e:
+        raise ExokvError(f"{path} is not a readable GGUF file: {_one_line(e)}") from e
 
+
+def _read_header(path: Path, wanted: tuple[str, ...]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     with open(path, "rb") as f:
 
