@@ -19,8 +19,6 @@ from exokv.errors import ExokvError
 # Bump when the conversion changes, so cached directories are converted again.
 CONVERT_VERSION = 1
 CACHE = "gguf"
-# Files found unfit in this process: a second look (the chat looks twice) fails at once.
-_refused: dict[Path, ExokvError] = {}
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -50,8 +48,6 @@ def ensure_gguf_model(gguf: Path, label: str | None = None) -> Path:
         took = time.monotonic() - start
         print(f"exokv: converted in {took:.1f}s into {out_dir}", file=sys.stderr, flush=True)
 
-    if out_dir in _refused:
-        raise _refused[out_dir]
     try:
         return builtin.ensure_generated(out_dir, CONVERT_VERSION, generate)
     except OSError as e:
@@ -59,7 +55,3 @@ def ensure_gguf_model(gguf: Path, label: str | None = None) -> Path:
             f"could not convert {name} under {out_dir.parent}: {e}; "
             "check that the models folder (EXOKV_MODELS) is writable and has free space"
         ) from e
-    except ExokvError as e:
-        # Callers that look the model up more than once hear the same reason, at once.
-        _refused[out_dir] = e
-        raise

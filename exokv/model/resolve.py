@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +113,13 @@ def resolve_model(name: str) -> Path:
     if not name:
         raise UsageError(f"empty model name: give a directory, a repo id or {_builtin_list()}")
     if name == smollm2.NAME:
-        return _converted(smollm2.ensure_smollm2, smollm2.smollm2_dir())
+        return _converted(name, smollm2.ensure_smollm2, smollm2.smollm2_dir())
     if name.startswith(OLLAMA_PREFIX):
         from exokv.model import ollama
-        from exokv.model.gguf_models import ensure_gguf_model
+        from exokv.model.gguf_models import converted_dir, ensure_gguf_model
 
-        return ensure_gguf_model(ollama.blob_of(name[len(OLLAMA_PREFIX) :]), label=name)
+        blob = ollama.blob_of(name[len(OLLAMA_PREFIX) :])
+        return _converted(name, lambda: ensure_gguf_model(blob, label=name), converted_dir(blob))
     short = _builtin_name(name)
     if short is not None:
         try:
@@ -138,10 +140,10 @@ def resolve_model(name: str) -> Path:
         return local
     if local.exists():
         from exokv.model.gguf_convert import is_gguf
-        from exokv.model.gguf_models import ensure_gguf_model
+        from exokv.model.gguf_models import converted_dir, ensure_gguf_model
 
         if is_gguf(local):
-            return ensure_gguf_model(local)
+            return _converted(name, lambda: ensure_gguf_model(local), converted_dir(local))
         raise ExokvError(
             f"model '{name}' is a file but not a GGUF file: pass a model directory or a .gguf"
         )
@@ -161,14 +163,29 @@ def resolve_model(name: str) -> Path:
     return snapshot
 
 
-def _converted(ensure: Any, where: Path) -> Path:
+def _converted(name: str, ensure: Callable[[], Path], where: Path) -> Path:
+    """A model fetched or converted on first use; a failure is remembered for this process.
+
+    The chat looks a model up more than once (its identity, then its load): the
+    second look repeats the first one's reason at once, not the download or the
+    conversion.
+    """
+    if name in _refused:
+        raise _refused[name]
     try:
         return ensure()
     except OSError as e:
-        raise ExokvError(
+        _refused[name] = ExokvError(
             f"could not set up the model under {where.parent}: {e}; "
             "check that the models folder (EXOKV_MODELS) is writable and has free space"
-        ) from e
+        )
+        raise _refused[name] from e
+    except ExokvError as e:
+        _refused[name] = e
+        raise
+
+
+_refused: dict[str, ExokvError] = {}
 
 
 def _one_line(error: BaseException) -> str:

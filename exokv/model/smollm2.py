@@ -49,12 +49,6 @@ def ensure_smollm2() -> Path:
     return builtin.ensure_generated(smollm2_dir(), CONVERT_VERSION, _generate)
 
 
-def is_converted() -> bool:
-    from exokv.model import builtin
-
-    return builtin.read_marker(smollm2_dir(), CONVERT_VERSION) is not None
-
-
 def _generate(out: Path) -> None:
     from exokv.model import builtin
     from exokv.model.gguf_convert import convert_gguf
