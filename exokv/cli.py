@@ -69,7 +69,10 @@ def chat(
         show_default=False,
     ),
     model: str = typer.Option(
-        None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
+        None,
+        "--model",
+        "-m",
+        help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
     ),
     system: str = typer.Option(None, "--system", help="system prompt"),
     max_tokens: int = typer.Option(256, "--max-tokens", help="most tokens per reply"),

@@ -111,6 +111,29 @@ def test_float32_gguf_replies_equal_the_source(env: dict[str, Any], family: str)
     assert converted["tie_word_embeddings"] == original.get("tie_word_embeddings", True)
 
 
+def test_llama3_rope_scaling_is_read_back(env: dict[str, Any]) -> None:
+    """Llama 3.1+ files keep RoPE scaling as rope_freqs only: mlx-lm's four numbers come back."""
+    import shutil
+
+    source = env["root"] / "llama3-tiny"
+    shutil.copytree(env["home"] / "models" / SOURCES["llama"], source)
+    config = json.loads((source / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (source / "config.json").write_text(json.dumps(config))
+    path = write_gguf(source, env["root"] / "llama3.gguf")
+    from exokv.model.resolve import resolve_model
+
+    converted = json.loads((resolve_model(str(path)) / "config.json").read_text())
+    assert converted["rope_scaling"] == config["rope_scaling"]
+    assert _greedy(str(path)) == _greedy(str(source))
+
+
 def _dequantized(path: Path) -> dict[str, np.ndarray]:
     """The converted checkpoint's weights as float32 (quantized ones dequantized)."""
     import mlx.core as mx

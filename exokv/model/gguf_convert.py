@@ -63,6 +63,9 @@ _GEMMA3_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SUFFIXES = ("weight", "bias", "scales", "biases")
+ROPE_FREQS = "rope_freqs.weight"
+# ollama's multimodal GGUFs hold a vision tower and projector beside the text model.
+_VISION = ("v.", "mm.")
 # llama.cpp pre-tokenizers that isolate each digit before GPT-2's split (SmolLM's).
 _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
 
@@ -214,6 +217,8 @@ def gguf_config(arch: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dic
     config.setdefault("rope_theta", 10000.0)
     config["tie_word_embeddings"] = "output.weight" not in tensors
     config["rope_scaling"] = _rope_scaling(arch, meta)
+    if ROPE_FREQS in tensors:
+        config["rope_scaling"] = _llama3_rope(meta, config, tensors[ROPE_FREQS])
     for gguf_key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
@@ -239,6 +244,42 @@ def _rope_scaling(arch: str, meta: dict[str, Any]) -> dict[str, Any] | None:
             "convert the original checkpoint with mlx_lm.convert instead"
         )
     return {"rope_type": "linear", "factor": float(_value(factor))}
+
+
+def _llama3_rope(meta: dict[str, Any], config: dict[str, Any], stored: Any) -> dict[str, Any]:
+    """Llama 3.1+'s RoPE scaling, from the per-frequency factors llama.cpp stores.
+
+    The file keeps only the factors; mlx-lm wants the four numbers they come
+    from. Llama 3.1-3.3 all use low 1, high 4 and 8,192 tokens, which leaves the
+    factor (the largest one); the factors these give must be the file's.
+    """
+    import numpy as np
+
+    factors = np.array(stored, dtype=np.float64)
+    old = meta.get("llama.rope.scaling.original_context_length") or 8192
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(old),
+    }
+    dims = len(factors) * 2
+    wavelens = 2 * np.pi * config["rope_theta"] ** (np.arange(0, dims, 2) / dims)
+    smooth = (old / wavelens - 1.0) / (4.0 - 1.0)
+    expected = np.where(
+        wavelens < old / 4.0,
+        1.0,
+        np.where(
+            wavelens > old, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)
+        ),
+    )
+    if not np.allclose(expected, factors, rtol=1e-3):
+        raise ExokvError(
+            "the GGUF file's rope_freqs are not Llama 3's RoPE scaling; "
+            "convert the original checkpoint with mlx_lm.convert instead"
+        )
+    return scaling
 
 
 def _gemma3_fields(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +314,8 @@ def mlx_weights(arch: str, config: dict[str, Any], tensors: dict[str, Any]) -> d
     names = _GEMMA3_NAMES if arch == "gemma3" else _LAYER_NAMES
     weights: dict[str, Any] = {}
     for key, value in tensors.items():
+        if key == ROPE_FREQS or key.startswith(_VISION):
+            continue  # in config.json's rope_scaling; a vision tower exokv does not run
         base, _, suffix = key.rpartition(".")
         if suffix not in _SUFFIXES:
             raise ExokvError(f"unexpected tensor {key!r} in the GGUF file")
