@@ -5,9 +5,7 @@ figures measure quantization, not the store."""
 
 from __future__ import annotations
 
-import os
 import random
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -16,25 +14,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from benchmarks.kv_quality import compare, quantized_cache, run_carried, run_exokv
 from exokv.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
-
-
-@pytest.fixture(scope="module")
-def tokenizer(models_dir: Path):
-    from exokv.model.resolve import load_model
-
-    old = os.environ.get("EXOKV_HOME")
-    os.environ["EXOKV_HOME"] = str(models_dir.parent)
-    try:
-        return load_model("builtin:tiny")[1]
-    finally:
-        if old is None:
-            del os.environ["EXOKV_HOME"]
-        else:
-            os.environ["EXOKV_HOME"] = old
+from tests.test_cache_budget import tokenizer  # noqa: F401 (the fixture)
 
 
 @pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
-def test_stored_and_fetched_equals_mlx_lms_carried_quantized_cache(bits, group, tokenizer):
+def test_stored_and_fetched_equals_mlx_lms_carried_quantized_cache(bits, group, tokenizer):  # noqa: F811
     model = build_tiny_qwen(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                             num_hidden_layers=2, vocab_size=1024)  # fmt: skip
     rng = random.Random(bits)
