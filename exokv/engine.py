@@ -41,6 +41,11 @@ class PromptTooLong(ExokvError):
     refuses the same turn, before the turn's first collective.
     """
 
+    def __init__(self, message: str, tokens: int = 0, context: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens  # the prompt's
+        self.context = context  # the model's
+
 
 def _quiet_tokenizer_warnings() -> None:
     # transformers warns on stderr about a prompt over its maximum length; exokv
@@ -176,12 +181,16 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
     ) -> TurnResult:
         start = time.perf_counter()
+        if request.sample_seed is not None:
+            mx.random.seed(request.sample_seed)  # every rank alike: the request is broadcast
         tokens = self.render(request.messages)
         if self.context is not None and len(tokens) > self.context:
             raise PromptTooLong(
                 f"the prompt is {len(tokens):,} tokens and the model's context is "
                 f"{self.context:,}: not run (shorten the message, or /new to leave the "
-                "earlier turns behind)"
+                "earlier turns behind)",
+                tokens=len(tokens),
+                context=self.context,
             )
         self.decision += 1
         events: list[CacheEvent] = []
@@ -345,6 +354,7 @@ class Engine:
             request.max_tokens,
             start,
             temp=request.temp,
+            top_p=request.top_p,
             on_text=on_text,
             stop=stop,
         )
@@ -402,6 +412,7 @@ def decode(
     temp: float = 0.0,
     on_text: Callable[[str], None] | None = None,
     stop: Callable[[int], bool] | None = None,
+    top_p: float = 1.0,
 ) -> tuple[list[int], str, str, float, float]:
     """Generate after `last` with mlx-lm's generate_step.
 
@@ -422,7 +433,7 @@ def decode(
         model,
         prompt_cache=cache,
         max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp),
+        sampler=make_sampler(temp=temp, top_p=top_p),  # top_p 1.0: off
     )
     for token, _ in steps:
         token = int(token)

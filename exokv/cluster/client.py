@@ -47,7 +47,7 @@ from exokv.cluster.launch import (
 )
 from exokv.cluster.rank import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
 from exokv.config import parse_budgets
-from exokv.engine import MAX_REMEMBERED_REPLIES
+from exokv.engine import MAX_REMEMBERED_REPLIES, PromptTooLong
 from exokv.errors import ExokvError, UsageError
 from exokv.records import TurnRequest, TurnResult
 
@@ -172,7 +172,11 @@ class ClusterClient:
                 elif kind == "progress" and on_progress is not None:
                     on_progress(int(message["done"]), int(message["total"]))
                 elif kind == "refused":  # e.g. a prompt over the model's context
-                    raise ExokvError(str(message.get("message", "the ranks refused the turn")))
+                    raise PromptTooLong(
+                        str(message.get("message", "the ranks refused the turn")),
+                        tokens=int(message.get("tokens") or 0),
+                        context=int(message.get("context") or 0),
+                    )
                 elif kind == "result":
                     result = TurnResult.from_dict(message["result"])
                     if message.get("tokens"):

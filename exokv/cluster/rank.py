@@ -370,7 +370,8 @@ class Rank:
                 )
             except PromptTooLong as err:  # every rank alike, before any collective
                 if self.link is not None:
-                    self.link.send({"type": "refused", "id": self.current, "message": str(err)})
+                    refusal = {"message": str(err), "tokens": err.tokens, "context": err.context}
+                    self.link.send({"type": "refused", "id": self.current, **refusal})
                 continue
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
