@@ -194,9 +194,11 @@ def build_app(service: Service) -> Starlette:
             log.write(err.status, job)
             return error_response(err)
         except (Disconnected, ClientDisconnect):
-            if job is not None:
+            if job is None:
+                log.write(499)
+            else:
                 service.queue.cancel(job)
-            log.write(499, job)
+                _log_when_over(log, job)
             return Response(status_code=499)
         ident = f"chatcmpl-{secrets.token_hex(12)}"
         if call.stream:
@@ -218,6 +220,23 @@ def build_app(service: Service) -> Starlette:
     )
 
 
+_draining: set[asyncio.Task[None]] = set()  # log lines waiting for their stopped turns
+
+
+def _log_when_over(log: _Request, job: Job, stream: bool = False) -> None:
+    """A request whose client left: its line once the ranks have ended its turn, so it
+    says how far the turn went (finish=interrupted, the tokens made before the stop)."""
+
+    async def wait() -> None:
+        while (await job.events.get())[0] == "text":
+            pass
+        log.write(499, job, stream=stream)
+
+    task = asyncio.get_running_loop().create_task(wait())
+    _draining.add(task)
+    task.add_done_callback(_draining.discard)
+
+
 async def _whole(
     service: Service,
     log: _Request,
@@ -231,7 +250,7 @@ async def _whole(
             event = await _next_event(job, request)
     except Disconnected:
         service.queue.cancel(job)
-        log.write(499, job)
+        _log_when_over(log, job)
         return Response(status_code=499)
     if event[0] == "error":
         log.write(event[1].status, job)
@@ -274,8 +293,10 @@ def _stream(
         status["code"] = 200
 
     def on_close() -> None:
-        if not job.finished:
+        if job.finished:
+            log.write(status["code"], job, stream=True)
+        else:
             service.queue.cancel(job)
-        log.write(status["code"], job, stream=True)
+            _log_when_over(log, job, stream=True)
 
     return _Stream(events(), on_close)

@@ -145,8 +145,9 @@ class TurnQueue:
             job = self._jobs.get()
             if job is None:
                 return
-            if job.cancelled.is_set():
-                continue  # its client left while it waited: nothing ran
+            if job.cancelled.is_set():  # its client left while it waited: nothing ran
+                job.fail(ApiError(499, "the client closed the request before it ran"))
+                continue
             with self._lock:
                 self._current = job
             try:
