@@ -266,8 +266,15 @@ def test_queue_full_is_503_with_retry_after_and_a_key_is_required(
         assert len(s.access(200)) >= 1
 
 
-def test_sigterm_drains_the_reply_in_flight_and_keeps_the_cache(
-    tmp_path: Path, models_dir: Path
+@pytest.mark.parametrize(
+    "sig, code, says",
+    [
+        (signal.SIGTERM, 128 + signal.SIGTERM, "terminated by SIGTERM"),
+        (signal.SIGINT, 130, "interrupted"),
+    ],
+)
+def test_sigterm_or_ctrl_c_drains_the_reply_in_flight_and_keeps_the_cache(
+    tmp_path: Path, models_dir: Path, sig: int, code: int, says: str
 ) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
     messages = [{"role": "user", "content": "remember this conversation"}]
@@ -276,11 +283,11 @@ def test_sigterm_drains_the_reply_in_flight_and_keeps_the_cache(
             model=MODEL, messages=messages, max_tokens=300, temperature=0, stream=True
         )
         chunks = [next(iter(stream))]
-        s.proc.send_signal(signal.SIGTERM)
+        s.proc.send_signal(sig)
         chunks += list(stream)  # the reply in flight is finished, not cut
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
-        assert s.proc.wait(timeout=90) == 128 + signal.SIGTERM
-        assert any("terminated by SIGTERM" in x for x in s.log), s.log
+        assert s.proc.wait(timeout=90) == code
+        assert any(says in x for x in s.log), s.log
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     # A new server on the same home finds the conversation in its disk tier.
     with serving(home) as again:

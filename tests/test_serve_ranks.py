@@ -118,3 +118,27 @@ def test_a_client_leaving_mid_stream_stops_both_ranks_and_the_next_is_right(
     assert (
         ask(server, messages, max_tokens=12).choices[0].message.content == one_rank_chat[0]["reply"]
     )
+
+
+def test_a_rank_that_dies_ends_the_server_with_one_line(tmp_path: Path, models_dir: Path) -> None:
+    import psutil
+
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    with serving(home, "-n", "2", "--starting-port", "26740") as s:
+        assert ask_plain(s, "hello").choices
+        ranks = [
+            p
+            for p in psutil.Process(s.proc.pid).children(recursive=True)
+            if p.environ().get("MLX_RANK") == "1"
+        ]
+        assert len(ranks) == 1
+        ranks[0].kill()
+        assert s.proc.wait(timeout=60) == 1  # not a server that answers nothing
+        errors = [x for x in s.log if x.startswith("exokv: error:")]
+        assert len(errors) == 1 and "rank 1" in errors[0], s.log
+
+
+def ask_plain(server, text: str):
+    return server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=3
+    )

@@ -14,7 +14,7 @@ from typing import Any
 
 from exokv.chat.conversation import Conversation
 from exokv.chat.run import ChatOptions, keep_cache, started, validate
-from exokv.errors import UsageError
+from exokv.errors import ExokvError, UsageError
 from exokv.serve import api
 
 DEFAULT_PORT = 8000
@@ -146,11 +146,10 @@ def run_serve(opts: ServeOptions) -> int:
             server.run()
         finally:
             # In-flight requests had their drain; what is left is stopped on every rank.
-            queue.close(timeout=0.0 if failed else 2.0)
-        if failed:
-            from exokv.errors import ExokvError
-
-            raise ExokvError(failed[0])
+            queue.close(timeout=0.0 if service.failure() else 2.0)
+        why = service.failure()
+        if why:  # the ranks are gone: one line, exit 1, as the chat
+            raise ExokvError(why)
         return 0
 
 

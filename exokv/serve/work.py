@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,9 @@ RETRY_AFTER_S = 1
 class Job:
     """One request's turn, between the event loop (which reads `events`) and the worker."""
 
-    def __init__(self, request: TurnRequest, stops: list[str], loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, request: TurnRequest, stops: list[str], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.request = request
         self.stop_text = StopText(stops)
         self.loop = loop
@@ -197,5 +200,5 @@ class TurnQueue:
                 job.result = result
                 self.record(job)
             except ExokvError as err:  # the store failed: the reply is still good
-                print(f"exokv: warning: turn not recorded: {err}", flush=True)
+                print(f"exokv: warning: turn not recorded: {err}", file=sys.stderr, flush=True)
         job.done(result)
