@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import Any
 
 import click
 import typer
@@ -87,6 +88,30 @@ _KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="quantization group si
 _STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
 
 
+# The options above that go to ChatOptions under their own names, for both commands.
+_SHARED = (
+    "seed",
+    "ranks",
+    "hosts",
+    "hostfile",
+    "backend",
+    "parallel",
+    "split",
+    "cache_budget",
+    "memory_threshold",
+    "no_cache",
+    "disk_budget",
+    "kv_bits",
+    "kv_group_size",
+    "starting_port",
+)
+
+
+def _shared(values: dict[str, Any]) -> dict[str, Any]:
+    """The shared model, layout and cache options among a command's parameters."""
+    return {name: values[name] for name in _SHARED}
+
+
 def _check_layout(backend: str, parallel: str) -> None:
     if backend not in ("ring", "jaccl", "mpi"):
         raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
@@ -143,24 +168,11 @@ def chat(
         system=system,
         max_tokens=max_tokens,
         temp=temp,
-        seed=seed,
-        ranks=ranks,
-        hosts=hosts,
-        hostfile=hostfile,
-        backend=backend,
-        parallel=parallel,
-        split=split,
-        cache_budget=cache_budget,
-        memory_threshold=memory_threshold,
         max_kv_size=max_kv_size,
-        no_cache=no_cache,
-        disk_budget=disk_budget,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
         session=session,
         json=json_out,
-        starting_port=starting_port,
         prompt=one_shot,
+        **_shared(locals()),
     )
     raise typer.Exit(run_chat(opts))
 
@@ -214,27 +226,14 @@ def serve(
         model=settled.model,
         max_tokens=max_tokens,
         temp=temp,
-        seed=seed,
-        ranks=ranks,
-        hosts=hosts,
-        hostfile=hostfile,
-        backend=backend,
-        parallel=parallel,
-        split=split,
-        cache_budget=cache_budget,
-        memory_threshold=memory_threshold,
         max_kv_size=max_kv_size,
-        no_cache=no_cache,
-        disk_budget=disk_budget,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        starting_port=starting_port,
         host=host,
         port=port,
         api_key=api_key,
         queue=queue,
         drain_s=drain_timeout,
         max_body=parse_size(max_body),
+        **_shared(locals()),
     )
     raise typer.Exit(run_serve(opts))
 

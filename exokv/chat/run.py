@@ -203,21 +203,28 @@ def started(opts: ChatOptions, kind: str = "chat") -> Iterator[Started]:
         store.close()
 
 
+def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
+    """The store's hooks for this run's turns (StoreHooks); `locks`: one chat per session."""
+    from exokv.chat.hooks import StoreHooks
+
+    return StoreHooks(
+        run.store,
+        run.run_id,
+        opts.model,
+        client=run.client,
+        use_cache=keep_cache(opts),
+        max_kv_size=opts.max_kv_size,
+        locks=run.locks if locks else None,
+    )
+
+
 def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
     from exokv.chat.hooks import StoreHooks, stderr_warning
 
     with started(opts) as run:
         client = run.client
         if hooks is None:
-            hooks = StoreHooks(
-                run.store,
-                run.run_id,
-                opts.model,
-                client=client,
-                use_cache=keep_cache(opts),
-                max_kv_size=opts.max_kv_size,
-                locks=run.locks,
-            )
+            hooks = store_hooks(run, opts)
         settings = TurnSettings(
             max_tokens=opts.max_tokens,
             temp=opts.temp,

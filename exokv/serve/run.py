@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.chat.conversation import Conversation
-from exokv.chat.run import ChatOptions, keep_cache, started, validate
+from exokv.chat.run import ChatOptions, keep_cache, started, store_hooks, validate
 from exokv.errors import ExokvError, UsageError
 from exokv.serve import api
 
@@ -92,7 +92,6 @@ class _Recorder:
 def run_serve(opts: ServeOptions) -> int:
     import uvicorn
 
-    from exokv.chat.hooks import StoreHooks
     from exokv.chat.signals import ended_by_signals
     from exokv.serve.app import Service, build_app
     from exokv.serve.work import TurnQueue
@@ -101,14 +100,8 @@ def run_serve(opts: ServeOptions) -> int:
         _say(f"warning: {warning}")
     with ended_by_signals(), started(opts, kind="serve") as run:
         client = run.client
-        hooks = StoreHooks(
-            run.store,
-            run.run_id,
-            opts.model,
-            client=client,
-            use_cache=keep_cache(opts),
-            max_kv_size=opts.max_kv_size,
-        )
+        # No session locks: an API conversation is not opened like a chat's session.
+        hooks = store_hooks(run, opts, locks=False)
         failed: list[str] = []
         server: uvicorn.Server | None = None
 
