@@ -93,3 +93,34 @@ def test_a_local_path_is_shown_by_its_name(tmp_path) -> None:
     shown, names = model_names(str(model))
     assert shown == "my-model" and names == {"my-model", str(model)}
     assert model_names("builtin:tiny") == ("builtin:tiny", {"builtin:tiny"})
+
+
+def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from exokv.chat.hooks import StoreHooks
+    from exokv.records import TurnRequest, TurnResult
+    from exokv.serve.run import _Recorder
+    from exokv.state import Store
+
+    class Client:
+        def reply_tokens(self, reply: str) -> list[int]:
+            return [len(reply), 1]
+
+    with Store.open(tmp_path) as store:
+        hooks = StoreHooks(store, store.start_run("m", 1, [None]), "m", client=Client())
+        record = _Recorder(hooks)
+        history = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+        for reply in ("one", "two"):
+            request = TurnRequest(api.conversation_name(history), list(history))
+            result = TurnResult(request.session, reply, 5, 0, 5, 2, 0.1, 1.0, 0.0, 1)
+            record(SimpleNamespace(request=request, result=result, reply=reply))
+            assert not hooks._reply_tokens and not hooks._system  # nothing kept per session
+            history += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "more"},
+            ]
+        stored = store.load_messages(request.session, with_tokens=True)
+        assert [m["content"] for m in stored] == ["hi", "one", "more", "two"]
+        assert [m.get("tokens") for m in stored if m["role"] == "assistant"] == [[3, 1], [3, 1]]
+        assert store.get_system(request.session) == "s"

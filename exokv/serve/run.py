@@ -87,6 +87,7 @@ class _Recorder:
         if job.reply:
             messages.append({"role": "assistant", "content": job.reply})
         self.hooks.turn_done(Conversation(request.session, system, messages), result)
+        self.hooks.forget(request.session)  # the next call brings the whole conversation
 
 
 def run_serve(opts: ServeOptions) -> int:
