@@ -2,8 +2,9 @@
 
     python benchmarks/serve_vs_mlx_lm.py --model builtin:base --repeats 3
 
-Both servers run on 1 rank on this machine, one after the other (never at once: they
-would share the cores), each driven by the real `openai` client:
+Both servers run on 1 rank on this machine, both up at once but measured in turn:
+trials alternate between them, so the noise of a shared machine falls on both alike.
+Each is driven by the real `openai` client:
 
 1. **Decode throughput**: 8 streams at once, each its own prompt, `--max-tokens`
    tokens at temperature 0. Aggregate tokens/s = all completion tokens / the wall
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -207,11 +209,21 @@ def mlx_lm_probe() -> None:
     server.main()
 
 
-def measure(server: Server, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    stream_turn(server, model, [{"role": "user", "content": "warm up"}], 8)
-    tps = [throughput(server, model, args.streams, args.max_tokens, t) for t in range(args.repeats)]
-    ttft = [x for t in range(args.repeats) for x in returning(server, model, args.conv_turns, t)]
-    return {"decode_tps": tps, "returning_ttft_s": ttft}
+def measure(servers: dict[str, tuple[Server, str]], args: argparse.Namespace) -> dict[str, Any]:
+    """Trials alternate between the servers (both are up; the idle one waits), so the
+    noise of a shared machine falls on both alike."""
+    out: dict[str, Any] = {name: {"decode_tps": [], "returning_ttft_s": []} for name in servers}
+    for server, model in servers.values():
+        stream_turn(server, model, [{"role": "user", "content": "warm up"}], 8)
+    for trial in range(args.repeats):
+        for name, (server, model) in servers.items():
+            tps = throughput(server, model, args.streams, args.max_tokens, trial)
+            out[name]["decode_tps"].append(tps)
+        for name, (server, model) in servers.items():
+            out[name]["returning_ttft_s"] += returning(server, model, args.conv_turns, trial)
+    for _name, (server, model) in servers.items():
+        many_clients(server, model, args.clients, args.turns)
+    return out
 
 
 def main() -> None:
@@ -242,55 +254,25 @@ def main() -> None:
     path = resolve_model(args.model)  # generated once, loaded by both servers
 
     results: dict[str, Any] = {"model": args.model, "args": vars(args)}
-    exokv = Server(
-        "exokv",
-        [
-            sys.executable,
-            "-m",
-            "exokv",
-            "serve",
-            "--model",
-            args.model,
-            "--port",
-            "{port}",
-            "--disk-budget",
-            "0",
-            "--queue",
-            "256",
-        ],
-        env,
-        "serving ",
-    )
+    exokv_argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model]
+    exokv_argv += ["--port", "{port}", "--disk-budget", "0", "--queue", "256"]
+    mlx_argv = [sys.executable, __file__, "--mlx-lm-probe", "--model", str(path)]
+    mlx_argv += ["--port", "{port}", "--log-level", "INFO"]
+    mlx_argv += ["--prompt-cache-size", str(args.clients * args.turns + 16)]
+    exokv = Server("exokv", exokv_argv, env, "serving ")
     try:
-        results["exokv"] = measure(exokv, args.model, args)
-        many_clients(exokv, args.model, args.clients, args.turns)
-        results["exokv"]["cache_bytes"] = exokv_cache_bytes(home)
+        mlx = Server("mlx_lm.server", mlx_argv, env, "Starting httpd")
+        try:
+            results.update(
+                measure({"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}, args)
+            )
+            results["exokv"]["cache_bytes"] = exokv_cache_bytes(home)
+            results["mlx_lm"]["cache_bytes"] = mlx_lm_cache_bytes(mlx)
+        finally:
+            mlx.stop()
     finally:
         exokv.stop()
-    mlx = Server(
-        "mlx_lm.server",
-        [
-            sys.executable,
-            __file__,
-            "--mlx-lm-probe",
-            "--model",
-            str(path),
-            "--port",
-            "{port}",
-            "--prompt-cache-size",
-            str(args.clients * args.turns + 16),
-            "--log-level",
-            "INFO",
-        ],
-        env,
-        "Starting httpd",
-    )
-    try:
-        results["mlx_lm"] = measure(mlx, "default_model", args)
-        many_clients(mlx, "default_model", args.clients, args.turns)
-        results["mlx_lm"]["cache_bytes"] = mlx_lm_cache_bytes(mlx)
-    finally:
-        mlx.stop()
+        shutil.rmtree(home, ignore_errors=True)
     report(results, args.json)
 
 
