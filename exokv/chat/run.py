@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
 from exokv.config import parse_budgets
-from exokv.engine import EngineOptions
 from exokv.errors import UsageError
+from exokv.rank.engine import EngineOptions
 
 
 @dataclass
@@ -41,7 +41,7 @@ class ChatOptions:
         if self.hosts:
             return len([h for h in self.hosts.split(",") if h.strip()])
         if self.hostfile:
-            from exokv.cluster.launch import read_hostfile
+            from exokv.wire.launch import read_hostfile
 
             return len(read_hostfile(self.hostfile)[0])
         return self.ranks
@@ -100,7 +100,7 @@ def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClie
     budgets = parse_budgets(opts.cache_budget, opts.rank_count())
     if opts.rank_count() == 1 and not opts.hostfile:
         from exokv.cache.tiers import tier_options
-        from exokv.chat.local import LocalClient
+        from exokv.client.local import LocalClient
 
         return LocalClient(
             opts.model,
@@ -112,7 +112,7 @@ def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClie
                 **tier_options(opts, rank=0, layout="pipeline:1:even"),
             ),
         )
-    from exokv.cluster.client import ClusterClient
+    from exokv.client.cluster import ClusterClient
 
     return ClusterClient(opts, budgets, progress=_startup_progress())
 

@@ -12,7 +12,7 @@ run `exokv chat` must neither run nor shadow the standard library in a rank.
 The channel's token never appears on a command line or in an environment
 variable (both can be read by other users through `ps`): the front end writes
 one bootstrap line to the launcher's standard input, which the launcher
-forwards to the ranks, and only rank 0 reads it (see `exokv.cluster.rank`).
+forwards to the ranks, and only rank 0 reads it (see `exokv.rank.main`).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ _ENTRY = (
 )
 
 
-def rank_command(python: str | None = None, module: str = "exokv.cluster.rank") -> list[str]:
+def rank_command(python: str | None = None, module: str = "exokv.rank.main") -> list[str]:
     """The argv that starts one rank (the launcher runs it once per rank): `module`'s
     main() with the arguments that follow, as `python -m module` would but for sys.path."""
     return [python or sys.executable, "-c", _ENTRY.format(module=module)]
