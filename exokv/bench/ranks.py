@@ -30,8 +30,7 @@ from typing import IO, Any
 from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
 from exokv.client.cluster import diagnose
 from exokv.errors import ExokvError
-from exokv.rank.main import BEAT_MARK
-from exokv.wire.launch import LaunchPlan, nudge_ranks, plan_launch, rank_command
+from exokv.wire.launch import BEAT_MARK, LaunchPlan, nudge_ranks, plan_launch, rank_command
 
 START_TIMEOUT = 90.0  # launcher start + distributed init, until every rank beats
 HEARTBEAT_TIMEOUT = 20.0  # ranks beat every 2 s, from a thread, even while MLX computes

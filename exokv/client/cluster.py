@@ -39,11 +39,13 @@ from typing import IO, Any
 from exokv.cache.tiers import disk_budget_text
 from exokv.config import parse_budgets
 from exokv.errors import ExokvError, UsageError
-from exokv.rank.engine import MAX_REMEMBERED_REPLIES
-from exokv.rank.main import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
+from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.records import TurnRequest, TurnResult
 from exokv.wire import channel
 from exokv.wire.launch import (
+    BEAT_MARK,
+    ERROR_MARK,
+    SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
     nudge_ranks,

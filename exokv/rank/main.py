@@ -34,6 +34,7 @@ import mlx.core as mx
 from exokv.errors import ExokvError
 from exokv.records import TurnRequest
 from exokv.wire import channel
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
 from exokv.wire.wake import Doorbell
 
 if TYPE_CHECKING:
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
-ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
-BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
-SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
 class CountingGroup:

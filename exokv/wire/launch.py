@@ -33,6 +33,10 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 # Settings a rank on another machine should see as this one does (never secrets).
 FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG")
+# What a rank prints through the launcher, read by the front end (both sides import this).
+ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
+BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.main.beat)
+SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
 @dataclass
