@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
+from exokv.client import Client
 from exokv.rank.kvsave import CacheFileReport
 from exokv.records import CacheEvent, TurnResult
 from exokv.state.locks import SessionLocks
@@ -39,7 +40,7 @@ class StoreHooks(ChatHooks):
         store: Store,
         run_id: int,
         model: str,
-        client: Any = None,
+        client: Client | None = None,
         use_cache: bool = True,
         max_kv_size: int | None = None,
         locks: SessionLocks | None = None,

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from exokv.cache.tiers import disk_budget_text
+from exokv.client import Client
 from exokv.config import parse_budgets
 from exokv.errors import ExokvError, UsageError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
@@ -64,7 +65,7 @@ _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
 _PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
 
 
-class ClusterClient:
+class ClusterClient(Client):
     """Runs turns on ranks started by mlx.launch; the same interface as LocalClient."""
 
     def __init__(

@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from exokv.client import Client
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.kvsave import CacheFileReport
 from exokv.records import TurnRequest, TurnResult
 
 
-class LocalClient:
+class LocalClient(Client):
     def __init__(self, model_name: str, options: EngineOptions) -> None:
         from exokv.model.resolve import load_model
 

@@ -1,1 +1,1 @@
-"""Ranks, the channel to the front end, and the collectives the engine uses."""
+"""The wire both sides use: launching ranks with mlx.launch, the channel, the doorbell."""
