@@ -18,8 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from exokv.engine import PromptTooLong
-from exokv.errors import ExokvError
+from exokv.errors import ExokvError, PromptTooLong
 from exokv.records import TurnRequest, TurnResult
 from exokv.serve.api import ApiError, StopText
 

@@ -23,28 +23,15 @@ from exokv.cache import layers, memory
 from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
-from exokv.cluster.group import Group, LocalGroup
+from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
-from exokv.errors import ExokvError
+from exokv.errors import PromptTooLong
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
-
-
-class PromptTooLong(ExokvError):
-    """A prompt longer than the model's context, refused before any of it is computed.
-
-    Decided from the prompt's tokens and the model's config alone, so every rank
-    refuses the same turn, before the turn's first collective.
-    """
-
-    def __init__(self, message: str, tokens: int = 0, context: int = 0) -> None:
-        super().__init__(message)
-        self.tokens = tokens  # the prompt's
-        self.context = context  # the model's
 
 
 def _quiet_tokenizer_warnings() -> None:
