@@ -161,10 +161,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print(
-        "smollm2 is fetched once per machine and builtin: models generated on first use; "
-        "--json adds paths, params and sources"
-    )
+    print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
 
 
 @app.command()
