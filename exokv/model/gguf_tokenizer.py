@@ -56,13 +56,16 @@ def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
         return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
 
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:
+        # As llama.cpp does: a sentencepiece vocabulary that does not say adds BOS.
+        add_bos = spec.get("tokenizer_type") == "llama"
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
         "unk_token": token("unk_token_id"),
         "pad_token": token("pad_token_id"),
-        "add_bos_token": bool(value_of(add_bos)) if add_bos is not None else False,
+        "add_bos_token": bool(value_of(add_bos)),
         "clean_up_tokenization_spaces": False,
     }
     template = meta.get("tokenizer.chat_template")
