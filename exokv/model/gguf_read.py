@@ -23,7 +23,7 @@ GROUP_SIZE = 32
 # GGUF types kept as they are: floats, and what mx.load gives as MLX quantized arrays.
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 NATIVE_TYPES = {"F32": 32, "F16": 16, "BF16": 16, "Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-# Types mx.load reads only by casting to float16 (its Q4_K decoding disagrees with
+# Types mx.load reads only by casting to float16 (its Q4_K decoding differs from
 # llama.cpp's): decoded by the gguf package like the ones it cannot read.
 MLX_CASTS = ("Q2_K", "Q4_K", "Q6_K")
 # Types decoded by the gguf package and quantized again, at about their bits per weight.
