@@ -189,7 +189,7 @@ def test_quantized_gguf_keeps_the_files_values(
 def test_float32_gguf_on_two_ranks_gives_the_sources_replies(env: dict[str, Any]) -> None:
     source = str(env["home"] / "models" / SOURCES["llama"])
     f32 = str(_gguf(env, "llama", "F32"))
-    two = ["-n", "2", "--parallel", "pipeline", "--starting-port", "26640"]
+    two = ["-n", "2", "--parallel", "pipeline", "--split", "1,3", "--starting-port", "26640"]
     replies = _chat(env, f32, *two)
     assert replies == _chat(env, source)
     assert len(set(replies)) == 2
