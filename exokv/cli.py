@@ -63,7 +63,12 @@ def _root(
 
 # The chat's model, layout and cache options, shared with `exokv serve` (one definition
 # each: the two front ends start the same ranks the same way).
-_MODEL = typer.Option(None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id")
+_MODEL = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
+)
 _SYSTEM = typer.Option(None, "--system", help="system prompt")
 _MAX_TOKENS = typer.Option(256, "--max-tokens", help="most tokens per reply")
 _TEMP = typer.Option(0.0, "--temp", help="sampling temperature")
@@ -240,7 +245,7 @@ def serve(
 
 @app.command()
 def models(json_out: bool = typer.Option(False, "--json", help="one JSON document")) -> None:
-    """List the builtin models and the models found locally."""
+    """List the default model, the builtins and the models found locally (HF cache, ollama)."""
     import json
 
     from rich.console import Console
@@ -252,7 +257,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print("builtin: and zoo models are generated on first use; --json adds paths and params")
+    print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
 
 
 @app.command()
