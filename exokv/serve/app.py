@@ -25,6 +25,7 @@ from exokv.serve import api
 from exokv.serve.work import Job, TurnQueue
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+DRAIN_BYTES = 16 << 20  # of a body over the limit, read and dropped so the 413 arrives
 
 
 @dataclass
@@ -100,17 +101,21 @@ def _check_key(service: Service, request: Request) -> None:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is over `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    too_big = api.ApiError(413, f"the request body is over {limit:,} bytes", code="too_large")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
+    """The request body, or 413 once it is over `limit` bytes.
+
+    What comes over the limit is read and dropped (up to DRAIN_BYTES more, then the
+    connection is given up on): a client still sending when the answer came would see
+    its connection reset instead of the 413.
+    """
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > limit + DRAIN_BYTES:
+            break
+    if size > limit:
+        raise api.ApiError(413, f"the request body is over {limit:,} bytes", code="too_large")
     return b"".join(chunks)
 
 
