@@ -21,6 +21,7 @@ import queue
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,9 @@ class DiskStore:
         self.lost: set[int] = set()  # ids whose write failed or was never tried
         self._pending: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        # Node ids to write, and jobs (the journal's records) run after the writes queued
+        # before them: a record never says a file is written before it is.
+        self._queue: queue.Queue[int | Callable[[], None]] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, daemon=True)
         self._thread.start()
 
@@ -115,6 +118,11 @@ class DiskStore:
         with self._lock:
             self._pending[node_id] = obj
         self._queue.put(node_id)
+
+    def after_writes(self, job: Callable[[], None]) -> None:
+        """Run `job` on the writer thread once the writes queued so far are done. An
+        OSError it raises (a full disk) stops writing as a failed write does."""
+        self._queue.put(job)
 
     def read(self, node_id: int) -> tuple[Any, str]:
         """(the object, "") or (None, why it cannot be read)."""
@@ -161,6 +169,9 @@ class DiskStore:
     def _write_loop(self) -> None:
         while True:
             node_id = self._queue.get()
+            if callable(node_id):
+                self._run_job(node_id)
+                continue
             try:
                 with self._lock:
                     obj = self._pending.get(node_id)
@@ -175,6 +186,15 @@ class DiskStore:
                         del self._pending[node_id]
             finally:
                 self._queue.task_done()
+
+    def _run_job(self, job: Callable[[], None]) -> None:
+        try:
+            if not self.failed:
+                job()
+        except Exception as err:  # noqa: BLE001 - the writer thread must never die
+            self.failed = str(err) or type(err).__name__
+        finally:
+            self._queue.task_done()
 
     def _write_file(self, node_id: int, obj: Any) -> None:
         final = self.path(node_id)
