@@ -201,14 +201,17 @@ class DiskTier:
         self.persist()
         return reached, why
 
-    def _copy(self, node: Node) -> None:
-        """Write RAM node `node` to disk too (in the background); it stays in RAM."""
-        self.store.write(node.id, _arrays(node, [leaf.cls for leaf in self.cache.window_leaves]))
+    def _keep_as_copy(self, node: Node) -> None:
         counts = self.cache.counts(node)
         self.copies[node.id] = (_signature(node), counts)
         for c, n in counts.items():
             self.totals[c] = self.totals.get(c, 0) + n
         self.journal.mark(node.id)
+
+    def _copy(self, node: Node) -> None:
+        """Write RAM node `node` to disk too (in the background); it stays in RAM."""
+        self.store.write(node.id, _arrays(node, [leaf.cls for leaf in self.cache.window_leaves]))
+        self._keep_as_copy(node)
 
     def after_turn(self, changed: Sequence[Node]) -> None:
         """Write-through: give the turn's `changed` RAM nodes a copy on disk where every
@@ -284,7 +287,7 @@ class DiskTier:
             node = used[i]
             self._count(node, -1)
             self.cache.attach(node, loaded[i])
-            self.store.delete(node.id)
+            self._keep_as_copy(node)  # its file holds it still: nothing to write again
             self.loads += 1
             self.events.append(self._event("load", node, "hit on disk"))
         if agreed < len(used):
