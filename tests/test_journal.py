@@ -13,7 +13,7 @@ from exokv.cache import journal
 from exokv.cache.journal import JOURNAL_FILE, TREE_FILE
 from exokv.engine import Engine
 from tests.test_cache_budget import chats, play, tokenizer  # noqa: F401
-from tests.test_disk_tier import _second_half, tiered, working_set
+from tests.test_disk_tier import _second_half, restarts_warm, tiered, working_set
 
 
 def crash(engine: Engine) -> None:
@@ -42,13 +42,7 @@ def test_a_crash_after_a_turn_restarts_warm_from_snapshot_and_journal(kind, toke
     assert snapshot["nodes"] == [] and snapshot["seq"] == 0  # the start's: nothing yet
     records, why = journal.read(tmp_path / JOURNAL_FILE, 0)
     assert why == "" and [r["seq"] for r in records] == [1, 2, 3, 4]  # one per turn
-    again = tiered(kind, tokenizer, tmp_path, None)
-    assert again.tier_notice == ""
-    again.remember_replies(pairs)
-    results = _second_half(again, script, replies)
-    assert all(any(e.kind == "load" for e in r.events) for r in results)
-    assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference[4:]]
-    assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+    restarts_warm(kind, tokenizer, tmp_path, reference, script, replies, pairs)
 
 
 def test_a_torn_last_record_is_dropped_with_one_line(tokenizer, tmp_path):  # noqa: F811
@@ -98,11 +92,7 @@ def test_compacting_keeps_the_tree(tokenizer, tmp_path, monkeypatch):  # noqa: F
     reference, script, replies, pairs, _ = first_half_then_crash("window", tokenizer, tmp_path)
     snapshot = json.loads((tmp_path / TREE_FILE).read_text())
     assert snapshot["seq"] >= 2 and snapshot["nodes"]
-    again = tiered("window", tokenizer, tmp_path, None)
-    again.remember_replies(pairs)
-    results = _second_half(again, script, replies)
-    assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference[4:]]
-    assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+    restarts_warm("window", tokenizer, tmp_path, reference, script, replies, pairs)
 
 
 def test_reading_stops_at_the_first_bad_record(tmp_path):
