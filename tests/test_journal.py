@@ -56,12 +56,14 @@ def test_a_torn_last_record_is_dropped_with_one_line(tokenizer, tmp_path):  # no
     data = log.read_bytes()
     cut = len(data) - len(journal.encode(records[-1])) // 2
     log.write_bytes(data[:cut])  # the last record torn in half
+    (tmp_path / "99.tmp").write_bytes(b"half a file")  # a write the crash cut short
 
     again = tiered("state", tokenizer, tmp_path, None)
     assert "its last record is torn" in again.tier_notice
     assert "dropped" in again.tier_notice and "\n" not in again.tier_notice
     # The files only the dropped record covered are removed; the journal starts afresh.
     assert not any((tmp_path / f"{i}.kv").exists() for i in last_new)
+    assert not list(tmp_path.glob("*.tmp"))
     assert journal.read(log, 0) == ([], "")
     again.remember_replies(pairs)
     results = _second_half(again, script, replies)

@@ -159,6 +159,14 @@ class DiskStore:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
+    def sweep(self) -> None:
+        """Remove the temporary files of writes a crash cut short."""
+        for p in self.root.glob("*.tmp"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
     def ids(self) -> set[int]:
         out = set()
         for p in self.root.glob("*.kv"):

@@ -385,6 +385,7 @@ class DiskTier:
         known = {n.id for n in nodes}
         for orphan in self.store.ids() - known:  # no record covers it (any more)
             self.store.delete(orphan)
+        self.store.sweep()
         self.journal.seq = seq
         self.persist()  # a fresh snapshot: a torn record is gone for good
         return why
