@@ -453,7 +453,7 @@ def _written_through(engine: Any) -> None:
     for node in tree.nodes():
         if node.payload.tier == "ram":
             tier._keep_as_copy(node)
-    tier.journal.compact(tree, wait=True)
+    tier.persist()
     tree.drain_changed()
 
 

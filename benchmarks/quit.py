@@ -125,15 +125,19 @@ def main() -> None:
     ap.add_argument("--words", type=int, default=3000, help="words in each session's message")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline", default="merge-base", help="git revision to compare with")
+    ap.add_argument("--base", help="keep the built chat in this folder; reuse it if there")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="exokv-quit-"))
     try:
         rev = baseline_tree(args.baseline, work / "baseline")
-        base = work / "base"
-        base.mkdir()
-        build(base, args.model, args.sessions, args.words)
+        base = Path(args.base) if args.base else work / "base"
+        if not (base / "built").exists():
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir(parents=True)
+            build(base, args.model, args.sessions, args.words)
+            (base / "built").write_text(f"{args.model} {args.sessions} {args.words}\n")
         trials = []
         for _ in range(args.repeats):
             for mode, path in (("now", None), ("before", str(work / "baseline"))):

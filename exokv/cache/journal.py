@@ -136,25 +136,18 @@ def last_seq(root: Path) -> int:
 # -- writing: one record per turn, compacted now and then ----------------------------
 
 
-class Journal:
-    """This rank's journal. `on_disk(node)`: whether a node's arrays are in its file;
-    `after_writes(job)` runs a job on the disk's writer thread after the writes queued
-    before it; `flush()` waits for the writer. `view` is what snapshot + journal say:
-    a node's shape and use by id."""
+Job = Callable[[], None]
 
-    def __init__(
-        self,
-        root: Path,
-        classes: list[Any],
-        on_disk: OnDisk,
-        after_writes: Callable[[Callable[[], None]], None],
-        flush: Callable[[], None],
-    ) -> None:
+
+class Journal:
+    """This rank's journal. `on_disk(node)`: whether a node's arrays are in its file.
+    `view` is what snapshot + journal say: a node's shape and use by id. Its writes
+    are jobs for the disk's writer thread, to run after the files they name."""
+
+    def __init__(self, root: Path, classes: list[Any], on_disk: OnDisk) -> None:
         self.root = root
         self.classes = classes
         self.on_disk = on_disk
-        self._after_writes = after_writes
-        self._flush = flush
         self.view: dict[int, tuple[tuple, tuple[int, int]]] = {}
         self.seq = 0  # the last record's number
         self.marked: set[int] = set()  # ids whose place (RAM, disk, a copy) changed
@@ -168,13 +161,12 @@ class Journal:
     def mark(self, node_id: int) -> None:
         self.marked.add(node_id)
 
-    def record(self, changed: Iterable[Node], tree: Any) -> int:
-        """Append what `changed` nodes and the marked ones did (a background write).
-        Returns the bytes of the record (0: nothing changed, nothing appended)."""
+    def record(self, changed: Iterable[Node], tree: Any) -> Job | None:
+        """The record of what `changed` nodes and the marked ones did: the job that
+        appends it (or a compaction), None when nothing changed."""
         if self.stale:
             self.seq += 1
-            self.compact(tree, wait=False)
-            return self.snapshot_bytes
+            return self.compact(tree)
         ids = {n.id for n in changed} | self.marked
         self.marked = set()
         full, used, gone = [], [], []
@@ -195,22 +187,19 @@ class Journal:
                 continue
             self.view[node_id] = (shape, use)
         if not (full or used or gone):
-            return 0
+            return None
         self.seq += 1
         body = {"seq": self.seq, "next_id": tree._next_id, "clock": tree.clock}
         data = encode({**body, "nodes": full, "used": used, "gone": gone})
         self.journal_bytes += len(data)
         if self.journal_bytes > max(self.snapshot_bytes, MIN_COMPACT):
-            self.compact(tree, wait=False)  # this turn's changes are in the snapshot
-        else:
-            self._after_writes(lambda: self._append(data))
-        return len(data)
+            return self.compact(tree)  # this turn's changes are in the snapshot
+        return lambda: self._append(data)
 
-    def compact(self, tree: Any, wait: bool) -> None:
-        """Write a new snapshot of every node on disk and start the journal afresh
-        (a walk of the tree: when the journal outgrew the snapshot, and at start,
-        /save and quit). With `wait`, once every queued write is done, before returning
-        (raises OSError); else on the writer thread after them."""
+    def compact(self, tree: Any) -> Job:
+        """A new snapshot of every node on disk, the journal to start afresh: the job
+        that writes them (it raises OSError). A walk of the tree: when the journal
+        outgrew the snapshot, and at start, /save and quit."""
         nodes, self.view = [], {}
         for n in tree.nodes():
             if n.payload is not None and self.on_disk(n):
@@ -227,11 +216,7 @@ class Journal:
         text = json.dumps(doc, separators=(",", ":"))
         self.snapshot_bytes, self.journal_bytes = len(text), 0
         self.marked, self.stale = set(), False
-        if wait:
-            self._flush()
-            self._write_snapshot(text)
-        else:
-            self._after_writes(lambda: self._write_snapshot(text))
+        return lambda: self._write_snapshot(text)
 
     def _write_snapshot(self, text: str) -> None:
         # The snapshot first, then the emptied journal: a crash between the two leaves

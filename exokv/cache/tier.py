@@ -80,9 +80,7 @@ class DiskTier:
         # (a split since keeps the lower part's id: the file holds more) is a spill with
         # nothing to write.
         self.copies: dict[int, tuple[tuple, dict[StorageClass, int]]] = {}
-        self.journal = Journal(
-            store.root, cache.classes, self.on_disk, store.after_writes, store.flush
-        )
+        self.journal = Journal(store.root, cache.classes, self.on_disk)
 
     # -- the numbers in the turn's collective ----------------------------------------
 
@@ -208,9 +206,14 @@ class DiskTier:
             self.totals[c] = self.totals.get(c, 0) + n
         self.journal.mark(node.id)
 
-    def _copy(self, node: Node) -> None:
-        """Write RAM node `node` to disk too (in the background); it stays in RAM."""
-        self.store.write(node.id, _arrays(node, [leaf.cls for leaf in self.cache.window_leaves]))
+    def _copy(self, node: Node, batch: dict[int, Any] | None = None) -> None:
+        """Write RAM node `node` to disk too (in the background; with `batch`, when the
+        caller queues it); it stays in RAM."""
+        arrays = _arrays(node, [leaf.cls for leaf in self.cache.window_leaves])
+        if batch is not None:
+            batch[node.id] = arrays
+        else:
+            self.store.write(node.id, arrays)
         self._keep_as_copy(node)
 
     def after_turn(self, changed: Sequence[Node]) -> None:
@@ -218,6 +221,7 @@ class DiskTier:
         rank's disk budget has room (nothing is dropped for it: a copy only saves a later
         spill its write), parents first; then append the turn's journal record. The
         writes and the record are the store thread's, after the reply."""
+        batch: dict[int, Any] = {}
         if not self.stopped:
             tree = self.cache.tree
             for node in sorted(changed, key=lambda n: n.depth):
@@ -232,13 +236,15 @@ class DiskTier:
                 self._forget_copy(node.id)  # one that no longer covers the node
                 if not self._fits(size):
                     break  # the budget is full: the rest waits for a later turn's room
-                self._copy(node)
-        self.journal.record(changed, self.cache.tree)
+                self._copy(node, batch)
+        self.store.write_batch(batch, self.journal.record(changed, self.cache.tree))
 
     def persist(self) -> None:
         """Write the tree of what is on disk (and its written files) for the next run."""
+        write = self.journal.compact(self.cache.tree)
+        self.store.flush()
         try:
-            self.journal.compact(self.cache.tree, wait=True)
+            write()
         except OSError as err:
             self._warn(f"could not persist the KV cache tree: {err}")
 
