@@ -384,7 +384,7 @@ class _PaddedEngine:
         import tempfile
 
         from exokv.cache.prefix_cache import Payload
-        from exokv.engine import Engine, EngineOptions
+        from exokv.rank.engine import Engine, EngineOptions
 
         self.tmp = tempfile.TemporaryDirectory(prefix="exokv-bench-disk-")
         options = EngineOptions(disk_dir=self.tmp.name, disk_budget=1) if disk else None

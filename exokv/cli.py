@@ -69,7 +69,10 @@ def chat(
         show_default=False,
     ),
     model: str = typer.Option(
-        None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
+        None,
+        "--model",
+        "-m",
+        help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
     ),
     system: str = typer.Option(None, "--system", help="system prompt"),
     max_tokens: int = typer.Option(256, "--max-tokens", help="most tokens per reply"),
@@ -146,7 +149,7 @@ def chat(
 
 @app.command()
 def models(json_out: bool = typer.Option(False, "--json", help="one JSON document")) -> None:
-    """List the builtin models and the models found locally."""
+    """List the default model, the builtins and the models found locally (HF cache, ollama)."""
     import json
 
     from rich.console import Console
@@ -158,7 +161,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print("builtin: and zoo models are generated on first use; --json adds paths and params")
+    print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
 
 
 @app.command()

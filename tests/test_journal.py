@@ -11,7 +11,7 @@ import pytest
 
 from exokv.cache import journal
 from exokv.cache.journal import JOURNAL_FILE, TREE_FILE
-from exokv.engine import Engine
+from exokv.rank.engine import Engine
 from tests.test_cache_budget import chats, play, tokenizer  # noqa: F401
 from tests.test_disk_tier import _second_half, restarts_warm, tiered, working_set
 

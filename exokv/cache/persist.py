@@ -22,7 +22,7 @@ from exokv.cache import journal
 from exokv.cache.journal import TREE_FILE, VERSION
 from exokv.cache.prefix_cache import Payload, PrefixCache
 from exokv.cache.radix import Node
-from exokv.cluster.group import Group
+from exokv.collectives import Group
 
 
 def _read(root: Path) -> tuple[dict[str, Any] | None, str]:
