@@ -5,6 +5,7 @@ with the replies of --no-cache; a torn last record is dropped with one line."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from test_cluster import Chat, run_script
 from test_disk_tier_chat import switch_script
 
 from exokv.cache import journal
-from exokv.cache.journal import JOURNAL_FILE
+from exokv.cache.journal import JOURNAL_FILE, TREE_FILE
 
 MORE = [line for s in ("first", "s1", "s2", "s3") for line in (f"/switch {s}", "Go on?")]
 TWO = ("-n", "2", "--disk-budget", "50MB")
@@ -48,14 +49,20 @@ def kill_after_switch_chat(home: Path, *args: str) -> None:
         time.sleep(0.1)
     chat.note_descendants()
     procs = [psutil.Process(chat.proc.pid), *chat.seen.values()]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    # Frozen first, all of them: a rank that saw the front end go would quit cleanly
+    # (spill, snapshot) before its own SIGKILL came; a crash gives it no such chance.
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in procs:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
     chat.proc.wait(30)
     assert chat.proc.returncode == -signal.SIGKILL
     assert chat.leftovers() == []
+    for d in rank_dirs(home):  # nothing but the journal holds the 8 turns
+        assert json.loads((d / TREE_FILE).read_text())["seq"] == 0
+        assert [r["seq"] for r in journal.read(d / JOURNAL_FILE, 0)[0]] == list(range(1, 9))
 
 
 def resume(home: Path, *args: str) -> tuple[list[dict], str]:
@@ -87,7 +94,9 @@ def test_a_record_torn_on_one_rank_is_dropped_on_both_with_one_line(
     full, cold = uninterrupted
     home = home_with_models(tmp_path / "h", models_dir, True)
     kill_after_switch_chat(home, *TWO, "--starting-port", "26730")
-    log = rank_dirs(home)[1] / JOURNAL_FILE
+    dirs = rank_dirs(home)
+    assert len(dirs) == 2, dirs
+    log = dirs[1] / JOURNAL_FILE
     records, _ = journal.read(log, 0)
     data = log.read_bytes()
     log.write_bytes(data[: len(data) - len(journal.encode(records[-1])) // 2])
