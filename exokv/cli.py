@@ -104,6 +104,9 @@ def chat(
     ),
     json_out: bool = typer.Option(False, "--json", help="script mode: one JSON object per turn"),
     starting_port: int = typer.Option(None, "--starting-port", help="first port for the ranks"),
+    restarts: int = typer.Option(
+        3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
+    ),
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
     from exokv.chat.resume import resolve
@@ -113,6 +116,8 @@ def chat(
         raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
+    if restarts < 0:
+        raise UsageError(f"--restarts {restarts}: use 0 or more")
     one_shot = " ".join(prompt or []).strip() or None
     if prompt and one_shot is None:
         raise UsageError("the PROMPT argument is empty: give a message, or no argument")
@@ -142,6 +147,7 @@ def chat(
         session=session,
         json=json_out,
         starting_port=starting_port,
+        restarts=restarts,
         prompt=one_shot,
     )
     raise typer.Exit(run_chat(opts))
