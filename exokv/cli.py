@@ -91,6 +91,9 @@ _DISK_BUDGET = typer.Option(
 _KV_BITS = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits")
 _KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="quantization group size")
 _STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
+_RESTARTS = typer.Option(
+    3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
+)
 
 
 # The options above that go to ChatOptions under their own names, for both commands.
@@ -109,6 +112,7 @@ _SHARED = (
     "kv_bits",
     "kv_group_size",
     "starting_port",
+    "restarts",
 )
 
 
@@ -117,11 +121,13 @@ def _shared(values: dict[str, Any]) -> dict[str, Any]:
     return {name: values[name] for name in _SHARED}
 
 
-def _check_layout(backend: str, parallel: str) -> None:
+def _check_layout(backend: str, parallel: str, restarts: int) -> None:
     if backend not in ("ring", "jaccl", "mpi"):
         raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
+    if restarts < 0:
+        raise UsageError(f"--restarts {restarts}: use 0 or more")
 
 
 @app.command()
@@ -155,12 +161,13 @@ def chat(
     ),
     json_out: bool = typer.Option(False, "--json", help="script mode: one JSON object per turn"),
     starting_port: int = _STARTING_PORT,
+    restarts: int = _RESTARTS,
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
     from exokv.chat.resume import resolve
     from exokv.chat.run import ChatOptions, run_chat
 
-    _check_layout(backend, parallel)
+    _check_layout(backend, parallel, restarts)
     one_shot = " ".join(prompt or []).strip() or None
     if prompt and one_shot is None:
         raise UsageError("the PROMPT argument is empty: give a message, or no argument")
@@ -204,6 +211,7 @@ def serve(
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,
     starting_port: int = _STARTING_PORT,
+    restarts: int = _RESTARTS,
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback)"),
     port: int = typer.Option(8000, "--port", help="port to listen on"),
     api_key: str = typer.Option(
@@ -223,7 +231,7 @@ def serve(
     from exokv.config import parse_size
     from exokv.serve.run import ServeOptions, run_serve
 
-    _check_layout(backend, parallel)
+    _check_layout(backend, parallel, restarts)
     settled = resolve(None, model, max_kv_size)
     for note in settled.notes:
         print(f"exokv: {note}", file=sys.stderr)

@@ -120,11 +120,13 @@ def test_a_client_leaving_mid_stream_stops_both_ranks_and_the_next_is_right(
     )
 
 
-def test_a_rank_that_dies_ends_the_server_with_one_line(tmp_path: Path, models_dir: Path) -> None:
+def test_with_no_restarts_a_rank_that_dies_ends_the_server_with_one_line(
+    tmp_path: Path, models_dir: Path
+) -> None:
     import psutil
 
     home = home_with_models(tmp_path / "h", models_dir, link=True)
-    with serving(home, "-n", "2", "--starting-port", "26740") as s:
+    with serving(home, "-n", "2", "--starting-port", "26740", "--restarts", "0") as s:
         assert ask_plain(s, "hello").choices
         ranks = [
             p

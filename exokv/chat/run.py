@@ -38,6 +38,7 @@ class ChatOptions:
     session: str | None = None
     json: bool = False
     starting_port: int | None = None
+    restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
 
     def rank_count(self) -> int:

@@ -438,6 +438,8 @@ class ClusterClient(Client):
                 if self._progress is not None:
                     self._say_ready()
                 self._budgets = list(message.get("budgets") or [])
+                if message.get("notice"):  # the ranks' stderr is not the user's
+                    print(f"exokv: disk tier: {message['notice']}", file=sys.stderr)
                 nudge_ranks(self._proc)  # every rank is past release_stdin by now
                 break
         if threading.current_thread() is threading.main_thread():

@@ -42,9 +42,9 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
                 set skip 1
-            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--drain-timeout" "exokv serve:--max-body"
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -135,6 +135,7 @@ complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantizatio
 complete -c exokv -n '__exokv_at exokv chat' -l session -x -a '(command exokv _complete session 2>/dev/null)' -d 'name the conversation; resumes it if it exists'
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'
+complete -c exokv -n '__exokv_at exokv chat' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv completions' -a 'bash zsh fish'
 complete -c exokv -n '__exokv_at exokv completions' -l help -d 'Show this message and exit'
@@ -158,6 +159,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l disk-budget -x -d 'disk tier pe
 complete -c exokv -n '__exokv_at exokv serve' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
 complete -c exokv -n '__exokv_at exokv serve' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv serve' -l starting-port -x -d 'first port for the ranks'
+complete -c exokv -n '__exokv_at exokv serve' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
 complete -c exokv -n '__exokv_at exokv serve' -l host -x -d 'address to listen on (loopback)'
 complete -c exokv -n '__exokv_at exokv serve' -l port -x -d 'port to listen on'
 complete -c exokv -n '__exokv_at exokv serve' -l api-key -x -d 'require '\''Authorization: Bearer KEY'\'' (or set EXOKV_API_KEY)'

@@ -238,7 +238,10 @@ class Engine:
             self.coord.cap(self.decision, live, ran, request.session, events)
         if self.coord.tier is not None:
             events += self.coord.tier.take_events(self.decision)
-        stats, entries = self.coord.stats(), self.coord.changed_entries()
+        changed = self.cache.tree.drain_changed()
+        if self.coord.tier is not None:  # write-through and the journal, written after the reply
+            self.coord.tier.after_turn(changed)
+        stats, entries = self.coord.stats(), self.coord.changed_entries(changed)
         overhead += time.perf_counter() - tic
         return TurnResult(
             session=request.session,

@@ -328,6 +328,7 @@ class Rank:
                     "type": "ready",
                     "ranks": self.world.size(),
                     "budgets": [None if b < 0 else b for b in all_budgets],
+                    "notice": engine.tier_notice,  # why the disk tier is cold, or a torn record
                 }
             )
         turn = 0
