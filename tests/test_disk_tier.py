@@ -10,7 +10,7 @@ import pytest
 
 from exokv.cache import layers
 from exokv.cache.disk import decode, encode
-from exokv.engine import Engine, EngineOptions
+from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
 from tests.test_cache_budget import chats, engine_for, play, tokenizer  # noqa: F401
 from tests.test_cache_kinds import KINDS, VOCAB, model_for
@@ -106,15 +106,21 @@ def _first_half_then_quit(tok, home: Path) -> tuple[list, list, dict, list]:
     return reference, script, replies, pairs
 
 
-def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
-    reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
-    again = tiered("state", tokenizer, tmp_path, None)
+def restarts_warm(kind: str, tok, home: Path, reference, script, replies, pairs) -> None:
+    """A new engine on `home` runs the script's second half loading from disk, with the
+    uninterrupted `reference`'s hits and replies."""
+    again = tiered(kind, tok, home, None)
     assert again.tier_notice == ""
     again.remember_replies(pairs)
     results = _second_half(again, script, replies)
     assert all(any(e.kind == "load" for e in r.events) for r in results)
     assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference[4:]]
     assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+
+
+def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
+    reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
+    restarts_warm("state", tokenizer, tmp_path, reference, script, replies, pairs)
 
 
 def test_file_checks():
@@ -194,7 +200,7 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
 def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path):  # noqa: F811
     """/save copies count against the disk budget; when a spill finds no entry on disk to
     drop, the oldest copy's file goes (its entry stays in RAM) rather than the spill."""
-    from exokv.chat import kvsave
+    from exokv.rank import kvsave
     from exokv.records import TurnRequest
     from tests.test_cache_budget import _with_replies
 

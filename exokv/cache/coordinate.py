@@ -19,7 +19,7 @@ from exokv.cache.policy import Entry, Eviction, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node, RadixTree
 from exokv.cache.tier import DiskTier
-from exokv.cluster.group import Group
+from exokv.collectives import Group
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats
 
@@ -323,9 +323,12 @@ class Coordinator:
         """Every live entry (a walk of the whole tree: for inspection, not per turn)."""
         return [self._entry_info(node) for node in self.cache.tree.nodes()]
 
-    def changed_entries(self) -> list[EntryInfo]:
-        """The entries added or changed since the last call (the store keeps the rest)."""
-        return [self._entry_info(node) for node in self.cache.tree.drain_changed()]
+    def changed_entries(self, changed: list[Node] | None = None) -> list[EntryInfo]:
+        """The entries added or changed since the last call (the store keeps the rest);
+        `changed`: the tree's list, when the caller drained it already."""
+        if changed is None:
+            changed = self.cache.tree.drain_changed()
+        return [self._entry_info(n) for n in changed if self.cache.tree.find(n.id) is n]
 
     def _entry_info(self, node: Node) -> EntryInfo:
         return EntryInfo(

@@ -25,6 +25,7 @@ _exokv() {
             "exokv:chat") cmdpath="exokv chat" ;;
             "exokv:completions") cmdpath="exokv completions" ;;
             "exokv:models") cmdpath="exokv models" ;;
+            "exokv:serve") cmdpath="exokv serve" ;;
             "exokv:sessions") cmdpath="exokv sessions" ;;
             ("exokv bench:--model"|"exokv bench:-m"|"exokv bench:--ranks"|"exokv bench:-n"|"exokv bench:--parallel"|"exokv bench:--starting-port"|"exokv bench:--turns"|"exokv bench:--context"|"exokv bench:--reply-tokens"|"exokv bench:--scenario"|"exokv bench:--repeat"|"exokv bench:--seed"|"exokv bench:--plot"|"exokv bench:--cache-budget"|"exokv bench:--kv-bits"|"exokv bench:--kv-group-size") skip=1 ;;
             "exokv cache:clear") cmdpath="exokv cache clear" ;;
@@ -35,7 +36,8 @@ _exokv() {
             ("exokv cache entries:--session"|"exokv cache entries:-s") skip=1 ;;
             ("exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             ("exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
-            ("exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port") skip=1 ;;
+            ("exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port"|"exokv chat:--restarts") skip=1 ;;
+            ("exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--drain-timeout"|"exokv serve:--max-body") skip=1 ;;
             "exokv sessions:list") cmdpath="exokv sessions list" ;;
             "exokv sessions:rename") cmdpath="exokv sessions rename" ;;
             "exokv sessions:rm") cmdpath="exokv sessions rm" ;;
@@ -55,6 +57,10 @@ _exokv() {
             ("exokv chat:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
             ("exokv chat:--parallel") compadd -- 'pipeline' 'tensor' ;;
             ("exokv chat:--session") _exokv_values session ;;
+            ("exokv serve:--model"|"exokv serve:-m") _exokv_values model ;;
+            ("exokv serve:--hostfile") _files ;;
+            ("exokv serve:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
+            ("exokv serve:--parallel") compadd -- 'pipeline' 'tensor' ;;
         esac
         return 0
     fi
@@ -69,7 +75,7 @@ _exokv() {
     local -a subs opts
     case "$cmdpath" in
         "exokv")
-            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT' 'completions:Print the shell completion script for bash, zsh or fish (install lines in the README)' 'models:List the default model, the builtins and the models found locally (HF cache, ollama)' 'sessions:The stored conversations: list, show, rm, rename')
+            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT' 'completions:Print the shell completion script for bash, zsh or fish (install lines in the README)' 'models:List the default model, the builtins and the models found locally (HF cache, ollama)' 'serve:Serve the model over an OpenAI-compatible HTTP API, with the chat'\''s ranks and cache' 'sessions:The stored conversations: list, show, rm, rename')
             opts=('--version:print the version and exit' '-V:print the version and exit' '--help:Show this message and exit') ;;
         "exokv bench")
             subs=()
@@ -94,13 +100,16 @@ _exokv() {
             opts=('--json:Print one JSON document instead of a table' '--help:Show this message and exit') ;;
         "exokv chat")
             subs=()
-            opts=('--model:smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id' '-m:smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id' '--system:system prompt' '--max-tokens:most tokens per reply' '--temp:sampling temperature' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--disk-budget:disk tier per rank: 20GB, auto (a share of free space) or 0' '--kv-bits:quantized KV cache: 4 or 8 bits' '--kv-group-size:quantization group size' '--session:name the conversation; resumes it if it exists' '--json:script mode: one JSON object per turn' '--starting-port:first port for the ranks' '--help:Show this message and exit') ;;
+            opts=('--model:smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id' '-m:smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id' '--system:system prompt' '--max-tokens:most tokens per reply' '--temp:sampling temperature' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--disk-budget:disk tier per rank: 20GB, auto (a share of free space) or 0' '--kv-bits:quantized KV cache: 4 or 8 bits' '--kv-group-size:quantization group size' '--session:name the conversation; resumes it if it exists' '--json:script mode: one JSON object per turn' '--starting-port:first port for the ranks' '--restarts:a rank that dies: start the ranks again, up to N tries (0: end)' '--help:Show this message and exit') ;;
         "exokv completions")
             subs=()
             opts=('--help:Show this message and exit') ;;
         "exokv models")
             subs=()
             opts=('--json:one JSON document' '--help:Show this message and exit') ;;
+        "exokv serve")
+            subs=()
+            opts=('--model:smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id' '-m:smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id' '--max-tokens:reply length for a request without max_tokens' '--temp:temperature for a request without one' '--seed:random seed' '--ranks:ranks on this machine' '-n:ranks on this machine' '--hosts:a,b,... one rank per host' '--hostfile:mlx hostfile (JSON)' '--backend:ring|jaccl|mpi' '--parallel:pipeline|tensor' '--split:layers per rank, e.g. 3,1' '--cache-budget:bytes per rank: 2GB or 64MB,16MB' '--memory-threshold:RAM fraction that triggers eviction' '--max-kv-size:rotating KV cache of this many tokens' '--no-cache:prefill the whole prompt every turn' '--disk-budget:disk tier per rank: 20GB, auto (a share of free space) or 0' '--kv-bits:quantized KV cache: 4 or 8 bits' '--kv-group-size:quantization group size' '--starting-port:first port for the ranks' '--restarts:a rank that dies: start the ranks again, up to N tries (0: end)' '--host:address to listen on (loopback)' '--port:port to listen on' '--api-key:require '\''Authorization: Bearer KEY'\'' (or set EXOKV_API_KEY)' '--queue:requests that may wait; more get 503' '--drain-timeout:seconds in-flight requests get on SIGTERM/Ctrl-C' '--max-body:largest request body (413 above)' '--help:Show this message and exit') ;;
         "exokv sessions")
             subs=('list:Every conversation, most recently used first: turns, tokens, model, last used' 'rename:Rename a conversation (its KV cache is keyed by its tokens: it follows)' 'rm:Delete a conversation and its turns (its KV on disk ages out; `exokv cache clear`)' 'show:The conversation'\''s transcript, with its model and system prompt')
             opts=('--help:Show this message and exit') ;;

@@ -1,4 +1,4 @@
-"""One rank of a distributed chat: `python -m exokv.cluster.rank ...`, started by mlx.launch.
+"""One rank of a distributed chat: `python -m exokv.rank.main ...`, started by mlx.launch.
 
 Every rank loads its shard of the model and runs the same Engine. Rank 0 alone
 talks to the front end over the channel: it reads one request, broadcasts it to
@@ -31,19 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from exokv.cluster import channel
-from exokv.cluster.wake import Doorbell
 from exokv.errors import ExokvError
 from exokv.records import TurnRequest
+from exokv.wire import channel
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
+from exokv.wire.wake import Doorbell
 
 if TYPE_CHECKING:
-    from exokv.cluster.group import Group
+    from exokv.collectives import Group
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
-ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
-BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
-SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
 class CountingGroup:
@@ -78,7 +76,7 @@ class CountingGroup:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="exokv.cluster.rank")
+    p = argparse.ArgumentParser(prog="exokv.rank.main")
     p.add_argument("--model", required=True)
     p.add_argument("--backend", default="ring")
     p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
@@ -289,7 +287,7 @@ class Rank:
 
     def run(self) -> int:
         from exokv.cache.tiers import tier_options
-        from exokv.engine import Engine, EngineOptions, PromptTooLong
+        from exokv.rank.engine import Engine, EngineOptions, PromptTooLong
 
         if self.link is not None:
             # Liveness and commands flow while the model loads, so a slow load is not a hang.
@@ -302,7 +300,7 @@ class Rank:
         # A beat that also says the shard is loaded: the front end shows start-up progress.
         os.write(1, f"{BEAT_MARK}{self.rank} loaded\n".encode())
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
-        from exokv.cluster.group import MlxGroup  # mlx-lm: imported after beat() has started
+        from exokv.collectives import MlxGroup  # mlx-lm: imported after beat() has started
 
         group = CountingGroup(MlxGroup(self.world))
         engine = Engine(
@@ -330,6 +328,7 @@ class Rank:
                     "type": "ready",
                     "ranks": self.world.size(),
                     "budgets": [None if b < 0 else b for b in all_budgets],
+                    "notice": engine.tier_notice,  # why the disk tier is cold, or a torn record
                 }
             )
         turn = 0
@@ -370,7 +369,8 @@ class Rank:
                 )
             except PromptTooLong as err:  # every rank alike, before any collective
                 if self.link is not None:
-                    self.link.send({"type": "refused", "id": self.current, "message": str(err)})
+                    refusal = {"message": str(err), "tokens": err.tokens, "context": err.context}
+                    self.link.send({"type": "refused", "id": self.current, **refusal})
                 continue
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
@@ -388,7 +388,7 @@ class Rank:
                 gather_s = group.seconds["gather"] - before_s["gather"]
                 self._log(turn, result, counts, gather_s)
 
-    # -- /save and resuming: the disk tier (exokv.chat.kvsave) ---------------------
+    # -- /save and resuming: the disk tier (exokv.rank.kvsave) ---------------------
 
     def _layout(self) -> str:
         """What a rank's disk tier depends on besides the model: how the layers are spread."""
@@ -398,7 +398,7 @@ class Rank:
     def _save(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
         """Every rank writes its shard of the conversation's path; a write that failed on
         any rank (a full disk) makes the save fail on all of them."""
-        from exokv.chat import kvsave
+        from exokv.rank import kvsave
 
         session = message["session"]
         report = kvsave.save_session(engine, session, message["messages"])
@@ -416,7 +416,7 @@ class Rank:
     def _held(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
         """A resumed session: how much of it the restored tree holds (the same on every
         rank: the tree is); its next turn loads that from disk."""
-        from exokv.chat import kvsave
+        from exokv.rank import kvsave
 
         return kvsave.on_disk(engine, message["session"], message["messages"])
 
