@@ -36,9 +36,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from exokv.engine import Engine, EngineOptions
 from exokv.model.resolve import load_model
 from exokv.model.smollm2 import ensure_smollm2
+from exokv.rank.engine import Engine, EngineOptions
 
 # Public domain: Lincoln (1863), the Declaration of Independence (1776), Dickens
 # (1859), Austen (1813). Well known, so a trained model predicts it better than

@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks.kv_quality import compare, quantized_cache, run_carried, run_exokv
-from exokv.engine import Engine, EngineOptions
+from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
 from tests.test_cache_budget import tokenizer  # noqa: F401 (the fixture)
 

@@ -26,7 +26,7 @@ from exokv.records import CacheEvent, EntryInfo, RankStats
 _FIXED = 9  # numbers before the per-class rates in the gathered vector
 _DIGEST = 8
 _MAX_WINDOWS = 7  # distinct sliding windows a model may use (startup agreement)
-# Points a turn stores at most (engine.Engine._stops): where its prompt leaves the tree,
+# Points a turn stores at most (rank.engine.Engine._stops): where its prompt leaves the tree,
 # its prompt's end and its reply's end.
 _POINTS = 3
 
