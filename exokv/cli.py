@@ -91,6 +91,9 @@ def chat(
         None, "--max-kv-size", help="rotating KV cache of this many tokens"
     ),
     no_cache: bool = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn"),
+    no_typeahead: bool = typer.Option(
+        False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
+    ),
     disk_budget: str = typer.Option(
         None, "--disk-budget", help="disk tier per rank: 20GB, auto (a share of free space) or 0"
     ),
@@ -133,6 +136,7 @@ def chat(
         memory_threshold=memory_threshold,
         max_kv_size=max_kv_size,
         no_cache=no_cache,
+        no_typeahead=no_typeahead,
         disk_budget=disk_budget,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
