@@ -2,7 +2,8 @@
 
 prompt-toolkit calls `_changed` on its event loop for every edit of the line; that only
 notes the text and the time. A thread of its own decides when to send (a short pause
-in typing, or at once after a paste) and calls `Client.draft`, so a slow channel or a
+in typing, at least every second while typing goes on, at once after a paste) and
+calls `Client.draft`, so a slow channel or a
 busy engine never delays a keystroke. Only the draft's stable part matters to the ranks
 (exokv.rank.typeahead), so a draft is sent again only when that part changed.
 """
@@ -18,6 +19,7 @@ from exokv.client import Client
 from exokv.rank.typeahead import stable_text
 
 PAUSE_S = 0.3  # typing paused this long: the draft goes to the ranks
+EVERY_S = 1.0  # and while typing goes on, a changed draft goes at least this often
 PASTE_CHARS = 32  # one edit adding this many characters is a paste: sent at once
 
 Conversation = Callable[[], tuple[str, list[dict[str, str]]]]  # (session, its messages)
@@ -32,6 +34,7 @@ class DraftWatcher:
         self._text = ""
         self._edited = 0.0  # when the line last changed
         self._paste = False
+        self._waiting = 0.0  # since when the stable part differs from what was sent
         self._sent = ""  # the stable part the ranks have (or are prefilling)
         self._held = True  # between prompts: a turn or a command runs
         self._sending = threading.Lock()  # hold() returns only once no send is under way
@@ -77,6 +80,8 @@ class DraftWatcher:
             self._paste = self._paste or len(text) - len(self._text) >= PASTE_CHARS
             self._text = text
             self._edited = time.monotonic()
+            if not self._waiting:
+                self._waiting = self._edited
             self._wake.notify_all()
 
     def _due(self) -> float | None:
@@ -85,7 +90,8 @@ class DraftWatcher:
             return None
         if self._paste:
             return 0.0
-        return max(0.0, self._edited + self.pause - time.monotonic())
+        due = min(self._edited + self.pause, (self._waiting or self._edited) + EVERY_S)
+        return max(0.0, due - time.monotonic())
 
     def _run(self) -> None:
         while True:
@@ -101,7 +107,7 @@ class DraftWatcher:
                 with self._wake:
                     if self._due() != 0.0:
                         continue  # held, or changed back, while waiting for the lock
-                    text, self._paste = self._text, False
+                    text, self._paste, self._waiting = self._text, False, 0.0
                     self._sent = stable_text(text)
                 session, messages = self.conversation()
                 self._send(session, messages, text if self._sent else "")
