@@ -130,6 +130,8 @@ class Trial:
             found = rx.search(text)
             if found:
                 return found
+            if self.proc.poll() is not None and not select.select([self.fd], [], [], 0)[0]:
+                break  # the chat is gone: say what it showed rather than wait on
             self._read(0.01)
         raise SystemExit(f"no {pattern!r} on the terminal:\n{self.text()[-2000:]}")
 

@@ -12,7 +12,9 @@ one after the other:
 2. a bracketed paste of about --paste-tokens tokens, Enter --wait seconds later;
 3. a --type-chars message typed a character at a time at --cps characters per second,
    then Enter. For every key: the time from writing it to the next output on the
-   terminal ("keystroke to screen").
+   terminal ("keystroke to screen");
+4. the one-line turn again, typed and sent at once: the cached one-line turn at the
+   conversation's new length (a long context costs every turn some time).
 
 Enter to first token is the time from writing Enter to the arrival of the reply's first
 characters on the terminal (as in benchmarks/resume.py). Replies must be the same with
@@ -54,15 +56,16 @@ def typed_text(chars: int) -> str:
     return text[:chars].rstrip() + "?"
 
 
-def _turn(trial: Trial, keys: bytes, mark: int) -> dict[str, Any]:
+def _turn(trial: Trial, keys: bytes, mark: int) -> dict[str, Any]:  # mark: where to look
     """Write `keys` (ending with Enter); the status line's numbers and when Enter went."""
+    sent = len(trial.raw)  # the prompt leaves after this (bracketed paste turned off)
     os.write(trial.fd, keys)
     enter = time.perf_counter()
     status = trial.wait_for(STATUS.pattern, start=mark)
     trial.wait_for(r"demo › ", start=mark + 1)
     return {
         "enter": enter,
-        "mark": mark,
+        "sent": sent,
         "prompt_tokens": int(status.group(1).replace(",", "")),
         "cached_tokens": int(status.group(2).replace(",", "")),
         "prefilled_tokens": int(status.group(3).replace(",", "")),
@@ -111,15 +114,17 @@ def run_mode(home: Path, args: argparse.Namespace, typeahead: bool) -> dict[str,
     mark = len(trial.raw)
     keys = _type_slowly(trial, typed_text(args.type_chars), args.cps)
     turns["typed"] = _turn(trial, b"\r", mark)
+    # The same one-line turn again, now that the conversation is as long as the last two.
+    turns["one line, long"] = _turn(trial, (ONE_LINE + "\r").encode(), len(trial.raw))
     trial.quit()
     with Store.open(home) as store:
         replies = [m["content"] for m in store.load_messages("demo") if m["role"] == "assistant"]
-    for (name, turn), reply in zip(turns.items(), replies, strict=True):
-        after = trial.raw.index(b"\x1b[?2004l", turn["mark"])
+    for turn, reply in zip(turns.values(), replies, strict=True):
+        after = trial.raw.index(b"\x1b[?2004l", turn["sent"])
         first = trial.raw.index(visible(reply)[:6].encode(), after)
         turn["enter_to_first_token_s"] = trial.arrival(first) - turn["enter"]
         turn["reply"] = reply
-        del turn["enter"], turn["mark"]
+        del turn["enter"], turn["sent"]
     ms = sorted(k * 1000 for k in keys)
     return {
         "turns": turns,
@@ -180,11 +185,12 @@ def main() -> None:
                 f"{name:10} {mode:10} {t['enter_to_first_token_s']:>15.3f} s "
                 f"{t['prompt_tokens']:>7,} {t['cached_tokens']:>7,} {t['prefilled_tokens']:>9,}"
             )
-    base = on["turns"]["one line"]["enter_to_first_token_s"]
-    for name in ("paste", "typed"):
-        t = on["turns"][name]["enter_to_first_token_s"]
-        print(f"{name}: typing ahead {t / base:.2f}x the cached one-line turn; without it "
-              f"{off['turns'][name]['enter_to_first_token_s'] / base:.2f}x")  # fmt: skip
+    for short in ("one line", "one line, long"):
+        base = on["turns"][short]["enter_to_first_token_s"]
+        for name in ("paste", "typed"):
+            t = on["turns"][name]["enter_to_first_token_s"]
+            print(f"{name}: typing ahead {t / base:.2f}x the {short!r} turn; without it "
+                  f"{off['turns'][name]['enter_to_first_token_s'] / base:.2f}x")  # fmt: skip
     for mode, doc_ in modes.items():
         k = doc_["keystroke_ms"]
         print(f"keystroke to screen, {mode}: p50 {k['p50']:.1f} ms, p99 {k['p99']:.1f} ms, "

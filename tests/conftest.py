@@ -77,3 +77,19 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
     )
     return home / "models"
+
+
+@pytest.fixture(scope="session")
+def tiny(models_dir: Path):
+    """builtin:tiny loaded in this process: (model, tokenizer)."""
+    from exokv.model.resolve import load_model
+
+    old = os.environ.get("EXOKV_HOME")
+    os.environ["EXOKV_HOME"] = str(models_dir.parent)
+    try:
+        return load_model("builtin:tiny")
+    finally:
+        if old is None:
+            del os.environ["EXOKV_HOME"]
+        else:
+            os.environ["EXOKV_HOME"] = old

@@ -126,23 +126,6 @@ def _engine_driver(engine: Any) -> Driver:
     return Driver(engine.turn, draft)
 
 
-@pytest.fixture(scope="module")
-def tiny(models_dir: Path) -> Any:
-    import os
-
-    from exokv.model.resolve import load_model
-
-    old = os.environ.get("EXOKV_HOME")
-    os.environ["EXOKV_HOME"] = str(models_dir.parent)
-    try:
-        return load_model("builtin:tiny")
-    finally:
-        if old is None:
-            del os.environ["EXOKV_HOME"]
-        else:
-            os.environ["EXOKV_HOME"] = old
-
-
 def test_engine_drafts_edited_deleted_abandoned(tiny: Any) -> None:
     from exokv.rank.engine import Engine, EngineOptions
 
