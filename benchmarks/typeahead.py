@@ -133,6 +133,7 @@ def run_mode(home: Path, args: argparse.Namespace, typeahead: bool) -> dict[str,
             "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
             "max": ms[-1],
             "keys": len(ms),
+            "slowest": sorted(((k * 1000, i) for i, k in enumerate(keys)), reverse=True)[:5],
         },
     }
 
