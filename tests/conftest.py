@@ -63,22 +63,6 @@ def tiny_qwen_hd32() -> qwen2.Model:
     return build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2)
 
 
-# Tests that start ranks pass fixed --starting-port values in 25000-26999, each test
-# its own: below the ephemeral range (Linux 32768-60999, macOS 49152-65535), so no
-# port the OS hands out for an outgoing connection can take one of them mid-suite.
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """builtin:tiny generated once per test session; tests' homes copy or link it."""
-    home = tmp_path_factory.mktemp("models-home")
-    subprocess.run(
-        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
-        env={**os.environ, "EXOKV_HOME": str(home)},
-        check=True,
-        timeout=120,
-    )
-    return home / "models"
-
-
 @pytest.fixture(scope="session")
 def tiny(models_dir: Path):
     """builtin:tiny loaded in this process: (model, tokenizer)."""
@@ -93,3 +77,19 @@ def tiny(models_dir: Path):
             del os.environ["EXOKV_HOME"]
         else:
             os.environ["EXOKV_HOME"] = old
+
+
+# Tests that start ranks pass fixed --starting-port values in 25000-26999, each test
+# its own: below the ephemeral range (Linux 32768-60999, macOS 49152-65535), so no
+# port the OS hands out for an outgoing connection can take one of them mid-suite.
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """builtin:tiny generated once per test session; tests' homes copy or link it."""
+    home = tmp_path_factory.mktemp("models-home")
+    subprocess.run(
+        [sys.executable, "-c", "from exokv.model.builtin import ensure_builtin as e; e('tiny')"],
+        env={**os.environ, "EXOKV_HOME": str(home)},
+        check=True,
+        timeout=120,
+    )
+    return home / "models"
