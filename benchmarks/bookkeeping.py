@@ -330,7 +330,12 @@ def _split_empty(payload: Any, k: int) -> tuple[Any, Any]:
 
 
 def bench_engine(
-    sizes: list[int], depth: int, repeat: int, seed: int, disk: bool = False
+    sizes: list[int],
+    depth: int,
+    repeat: int,
+    seed: int,
+    disk: bool = False,
+    journal: bool = False,
 ) -> list[dict[str, Any]]:
     """Engine.turn on builtin:tiny with the tree padded to `size` nodes: overhead_s
     and TTFT of a short cached turn. The padding is other conversations' nodes
@@ -339,22 +344,51 @@ def bench_engine(
     With `disk`, a disk tier is on and full: the lower half of every padding
     conversation is on disk, the padding is counted in the RAM budget (as tokens
     times the measured bytes per token) and both budgets are what is held after
-    padding, so every turn spills RAM leaves and every spill drops on-disk leaves."""
-    import tempfile
+    padding, so every turn spills RAM leaves and every spill drops on-disk leaves.
 
+    With `journal`, the same tier with room on disk for the turns' writes, twice side
+    by side (turns alternating): with write-through and the journal (each turn's
+    `DiskTier.after_turn`), steady as after many turns (every padding node in RAM has
+    its copy, the snapshot holds the padding), and without them (`after_turn` does
+    nothing, as before they were built: every spill writes its file)."""
     from mlx_lm import load
 
-    from exokv.cache.prefix_cache import Payload
     from exokv.model.builtin import ensure_builtin
-    from exokv.rank.engine import Engine, EngineOptions
-    from exokv.records import TurnRequest
 
     model, tokenizer = load(str(ensure_builtin("tiny")))
     rows = []
     for size in sizes:
-        tmp = tempfile.TemporaryDirectory(prefix="exokv-bench-disk-")
-        options = EngineOptions(disk_dir=tmp.name, disk_budget=1) if disk else None
-        engine = Engine(model, tokenizer, options=options)
+        variants = [(True, True), (True, False)] if journal else [(disk, None)]
+        runs = [_PaddedEngine(model, tokenizer, size, depth, seed, on, wt) for on, wt in variants]
+        for t in range(repeat + 1):
+            for run in runs:
+                run.turn(t)
+        for run in runs:
+            rows.append(run.row())
+    return rows
+
+
+class _PaddedEngine:
+    ROOM = 256 << 20  # disk bytes free for the turns' writes (with `journal`)
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        size: int,
+        depth: int,
+        seed: int,
+        disk: bool,
+        wt: bool | None,
+    ) -> None:
+        import tempfile
+
+        from exokv.cache.prefix_cache import Payload
+        from exokv.rank.engine import Engine, EngineOptions
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="exokv-bench-disk-")
+        options = EngineOptions(disk_dir=self.tmp.name, disk_budget=1) if disk else None
+        self.engine = engine = Engine(model, tokenizer, options=options)
         rng = random.Random(seed)
         pad = engine.cache.tree
         ends = []
@@ -364,36 +398,63 @@ def bench_engine(
             ends.append(node)
             while len(node.key) > TURN:
                 node = pad.split(node, len(node.key) - TURN, _split_empty)
-        padded = sum(1 for _ in pad.nodes())
+        self.padded = sum(1 for _ in pad.nodes())
+        self.disk, self.write_through = disk, wt
         if disk:
             _spill_padding(engine, ends)
-        messages = [{"role": "system", "content": "You are terse."}]
-        overheads, ttfts, walls = [], [], []
-        for t in range(repeat + 1):
-            messages.append({"role": "user", "content": f"question {t} about rivers"})
-            request = TurnRequest(session="s", messages=list(messages), max_tokens=8)
-            wall = time.perf_counter()
-            result = engine.turn(request)
-            wall = time.perf_counter() - wall
-            messages.append({"role": "assistant", "content": result.reply})
-            if t:  # the first turn fills the cache
-                overheads.append(result.overhead_s * 1000)
-                ttfts.append(result.ttft_s * 1000)
-                walls.append(wall * 1000)
-        row = {
-            "nodes": padded,
-            "overhead_ms": statistics.median(overheads),
-            "ttft_ms": statistics.median(ttfts),
-            "turn_ms": statistics.median(walls),
-        }
-        if disk:
             tier = engine.coord.tier
+            if wt is not None:  # None: the tier as it is, full
+                if wt:
+                    _written_through(engine)
+                else:
+                    tier.after_turn = lambda changed: None
+                tier.budget = tier.disk_bytes()[0] + self.ROOM
+        self.messages = [{"role": "system", "content": "You are terse."}]
+        self.overheads: list[float] = []
+        self.ttfts: list[float] = []
+        self.walls: list[float] = []
+
+    def turn(self, t: int) -> None:
+        from exokv.records import TurnRequest
+
+        self.messages.append({"role": "user", "content": f"question {t} about rivers"})
+        request = TurnRequest(session="s", messages=list(self.messages), max_tokens=8)
+        wall = time.perf_counter()
+        result = self.engine.turn(request)
+        wall = time.perf_counter() - wall
+        self.messages.append({"role": "assistant", "content": result.reply})
+        if t:  # the first turn fills the cache
+            self.overheads.append(result.overhead_s * 1000)
+            self.ttfts.append(result.ttft_s * 1000)
+            self.walls.append(wall * 1000)
+
+    def row(self) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "nodes": self.padded,
+            "overhead_ms": statistics.median(self.overheads),
+            "ttft_ms": statistics.median(self.ttfts),
+            "turn_ms": statistics.median(self.walls),
+        }
+        if self.disk:
+            tier = self.engine.coord.tier
+            pad = self.engine.cache.tree
             on_disk = sum(1 for n in pad.nodes() if n.payload.tier == "disk")
             row.update(on_disk=on_disk, spills=tier.spills, drops=tier.drops)
+            row.update(write_through=self.write_through, journal_seq=tier.journal.seq)
             tier.store.flush()
-        rows.append(row)
-        tmp.cleanup()
-    return rows
+        self.tmp.cleanup()
+        return row
+
+
+def _written_through(engine: Any) -> None:
+    """As after many turns of write-through: every RAM padding node has its copy (no
+    files: the turns never read them) and the snapshot holds the whole padding."""
+    tier, tree = engine.coord.tier, engine.cache.tree
+    for node in tree.nodes():
+        if node.payload.tier == "ram":
+            tier._keep_as_copy(node)
+    tier.persist()
+    tree.drain_changed()
 
 
 def _spill_padding(engine: Any, ends: list[Node]) -> None:
@@ -443,6 +504,12 @@ def main() -> None:
         action="store_true",
         help="with --engine: a full disk tier under a full RAM budget (spills and drops each turn)",
     )
+    ap.add_argument(
+        "--journal",
+        action="store_true",
+        help="with --engine: a disk tier with room, with write-through and the journal and"
+        " without them, side by side",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -455,7 +522,9 @@ def main() -> None:
         contexts = [int(c) for c in args.contexts.split(",")]
         doc["render"] = bench_render(contexts, args.repeat, args.seed)
     if args.engine:
-        doc["engine"] = bench_engine(sizes, args.depth, args.repeat, args.seed, args.disk)
+        doc["engine"] = bench_engine(
+            sizes, args.depth, args.repeat, args.seed, args.disk or args.journal, args.journal
+        )
     if args.json:
         print(json.dumps(doc, indent=2))
         return
@@ -500,10 +569,11 @@ def print_tables(doc: dict[str, Any]) -> None:
         disk = "on_disk" in doc["engine"][0]
         print(
             "\nEngine.turn on builtin:tiny, median ms: nodes | overhead_s | TTFT | whole turn"
-            + (" | on disk | spills | drops (a full disk tier)" if disk else "")
+            + (" | on disk | spills | drops | write-through and journal" if disk else "")
         )
         for row in doc["engine"]:
-            more = f" | {row['on_disk']} | {row['spills']} | {row['drops']}" if disk else ""
+            wt = {True: "on", False: "off", None: "-"}[row.get("write_through")]
+            more = f" | {row['on_disk']} | {row['spills']} | {row['drops']} | {wt}" if disk else ""
             print(
                 f"{row['nodes']} | {row['overhead_ms']:.2f} | {row['ttft_ms']:.1f} | "
                 f"{row['turn_ms']:.1f}{more}"

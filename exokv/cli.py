@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import Any
 
 import click
 import typer
@@ -60,6 +61,75 @@ def _root(
         raise typer.Exit(0)
 
 
+# The chat's model, layout and cache options, shared with `exokv serve` (one definition
+# each: the two front ends start the same ranks the same way).
+_MODEL = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
+)
+_SYSTEM = typer.Option(None, "--system", help="system prompt")
+_MAX_TOKENS = typer.Option(256, "--max-tokens", help="most tokens per reply")
+_TEMP = typer.Option(0.0, "--temp", help="sampling temperature")
+_SEED = typer.Option(None, "--seed", help="random seed")
+_RANKS = typer.Option(1, "--ranks", "-n", help="ranks on this machine")
+_HOSTS = typer.Option(None, "--hosts", help="a,b,... one rank per host")
+_HOSTFILE = typer.Option(None, "--hostfile", help="mlx hostfile (JSON)")
+_BACKEND = typer.Option("ring", "--backend", help="ring|jaccl|mpi")
+_PARALLEL = typer.Option("pipeline", "--parallel", help="pipeline|tensor")
+_SPLIT = typer.Option(None, "--split", help="layers per rank, e.g. 3,1")
+_CACHE_BUDGET = typer.Option(None, "--cache-budget", help="bytes per rank: 2GB or 64MB,16MB")
+_MEMORY_THRESHOLD = typer.Option(
+    0.9, "--memory-threshold", help="RAM fraction that triggers eviction"
+)
+_MAX_KV_SIZE = typer.Option(None, "--max-kv-size", help="rotating KV cache of this many tokens")
+_NO_CACHE = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn")
+_DISK_BUDGET = typer.Option(
+    None, "--disk-budget", help="disk tier per rank: 20GB, auto (a share of free space) or 0"
+)
+_KV_BITS = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits")
+_KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="quantization group size")
+_STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
+_RESTARTS = typer.Option(
+    3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
+)
+
+
+# The options above that go to ChatOptions under their own names, for both commands.
+_SHARED = (
+    "seed",
+    "ranks",
+    "hosts",
+    "hostfile",
+    "backend",
+    "parallel",
+    "split",
+    "cache_budget",
+    "memory_threshold",
+    "no_cache",
+    "disk_budget",
+    "kv_bits",
+    "kv_group_size",
+    "starting_port",
+    "restarts",
+)
+
+
+def _shared(values: dict[str, Any]) -> dict[str, Any]:
+    """The shared model, layout and cache options among a command's parameters."""
+    return {name: values[name] for name in _SHARED}
+
+
+def _check_layout(backend: str, parallel: str, restarts: int) -> None:
+    if backend not in ("ring", "jaccl", "mpi"):
+        raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
+    if parallel not in ("pipeline", "tensor"):
+        raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
+    if restarts < 0:
+        raise UsageError(f"--restarts {restarts}: use 0 or more")
+
+
 @app.command()
 def chat(
     prompt: list[str] = typer.Argument(
@@ -68,51 +138,39 @@ def chat(
         help="a message to answer in one turn, then exit (as `llm` and `ollama run`)",
         show_default=False,
     ),
-    model: str = typer.Option(
-        None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
-    ),
-    system: str = typer.Option(None, "--system", help="system prompt"),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="most tokens per reply"),
-    temp: float = typer.Option(0.0, "--temp", help="sampling temperature"),
-    seed: int = typer.Option(None, "--seed", help="random seed"),
-    ranks: int = typer.Option(1, "--ranks", "-n", help="ranks on this machine"),
-    hosts: str = typer.Option(None, "--hosts", help="a,b,... one rank per host"),
-    hostfile: str = typer.Option(None, "--hostfile", help="mlx hostfile (JSON)"),
-    backend: str = typer.Option("ring", "--backend", help="ring|jaccl|mpi"),
-    parallel: str = typer.Option("pipeline", "--parallel", help="pipeline|tensor"),
-    split: str = typer.Option(None, "--split", help="layers per rank, e.g. 3,1"),
-    cache_budget: str = typer.Option(
-        None, "--cache-budget", help="bytes per rank: 2GB or 64MB,16MB"
-    ),
-    memory_threshold: float = typer.Option(
-        0.9, "--memory-threshold", help="RAM fraction that triggers eviction"
-    ),
-    max_kv_size: int = typer.Option(
-        None, "--max-kv-size", help="rotating KV cache of this many tokens"
-    ),
-    no_cache: bool = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn"),
+    model: str = _MODEL,
+    system: str = _SYSTEM,
+    max_tokens: int = _MAX_TOKENS,
+    temp: float = _TEMP,
+    seed: int = _SEED,
+    ranks: int = _RANKS,
+    hosts: str = _HOSTS,
+    hostfile: str = _HOSTFILE,
+    backend: str = _BACKEND,
+    parallel: str = _PARALLEL,
+    split: str = _SPLIT,
+    cache_budget: str = _CACHE_BUDGET,
+    memory_threshold: float = _MEMORY_THRESHOLD,
+    max_kv_size: int = _MAX_KV_SIZE,
+    no_cache: bool = _NO_CACHE,
     no_typeahead: bool = typer.Option(
         False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
     ),
-    disk_budget: str = typer.Option(
-        None, "--disk-budget", help="disk tier per rank: 20GB, auto (a share of free space) or 0"
-    ),
-    kv_bits: int = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits"),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", help="quantization group size"),
+    disk_budget: str = _DISK_BUDGET,
+    kv_bits: int = _KV_BITS,
+    kv_group_size: int = _KV_GROUP_SIZE,
     session: str = typer.Option(
         None, "--session", help="name the conversation; resumes it if it exists"
     ),
     json_out: bool = typer.Option(False, "--json", help="script mode: one JSON object per turn"),
-    starting_port: int = typer.Option(None, "--starting-port", help="first port for the ranks"),
+    starting_port: int = _STARTING_PORT,
+    restarts: int = _RESTARTS,
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
     from exokv.chat.resume import resolve
     from exokv.chat.run import ChatOptions, run_chat
 
-    if backend not in ("ring", "jaccl", "mpi"):
-        raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
-    if parallel not in ("pipeline", "tensor"):
-        raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
+    _check_layout(backend, parallel, restarts)
     one_shot = " ".join(prompt or []).strip() or None
     if prompt and one_shot is None:
         raise UsageError("the PROMPT argument is empty: give a message, or no argument")
@@ -125,32 +183,81 @@ def chat(
         system=system,
         max_tokens=max_tokens,
         temp=temp,
-        seed=seed,
-        ranks=ranks,
-        hosts=hosts,
-        hostfile=hostfile,
-        backend=backend,
-        parallel=parallel,
-        split=split,
-        cache_budget=cache_budget,
-        memory_threshold=memory_threshold,
         max_kv_size=max_kv_size,
-        no_cache=no_cache,
         no_typeahead=no_typeahead,
-        disk_budget=disk_budget,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
         session=session,
         json=json_out,
-        starting_port=starting_port,
         prompt=one_shot,
+        **_shared(locals()),
     )
     raise typer.Exit(run_chat(opts))
 
 
 @app.command()
+def serve(
+    model: str = _MODEL,
+    max_tokens: int = typer.Option(
+        256, "--max-tokens", help="reply length for a request without max_tokens"
+    ),
+    temp: float = typer.Option(0.0, "--temp", help="temperature for a request without one"),
+    seed: int = _SEED,
+    ranks: int = _RANKS,
+    hosts: str = _HOSTS,
+    hostfile: str = _HOSTFILE,
+    backend: str = _BACKEND,
+    parallel: str = _PARALLEL,
+    split: str = _SPLIT,
+    cache_budget: str = _CACHE_BUDGET,
+    memory_threshold: float = _MEMORY_THRESHOLD,
+    max_kv_size: int = _MAX_KV_SIZE,
+    no_cache: bool = _NO_CACHE,
+    disk_budget: str = _DISK_BUDGET,
+    kv_bits: int = _KV_BITS,
+    kv_group_size: int = _KV_GROUP_SIZE,
+    starting_port: int = _STARTING_PORT,
+    restarts: int = _RESTARTS,
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback)"),
+    port: int = typer.Option(8000, "--port", help="port to listen on"),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="EXOKV_API_KEY",
+        help="require 'Authorization: Bearer KEY' (or set EXOKV_API_KEY)",
+    ),
+    queue: int = typer.Option(64, "--queue", help="requests that may wait; more get 503"),
+    drain_timeout: float = typer.Option(
+        30.0, "--drain-timeout", help="seconds in-flight requests get on SIGTERM/Ctrl-C"
+    ),
+    max_body: str = typer.Option("1MB", "--max-body", help="largest request body (413 above)"),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
+    from exokv.chat.resume import resolve
+    from exokv.config import parse_size
+    from exokv.serve.run import ServeOptions, run_serve
+
+    _check_layout(backend, parallel, restarts)
+    settled = resolve(None, model, max_kv_size)
+    for note in settled.notes:
+        print(f"exokv: {note}", file=sys.stderr)
+    opts = ServeOptions(
+        model=settled.model,
+        max_tokens=max_tokens,
+        temp=temp,
+        max_kv_size=max_kv_size,
+        host=host,
+        port=port,
+        api_key=api_key,
+        queue=queue,
+        drain_s=drain_timeout,
+        max_body=parse_size(max_body),
+        **_shared(locals()),
+    )
+    raise typer.Exit(run_serve(opts))
+
+
+@app.command()
 def models(json_out: bool = typer.Option(False, "--json", help="one JSON document")) -> None:
-    """List the builtin models and the models found locally."""
+    """List the default model, the builtins and the models found locally (HF cache, ollama)."""
     import json
 
     from rich.console import Console
@@ -162,7 +269,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print("builtin: and zoo models are generated on first use; --json adds paths and params")
+    print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
 
 
 @app.command()

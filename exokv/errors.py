@@ -13,3 +13,17 @@ class UsageError(ExokvError):
     """Bad flags or arguments: exit code 2."""
 
     exit_code = 2
+
+
+class PromptTooLong(ExokvError):
+    """A prompt longer than the model's context, refused before any of it is computed.
+
+    Decided from the prompt's tokens and the model's config alone, so every rank
+    refuses the same turn, before the turn's first collective. The numbers travel with
+    it (a front end names both: exokv serve's 400).
+    """
+
+    def __init__(self, message: str, tokens: int = 0, context: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens  # the prompt's
+        self.context = context  # the model's

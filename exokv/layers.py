@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "front ends",
         (
             "exokv.chat",
+            "exokv.serve",  # a second front end of the same client; it uses the chat's wiring
             "exokv.bench",
             "exokv.bench_cli",
             "exokv.inspect",

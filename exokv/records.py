@@ -25,6 +25,10 @@ class TurnRequest:
     temp: float = 0.0
     seed: int | None = None
     use_cache: bool = True
+    top_p: float = 1.0  # nucleus sampling (exokv serve's top_p); 1.0: off
+    # Seed the sampler for this turn alone (exokv serve's per-request seed); the chat's
+    # --seed seeds the ranks once, so that each /retry samples anew.
+    sample_seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

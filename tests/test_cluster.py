@@ -358,7 +358,8 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
 
 @pytest.mark.timeout(90)
 def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
-    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "25150")
+    home = home_with_models(tmp_path / "h", models_dir)
+    chat = Chat(home, "-n", "2", "--restarts", "0", "--starting-port", "25150")  # no healing
     assert chat.send(SCRIPT[0])["turn"] == 1
     assert chat.send(SCRIPT[1])["turn"] == 2
     chat.rank(1).kill()
@@ -392,7 +393,8 @@ def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) 
 def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
     # A stopped rank 1 (as a Mac gone to sleep) leaves rank 0 blocked in a collective
     # but alive: only rank 1's own missing heartbeat can name it.
-    chat = Chat(home_with_models(tmp_path / "h", models_dir), "-n", "2", "--starting-port", "25200")
+    home = home_with_models(tmp_path / "h", models_dir)
+    chat = Chat(home, "-n", "2", "--restarts", "0", "--starting-port", "25200")  # no healing
     assert chat.send(SCRIPT[0])["turn"] == 1
     chat.rank(1).suspend()
     stopped = time.monotonic()

@@ -106,15 +106,21 @@ def _first_half_then_quit(tok, home: Path) -> tuple[list, list, dict, list]:
     return reference, script, replies, pairs
 
 
-def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
-    reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
-    again = tiered("state", tokenizer, tmp_path, None)
+def restarts_warm(kind: str, tok, home: Path, reference, script, replies, pairs) -> None:
+    """A new engine on `home` runs the script's second half loading from disk, with the
+    uninterrupted `reference`'s hits and replies."""
+    again = tiered(kind, tok, home, None)
     assert again.tier_notice == ""
     again.remember_replies(pairs)
     results = _second_half(again, script, replies)
     assert all(any(e.kind == "load" for e in r.events) for r in results)
     assert [r.cached_tokens for r in results] == [r.cached_tokens for r in reference[4:]]
     assert [r.reply for r in results] == [r.reply for r in reference[4:]]
+
+
+def test_restart_is_warm_from_disk(tokenizer, tmp_path):  # noqa: F811
+    reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
+    restarts_warm("state", tokenizer, tmp_path, reference, script, replies, pairs)
 
 
 def test_file_checks():

@@ -78,7 +78,7 @@ def test_the_layers_are_read_from_the_package() -> None:
     assert layer_of("exokv.rank.engine") == names.index("rank")
     assert layer_of("exokv.client") == names.index("client")
     assert layer_of("exokv") == 0
-    assert layer_of("exokv.serve") is None  # the root does not place what is under it
+    assert layer_of("exokv.nowhere") is None  # the root does not place what is under it
 
 
 def fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -123,7 +123,7 @@ def test_relative_and_type_checking_imports_count(tmp_path: Path) -> None:
 
 
 def test_a_module_in_no_layer_fails(tmp_path: Path) -> None:
-    root = fake_package(tmp_path, {"__init__.py": "", "serve/app.py": "import exokv.client\n"})
+    root = fake_package(tmp_path, {"__init__.py": "", "nowhere/app.py": "import exokv.client\n"})
     assert violations(root) == [
-        "exokv/serve/app.py: exokv.serve.app is in no layer (exokv/layers.py)"
+        "exokv/nowhere/app.py: exokv.nowhere.app is in no layer (exokv/layers.py)"
     ]

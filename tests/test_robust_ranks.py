@@ -42,9 +42,10 @@ class Chat:
     """`exokv chat -n 2 --json` fed one line at a time; stdin stays open between lines."""
 
     def __init__(self, home: Path, port: int, cwd: Path | None = None, **env: str) -> None:
+        # --restarts 0: a rank that dies ends the chat (tests/test_heal.py: it heals)
         self.proc = subprocess.Popen(
             [EXOKV, "chat", "-m", "builtin:tiny", "-n", "2", "--json", "--max-tokens", "6"]
-            + ["--starting-port", str(port)],
+            + ["--starting-port", str(port), "--restarts", "0"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -253,7 +254,7 @@ class Terminal:
 @pytest.mark.timeout(120)
 def test_the_repl_ends_when_a_rank_dies_at_the_prompt(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
-    args = [EXOKV, "chat", "-m", "builtin:tiny", "-n", "2", "--max-tokens", "6"]
+    args = [EXOKV, "chat", "-m", "builtin:tiny", "-n", "2", "--max-tokens", "6", "--restarts", "0"]
     term = Terminal([*args, "--session", "s", "--starting-port", "28150"], exokv_env(home))
     try:
         assert term.read_until(r"s › ", 90), term.text

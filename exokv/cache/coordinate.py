@@ -320,9 +320,12 @@ class Coordinator:
         """Every live entry (a walk of the whole tree: for inspection, not per turn)."""
         return [self._entry_info(node) for node in self.cache.tree.nodes()]
 
-    def changed_entries(self) -> list[EntryInfo]:
-        """The entries added or changed since the last call (the store keeps the rest)."""
-        return [self._entry_info(node) for node in self.cache.tree.drain_changed()]
+    def changed_entries(self, changed: list[Node] | None = None) -> list[EntryInfo]:
+        """The entries added or changed since the last call (the store keeps the rest);
+        `changed`: the tree's list, when the caller drained it already."""
+        if changed is None:
+            changed = self.cache.tree.drain_changed()
+        return [self._entry_info(n) for n in changed if self.cache.tree.find(n.id) is n]
 
     def _entry_info(self, node: Node) -> EntryInfo:
         return EntryInfo(

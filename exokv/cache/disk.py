@@ -21,6 +21,7 @@ import queue
 import struct
 import threading
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,10 @@ class DiskStore:
         self.lost: set[int] = set()  # ids whose write failed or was never tried
         self._pending: dict[int, Any] = {}
         self._lock = threading.Lock()
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        # Batches: node ids to write, then a job (the journal's record) run after them
+        # and every write queued before: a record never says a file is written before
+        # it is. One batch a turn wakes the writer once.
+        self._queue: queue.Queue[tuple[list[int], Callable[[], None] | None]] = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, daemon=True)
         self._thread.start()
 
@@ -112,9 +116,16 @@ class DiskStore:
 
     def write(self, node_id: int, obj: Any) -> None:
         """Queue `obj` (evaluated arrays) to be written as node `node_id`'s file."""
+        self.write_batch({node_id: obj})
+
+    def write_batch(self, objs: dict[int, Any], then: Callable[[], None] | None = None) -> None:
+        """Queue every node's file of `objs`, and `then` to run on the writer thread once
+        they and the writes queued before are done. An exception `then` raises (a full
+        disk) stops writing as a failed write does."""
         with self._lock:
-            self._pending[node_id] = obj
-        self._queue.put(node_id)
+            self._pending.update(objs)
+        if objs or then is not None:
+            self._queue.put((list(objs), then))
 
     def read(self, node_id: int) -> tuple[Any, str]:
         """(the object, "") or (None, why it cannot be read)."""
@@ -151,6 +162,14 @@ class DiskStore:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
+    def sweep(self) -> None:
+        """Remove the temporary files of writes a crash cut short."""
+        for p in self.root.glob("*.tmp"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
     def ids(self) -> set[int]:
         out = set()
         for p in self.root.glob("*.kv"):
@@ -160,21 +179,29 @@ class DiskStore:
 
     def _write_loop(self) -> None:
         while True:
-            node_id = self._queue.get()
+            ids, then = self._queue.get()
             try:
-                with self._lock:
-                    obj = self._pending.get(node_id)
-                if obj is None:
-                    continue
-                if self.failed:
-                    self.lost.add(node_id)
-                else:
-                    self._write_file(node_id, obj)
-                with self._lock:
-                    if self._pending.get(node_id) is obj:
-                        del self._pending[node_id]
+                for node_id in ids:
+                    self._write_queued(node_id)
+                if then is not None and not self.failed:
+                    then()
+            except Exception as err:  # noqa: BLE001 - the writer thread must never die
+                self.failed = str(err) or type(err).__name__
             finally:
                 self._queue.task_done()
+
+    def _write_queued(self, node_id: int) -> None:
+        with self._lock:
+            obj = self._pending.get(node_id)
+        if obj is None:
+            return  # deleted since, or written by an earlier batch (a later write)
+        if self.failed:
+            self.lost.add(node_id)
+        else:
+            self._write_file(node_id, obj)
+        with self._lock:
+            if self._pending.get(node_id) is obj:
+                del self._pending[node_id]
 
     def _write_file(self, node_id: int, obj: Any) -> None:
         final = self.path(node_id)

@@ -1,82 +1,28 @@
-"""The disk tier's tree, kept across restarts: `tree.json` beside each rank's files.
+"""The disk tier's tree, kept across restarts: `tree.json` and `journal.log` beside
+each rank's files (written by exokv.cache.journal).
 
-At shutdown every rank spills what it holds in RAM (see DiskTier.close), and on
-/save it writes the session's path to disk too (DiskTier.save); both then write
-the tree of the nodes whose files hold them: token edges, ids, sessions, LRU clock, the window
-spans and state flags of each node. Every rank writes the same tree, so at start
-the ranks gather its digest: equal, and every earlier conversation is warm on disk;
-different (or unreadable on some rank), and every rank starts cold, saying why.
+The snapshot lists the nodes whose files hold them (token edges, ids, sessions, LRU
+clock, the window spans and state flags of each node) as of a journal record; the
+journal, what each turn changed since. At start every rank reads both, and the
+ranks gather the snapshot's digest and how far each journal reads whole: equal
+snapshots, and every rank replays the records all of them hold whole (a record a
+crash tore on one rank is dropped on all, with one line), so every earlier
+conversation is warm on disk; different (or unreadable on some rank), and every
+rank starts cold, saying why.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from exokv.cache import journal
+from exokv.cache.journal import TREE_FILE, VERSION
 from exokv.cache.prefix_cache import Payload, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group
-
-VERSION = 2  # 2: a file says where it ends (version 1 files are not read)
-TREE_FILE = "tree.json"
-
-
-OnDisk = Callable[[Node], bool]
-
-
-def _on_disk_subtree(pc: PrefixCache, lost: set[int], on_disk: OnDisk) -> list[Node]:
-    """Nodes whose whole path is on disk and written, parents first."""
-    keep: set[int] = {pc.tree.root.id}
-    out = []
-    for node in pc.tree.nodes():
-        p = node.parent
-        if (
-            p is not None
-            and p.id in keep
-            and node.payload is not None
-            and on_disk(node)
-            and node.id not in lost
-        ):
-            keep.add(node.id)
-            out.append(node)
-    return out
-
-
-def describe(pc: PrefixCache, lost: set[int], on_disk: OnDisk) -> dict[str, Any]:
-    nodes = [
-        {
-            "id": n.id,
-            "parent": n.parent.id if n.parent is not None else 0,
-            "key": list(n.key),
-            "session": n.session,
-            "last_used": n.last_used,
-            "hits": n.hits,
-            "spans": [[*c, [list(s) for s in sp]] for c, sp in sorted(n.payload.spans.items())],
-            "state": n.payload.state,
-        }
-        for n in _on_disk_subtree(pc, lost, on_disk)
-    ]
-    return {
-        "version": VERSION,
-        "classes": [list(c) for c in pc.classes],
-        "next_id": pc.tree._next_id,
-        "clock": pc.tree.clock,
-        "nodes": nodes,
-    }
-
-
-def save(pc: PrefixCache, root: Path, lost: set[int], on_disk: OnDisk) -> None:
-    text = json.dumps(describe(pc, lost, on_disk), separators=(",", ":"))
-    tmp = root / (TREE_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / TREE_FILE)
 
 
 def _read(root: Path) -> tuple[dict[str, Any] | None, str]:
@@ -92,37 +38,75 @@ def _read(root: Path) -> tuple[dict[str, Any] | None, str]:
         return None, f"{path} is unreadable ({err})"
 
 
-def restore(pc: PrefixCache, root: Path, group: Group) -> tuple[list[Node], str]:
+def restore(pc: PrefixCache, root: Path, group: Group) -> tuple[list[Node], str, int]:
     """Rebuild the persisted tree into `pc` (on-disk nodes), if every rank holds the
-    same one. Returns (the nodes restored, why the cache starts cold or "")."""
+    same one. Returns (the nodes restored, a line to show or "", the number of the
+    last record replayed)."""
     doc, why = _read(root)
     if doc is not None and [tuple(c) for c in doc["classes"]] != pc.classes:
         doc, why = None, "the model's cache layout changed"
+    seq = int(doc.get("seq", 0)) if doc else 0
+    records, torn = journal.read(root / journal.JOURNAL_FILE, seq) if doc else ([], "")
     digest = zlib.crc32(json.dumps(doc, sort_keys=True).encode()) if doc else 0
-    rows = group.gather([digest, 1 if why else 0]) if group.size > 1 else [[digest, 0]]
+    local = [digest, 1 if why else 0, seq + len(records), 1 if torn else 0]
+    rows = group.gather(local) if group.size > 1 else [local]
     if len({row[0] for row in rows}) != 1:
         bad = [r for r, row in enumerate(rows) if row[1]]
-        return [], (
-            f"rank {bad[0]}'s persisted cache is unusable; starting cold"
-            if bad
-            else "the ranks hold different persisted caches; starting cold"
+        return (
+            [],
+            (
+                f"rank {bad[0]}'s persisted cache is unusable; starting cold"
+                if bad
+                else "the ranks hold different persisted caches; starting cold"
+            ),
+            0,
         )
     if doc is None:
-        return [], (f"{why}; starting cold" if why else "")
-    by_id: dict[int, Node] = {0: pc.tree.root}
-    added = []
-    for rec in doc["nodes"]:
-        parent = by_id.get(rec["parent"])
-        if parent is None or not rec["key"]:
-            continue
-        key = tuple(rec["key"])
-        depth = parent.depth + len(key)
-        spans = {(c[0], c[1], c[2]): [tuple(s) for s in c[3]] for c in rec["spans"]}
-        payload = Payload(start=depth - len(key), spans=spans, state=rec["state"], tier="disk")
-        node = pc.tree.restore_node(parent, rec["id"], key, payload, rec["last_used"])
-        node.session, node.hits = rec["session"], rec["hits"]
-        by_id[node.id] = node
-        added.append(node)
-    pc.tree._next_id = max(pc.tree._next_id, int(doc["next_id"]))
-    pc.tree.clock = max(pc.tree.clock, int(doc["clock"]))
-    return added, ""
+        return [], (f"{why}; starting cold" if why else ""), 0
+    upto = min(row[2] for row in rows)  # every rank replays what all of them hold whole
+    nodes = {rec["id"]: rec for rec in doc["nodes"]}
+    next_id, clock = int(doc["next_id"]), int(doc["clock"])
+    for record in records[: upto - seq]:
+        journal.apply(record, nodes)
+        next_id, clock = max(next_id, int(record["next_id"])), max(clock, int(record["clock"]))
+    added = _build(pc, nodes)
+    pc.tree._next_id = max(pc.tree._next_id, next_id)
+    pc.tree.clock = max(pc.tree.clock, clock)
+    note = ""
+    if any(row[3] for row in rows):
+        where = root / journal.JOURNAL_FILE
+        who = [r for r, row in enumerate(rows) if row[3]]
+        whose = f"rank {who[0]}'s journal" if group.size > 1 else f"the journal ({where})"
+        reason = torn if group.rank == who[0] else "its last record is torn"
+        note = (
+            f"{whose}: {reason} (a crash while it was written): dropped; the cache is "
+            "as of the turn before, and that turn's new tokens are prefilled again"
+        )
+    return added, note, upto
+
+
+def _build(pc: PrefixCache, nodes: dict[int, dict[str, Any]]) -> list[Node]:
+    """The records as on-disk nodes, parents first (a split's upper part has the
+    higher id); a record whose parent is not there is left out (its file is removed)."""
+    below: dict[int, list[dict[str, Any]]] = {}
+    for rec in nodes.values():
+        below.setdefault(rec["parent"], []).append(rec)
+    added: list[Node] = []
+    stack = [pc.tree.root]
+    while stack:
+        parent = stack.pop()
+        for rec in sorted(below.get(parent.id, []), key=lambda r: r["id"]):
+            if not rec["key"]:
+                continue
+            key = tuple(rec["key"])
+            depth = parent.depth + len(key)
+            spans = {(c[0], c[1], c[2]): [tuple(s) for s in c[3]] for c in rec["spans"]}
+            payload = Payload(start=depth - len(key), spans=spans, state=rec["state"], tier="disk")
+            try:
+                node = pc.tree.restore_node(parent, rec["id"], key, payload, rec["last_used"])
+            except ValueError:
+                continue  # a record that does not fit the tree: a miss, never a wrong answer
+            node.session, node.hits = rec["session"], rec["hits"]
+            added.append(node)
+            stack.append(node)
+    return added

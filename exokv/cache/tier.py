@@ -18,8 +18,15 @@ node any rank could not read, which is dropped with its subtree.
 /save writes a session's path to disk without leaving RAM: its nodes get *copies*
 (files counted against the disk budget), so evicting one later writes nothing, and
 the persisted tree lets a new process, even after a crash, start with the session
-warm. A load checks that the file holds exactly the positions the tree's record
-needs (a file is named by its node's id, and a node keeps its id through splits).
+warm. Every turn does the same for what it changed (write-through, `after_turn`):
+its new RAM nodes get copies as the disk budget allows, written by the store's
+thread after the reply, and the journal (exokv.cache.journal) records the turn's
+changes once those files are written. Which nodes get a copy follows from the tree
+and the gathered budgets, the same on every rank; the tree itself (what is in RAM,
+what on disk) does not change.
+
+A load checks that the file holds exactly the positions the tree's record needs
+(a file is named by its node's id, and a node keeps its id through splits).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import mlx.core as mx
 
 from exokv.cache import layers, spans
 from exokv.cache.disk import DiskStore
+from exokv.cache.journal import Journal
 from exokv.cache.layers import StorageClass
 from exokv.cache.prefix_cache import Payload, PrefixCache, _slices
 from exokv.cache.radix import Node, common_prefix
@@ -72,6 +80,7 @@ class DiskTier:
         # (a split since keeps the lower part's id: the file holds more) is a spill with
         # nothing to write.
         self.copies: dict[int, tuple[tuple, dict[StorageClass, int]]] = {}
+        self.journal = Journal(store.root, cache.classes, self.on_disk)
 
     # -- the numbers in the turn's collective ----------------------------------------
 
@@ -97,8 +106,8 @@ class DiskTier:
 
     def remove(self, node: Node, reason: str, evict_event: CacheEvent) -> None:
         """The plan evicts `node` (a RAM leaf) from RAM: spill it if the disk allows."""
-        if not self.has_copy(node):
-            self._forget_copy(node.id)
+        if self.stopped or not self.has_copy(node):
+            self._forget_copy(node.id)  # once writing stopped, a copy may be a failed write
         if self.has_copy(node) or (
             not self.stopped and self._make_room(self.node_bytes(node), node)
         ):
@@ -163,6 +172,7 @@ class DiskTier:
         copy = self.copies.pop(node_id, None)
         if copy is None:
             return
+        self.journal.mark(node_id)
         for c, n in copy[1].items():
             self.totals[c] = self.totals.get(c, 0) - n
         if not keep_file:
@@ -183,23 +193,58 @@ class DiskTier:
                 if not self._make_room(self.node_bytes(node), node):
                     why = "the disk budget is full"
                     break
-                classes = [leaf.cls for leaf in self.cache.window_leaves]
-                self.store.write(node.id, _arrays(node, classes))
-                counts = self.cache.counts(node)
-                self.copies[node.id] = (_signature(node), counts)
-                for c, n in counts.items():
-                    self.totals[c] = self.totals.get(c, 0) + n
+                self._copy(node)
             reached = node.depth
         self.store.flush()
         self.persist()
         return reached, why
 
+    def _keep_as_copy(self, node: Node) -> None:
+        counts = self.cache.counts(node)
+        self.copies[node.id] = (_signature(node), counts)
+        for c, n in counts.items():
+            self.totals[c] = self.totals.get(c, 0) + n
+        self.journal.mark(node.id)
+
+    def _copy(self, node: Node, batch: dict[int, Any] | None = None) -> None:
+        """Write RAM node `node` to disk too (in the background; with `batch`, when the
+        caller queues it); it stays in RAM."""
+        arrays = _arrays(node, [leaf.cls for leaf in self.cache.window_leaves])
+        if batch is not None:
+            batch[node.id] = arrays
+        else:
+            self.store.write(node.id, arrays)
+        self._keep_as_copy(node)
+
+    def after_turn(self, changed: Sequence[Node]) -> None:
+        """Write-through: give the turn's `changed` RAM nodes a copy on disk where every
+        rank's disk budget has room (nothing is dropped for it: a copy only saves a later
+        spill its write), parents first; then append the turn's journal record. The
+        writes and the record are the store thread's, after the reply."""
+        batch: dict[int, Any] = {}
+        if not self.stopped:
+            tree = self.cache.tree
+            for node in sorted(changed, key=lambda n: n.depth):
+                if (
+                    tree.find(node.id) is not node
+                    or is_disk(node)
+                    or self.has_copy(node)
+                    or not (node.parent is tree.root or self.on_disk(node.parent))
+                ):
+                    continue  # gone, on disk already, or out of reach after a restart
+                size = self.node_bytes(node)
+                self._forget_copy(node.id)  # one that no longer covers the node
+                if not self._fits(size):
+                    break  # the budget is full: the rest waits for a later turn's room
+                self._copy(node, batch)
+        self.store.write_batch(batch, self.journal.record(changed, self.cache.tree))
+
     def persist(self) -> None:
         """Write the tree of what is on disk (and its written files) for the next run."""
-        from exokv.cache import persist
-
+        write = self.journal.compact(self.cache.tree)
+        self.store.flush()
         try:
-            persist.save(self.cache, self.store.root, self.store.lost, self.on_disk)
+            write()
         except OSError as err:
             self._warn(f"could not persist the KV cache tree: {err}")
 
@@ -220,6 +265,7 @@ class DiskTier:
             self.drop(child, reason)
 
     def _count(self, node: Node, sign: int) -> None:
+        self.journal.mark(node.id)  # spilled, loaded or dropped
         for c, n in self.cache.counts(node).items():
             self.totals[c] = self.totals.get(c, 0) + sign * n
 
@@ -247,7 +293,7 @@ class DiskTier:
             node = used[i]
             self._count(node, -1)
             self.cache.attach(node, loaded[i])
-            self.store.delete(node.id)
+            self._keep_as_copy(node)  # its file holds it still: nothing to write again
             self.loads += 1
             self.events.append(self._event("load", node, "hit on disk"))
         if agreed < len(used):
@@ -338,13 +384,16 @@ class DiskTier:
         """Start with the persisted tree, on disk. Returns why not ("" when it did)."""
         from exokv.cache import persist
 
-        nodes, why = persist.restore(self.cache, self.store.root, self.group)
+        nodes, why, seq = persist.restore(self.cache, self.store.root, self.group)
         self.copies = {}
         for node in nodes:
             self._count(node, +1)
         known = {n.id for n in nodes}
-        for orphan in self.store.ids() - known:
+        for orphan in self.store.ids() - known:  # no record covers it (any more)
             self.store.delete(orphan)
+        self.store.sweep()
+        self.journal.seq = seq
+        self.persist()  # a fresh snapshot: a torn record is gone for good
         return why
 
     def close(self) -> None:
@@ -389,6 +438,7 @@ class DiskTier:
                 self.store.delete(node.id)
         self.copies = {}
         self.totals = dict.fromkeys(self.cache.classes, 0)
+        self.journal.forget_all()
 
 
 def _arrays(node: Node, window_classes: list[StorageClass]) -> dict[str, Any]:
@@ -397,11 +447,13 @@ def _arrays(node: Node, window_classes: list[StorageClass]) -> dict[str, Any]:
     p: Payload = node.payload
     states = [[s.state, getattr(s, "meta_state", "")] for s in p.states]
     spans = [[list(x) for x in p.spans.get(c, [])] for c in window_classes]
+    # Copies of the lists: the writer thread reads them after this turn, and a later
+    # turn lending the node's K/V (PrefixCache.fetch) replaces their items in place.
     return {
         "start": p.start,
         "end": node.depth,
-        "kv": p.kv,
-        "windows": p.windows,
+        "kv": list(p.kv),
+        "windows": [list(w) for w in p.windows],
         "states": states,
         "spans": spans,
     }

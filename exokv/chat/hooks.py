@@ -155,6 +155,14 @@ class StoreHooks(ChatHooks):
             self._options_written.add(conv.name)
         self._dirty.add(conv.name)
 
+    def forget(self, name: str) -> None:
+        """Drop what is kept in memory about a session; its stored rows stay. A server
+        sees each API conversation once per call and would otherwise keep them all."""
+        self._system.pop(name, None)
+        self._dirty.discard(name)
+        self._reply_tokens.pop(name, None)
+        self._options_written.discard(name)
+
     # -- replies' exact tokens ----------------------------------------------------------
     #
     # The engine shows the model each earlier reply as the tokens it generated (decoding

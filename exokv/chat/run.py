@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
-from exokv.client import make_client
+from exokv.client import Client, make_client
 from exokv.config import parse_budgets
 from exokv.errors import UsageError
 
@@ -36,6 +39,7 @@ class ChatOptions:
     session: str | None = None
     json: bool = False
     starting_port: int | None = None
+    restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
 
     def rank_count(self) -> int:
@@ -131,8 +135,23 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
         return _run_chat(opts, hooks)
 
 
-def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
-    from exokv.chat.hooks import StoreHooks, stderr_warning
+@dataclass
+class Started:
+    """What a front end drives: the store, the session locks, the client and its run."""
+
+    store: Any
+    locks: Any
+    client: Client  # LocalClient or ClusterClient
+    run_id: int
+
+
+@contextlib.contextmanager
+def started(opts: ChatOptions, kind: str = "chat") -> Iterator[Started]:
+    """Open the store, start the ranks, record the run and mark it running; undo all on exit.
+
+    The wiring both front ends (the chat and `exokv serve`) share: the ranks shut down
+    like /quit when the block ends (their disk tier keeps the cache), whatever ended it.
+    """
     from exokv.state import Store, register_chat
     from exokv.state.locks import SessionLocks
 
@@ -145,42 +164,15 @@ def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
         run_id: int | None = None
         try:
             run_id = store.start_run(opts.model, client.ranks, list(client.budgets))
-            if hooks is None:
-                hooks = StoreHooks(
-                    store,
-                    run_id,
-                    opts.model,
-                    client=client,
-                    use_cache=keep_cache(opts),
-                    max_kv_size=opts.max_kv_size,
-                    locks=locks,
-                )
-            settings = TurnSettings(
-                max_tokens=opts.max_tokens,
-                temp=opts.temp,
-                seed=opts.seed,
-                use_cache=keep_cache(opts),
-            )
             with register_chat(
-                store.home, model=opts.model, ranks=client.ranks, run=run_id, session=opts.session
+                store.home,
+                model=opts.model,
+                ranks=client.ranks,
+                run=run_id,
+                session=opts.session,
+                kind=kind,
             ):
-                chat = ChatController(client, settings, opts.session, opts.system, hooks)
-                if interactive(opts):
-                    from exokv.chat.repl import run_repl
-
-                    code = run_repl(chat, client, opts)  # it saves when the user leaves
-                else:
-                    from exokv.chat.script import run_one, run_script
-
-                    if isinstance(hooks, StoreHooks):
-                        hooks.attach(warn=stderr_warning)
-                    if opts.prompt is not None:
-                        code = run_one(chat, opts.prompt, opts.json)
-                    else:
-                        code = run_script(chat, opts.json)
-                    if isinstance(hooks, StoreHooks):
-                        hooks.finish(chat)
-            return code
+                yield Started(store, locks, client, run_id)
         finally:
             try:
                 if run_id is not None:
@@ -190,3 +182,49 @@ def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
     finally:
         locks.release_all()
         store.close()
+
+
+def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
+    """The store's hooks for this run's turns (StoreHooks); `locks`: one chat per session."""
+    from exokv.chat.hooks import StoreHooks
+
+    return StoreHooks(
+        run.store,
+        run.run_id,
+        opts.model,
+        client=run.client,
+        use_cache=keep_cache(opts),
+        max_kv_size=opts.max_kv_size,
+        locks=run.locks if locks else None,
+    )
+
+
+def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
+    from exokv.chat.hooks import StoreHooks, stderr_warning
+
+    with started(opts) as run:
+        client = run.client
+        if hooks is None:
+            hooks = store_hooks(run, opts)
+        settings = TurnSettings(
+            max_tokens=opts.max_tokens,
+            temp=opts.temp,
+            seed=opts.seed,
+            use_cache=keep_cache(opts),
+        )
+        chat = ChatController(client, settings, opts.session, opts.system, hooks)
+        if interactive(opts):
+            from exokv.chat.repl import run_repl
+
+            return run_repl(chat, client, opts)  # it saves when the user leaves
+        from exokv.chat.script import run_one, run_script
+
+        if isinstance(hooks, StoreHooks):
+            hooks.attach(warn=stderr_warning)
+        if opts.prompt is not None:
+            code = run_one(chat, opts.prompt, opts.json)
+        else:
+            code = run_script(chat, opts.json)
+        if isinstance(hooks, StoreHooks):
+            hooks.finish(chat)
+        return code

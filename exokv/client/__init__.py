@@ -86,5 +86,10 @@ def make_client(opts: Any, progress: Callable[[str], None] | None = None) -> Cli
             ),
         )
     from exokv.client.cluster import ClusterClient
+    from exokv.client.heal import HealingClient
 
-    return ClusterClient(opts, budgets, progress=progress)
+    def start() -> ClusterClient:
+        return ClusterClient(opts, budgets, progress=progress)
+
+    restarts = getattr(opts, "restarts", 0)
+    return HealingClient(start, restarts) if restarts > 0 else start()

@@ -40,7 +40,7 @@ from typing import IO, Any
 from exokv.cache.tiers import disk_budget_text
 from exokv.client import Client
 from exokv.config import parse_budgets
-from exokv.errors import ExokvError, UsageError
+from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.records import TurnRequest, TurnResult
 from exokv.wire import channel
@@ -179,7 +179,11 @@ class ClusterClient(Client):
                 elif kind == "progress" and on_progress is not None:
                     on_progress(int(message["done"]), int(message["total"]))
                 elif kind == "refused":  # e.g. a prompt over the model's context
-                    raise ExokvError(str(message.get("message", "the ranks refused the turn")))
+                    raise PromptTooLong(
+                        str(message.get("message", "the ranks refused the turn")),
+                        tokens=int(message.get("tokens") or 0),
+                        context=int(message.get("context") or 0),
+                    )
                 elif kind == "result":
                     result = TurnResult.from_dict(message["result"])
                     if message.get("tokens"):
@@ -460,6 +464,8 @@ class ClusterClient(Client):
                 if self._progress is not None:
                     self._say_ready()
                 self._budgets = list(message.get("budgets") or [])
+                if message.get("notice"):  # the ranks' stderr is not the user's
+                    print(f"exokv: disk tier: {message['notice']}", file=sys.stderr)
                 nudge_ranks(self._proc)  # every rank is past release_stdin by now
                 break
         if threading.current_thread() is threading.main_thread():

@@ -20,6 +20,8 @@ function __exokv_path
                 set p "exokv completions"
             case "exokv:models"
                 set p "exokv models"
+            case "exokv:serve"
+                set p "exokv serve"
             case "exokv:sessions"
                 set p "exokv sessions"
             case "exokv bench:--model" "exokv bench:-m" "exokv bench:--ranks" "exokv bench:-n" "exokv bench:--parallel" "exokv bench:--starting-port" "exokv bench:--turns" "exokv bench:--context" "exokv bench:--reply-tokens" "exokv bench:--scenario" "exokv bench:--repeat" "exokv bench:--seed" "exokv bench:--plot" "exokv bench:--cache-budget" "exokv bench:--kv-bits" "exokv bench:--kv-group-size"
@@ -40,7 +42,9 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
+                set skip 1
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -66,11 +70,12 @@ complete -c exokv -n '__exokv_at exokv' -a 'bench' -d 'Compare cold, carried, ml
 complete -c exokv -n '__exokv_at exokv' -a 'cache' -d 'Inspect the prefix cache: stats, entries, pressure, evictions'
 complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT'
 complete -c exokv -n '__exokv_at exokv' -a 'completions' -d 'Print the shell completion script for bash, zsh or fish (install lines in the README)'
-complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the builtin models and the models found locally'
+complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the default model, the builtins and the models found locally (HF cache, ollama)'
+complete -c exokv -n '__exokv_at exokv' -a 'serve' -d 'Serve the model over an OpenAI-compatible HTTP API, with the chat'\''s ranks and cache'
 complete -c exokv -n '__exokv_at exokv' -a 'sessions' -d 'The stored conversations: list, show, rm, rename'
 complete -c exokv -n '__exokv_at exokv' -l version -s V -d 'print the version and exit'
 complete -c exokv -n '__exokv_at exokv' -l help -d 'Show this message and exit'
-complete -c exokv -n '__exokv_at exokv bench' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'builtin:tiny|small|base, a path or a HF repo id'
+complete -c exokv -n '__exokv_at exokv bench' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'builtin:NAME, smollm2, a path, a .gguf, ollama:NAME or a HF repo id'
 complete -c exokv -n '__exokv_at exokv bench' -l ranks -s n -x -d 'ranks on this machine, started by mlx.launch'
 complete -c exokv -n '__exokv_at exokv bench' -l parallel -x -d 'pipeline|tensor (how --ranks > 1 shard the model)'
 complete -c exokv -n '__exokv_at exokv bench' -l starting-port -x -d 'first port of the ranks'\'' ring (default: free ports)'
@@ -109,7 +114,7 @@ complete -c exokv -n '__exokv_at exokv cache pressure' -l json -d 'Print one JSO
 complete -c exokv -n '__exokv_at exokv cache pressure' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache stats' -l json -d 'Print one JSON document instead of a table'
 complete -c exokv -n '__exokv_at exokv cache stats' -l help -d 'Show this message and exit'
-complete -c exokv -n '__exokv_at exokv chat' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'builtin:tiny|small|base, a path or a HF repo id'
+complete -c exokv -n '__exokv_at exokv chat' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id'
 complete -c exokv -n '__exokv_at exokv chat' -l system -x -d 'system prompt'
 complete -c exokv -n '__exokv_at exokv chat' -l max-tokens -x -d 'most tokens per reply'
 complete -c exokv -n '__exokv_at exokv chat' -l temp -x -d 'sampling temperature'
@@ -130,11 +135,38 @@ complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantizatio
 complete -c exokv -n '__exokv_at exokv chat' -l session -x -a '(command exokv _complete session 2>/dev/null)' -d 'name the conversation; resumes it if it exists'
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'
+complete -c exokv -n '__exokv_at exokv chat' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv completions' -a 'bash zsh fish'
 complete -c exokv -n '__exokv_at exokv completions' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv models' -l json -d 'one JSON document'
 complete -c exokv -n '__exokv_at exokv models' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv serve' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id'
+complete -c exokv -n '__exokv_at exokv serve' -l max-tokens -x -d 'reply length for a request without max_tokens'
+complete -c exokv -n '__exokv_at exokv serve' -l temp -x -d 'temperature for a request without one'
+complete -c exokv -n '__exokv_at exokv serve' -l seed -x -d 'random seed'
+complete -c exokv -n '__exokv_at exokv serve' -l ranks -s n -x -d 'ranks on this machine'
+complete -c exokv -n '__exokv_at exokv serve' -l hosts -x -d 'a,b,... one rank per host'
+complete -c exokv -n '__exokv_at exokv serve' -l hostfile -r -F -d 'mlx hostfile (JSON)'
+complete -c exokv -n '__exokv_at exokv serve' -l backend -x -a 'ring jaccl mpi' -d 'ring|jaccl|mpi'
+complete -c exokv -n '__exokv_at exokv serve' -l parallel -x -a 'pipeline tensor' -d 'pipeline|tensor'
+complete -c exokv -n '__exokv_at exokv serve' -l split -x -d 'layers per rank, e.g. 3,1'
+complete -c exokv -n '__exokv_at exokv serve' -l cache-budget -x -d 'bytes per rank: 2GB or 64MB,16MB'
+complete -c exokv -n '__exokv_at exokv serve' -l memory-threshold -x -d 'RAM fraction that triggers eviction'
+complete -c exokv -n '__exokv_at exokv serve' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
+complete -c exokv -n '__exokv_at exokv serve' -l no-cache -d 'prefill the whole prompt every turn'
+complete -c exokv -n '__exokv_at exokv serve' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
+complete -c exokv -n '__exokv_at exokv serve' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
+complete -c exokv -n '__exokv_at exokv serve' -l kv-group-size -x -d 'quantization group size'
+complete -c exokv -n '__exokv_at exokv serve' -l starting-port -x -d 'first port for the ranks'
+complete -c exokv -n '__exokv_at exokv serve' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
+complete -c exokv -n '__exokv_at exokv serve' -l host -x -d 'address to listen on (loopback)'
+complete -c exokv -n '__exokv_at exokv serve' -l port -x -d 'port to listen on'
+complete -c exokv -n '__exokv_at exokv serve' -l api-key -x -d 'require '\''Authorization: Bearer KEY'\'' (or set EXOKV_API_KEY)'
+complete -c exokv -n '__exokv_at exokv serve' -l queue -x -d 'requests that may wait; more get 503'
+complete -c exokv -n '__exokv_at exokv serve' -l drain-timeout -x -d 'seconds in-flight requests get on SIGTERM/Ctrl-C'
+complete -c exokv -n '__exokv_at exokv serve' -l max-body -x -d 'largest request body (413 above)'
+complete -c exokv -n '__exokv_at exokv serve' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv sessions' -a 'list' -d 'Every conversation, most recently used first: turns, tokens, model, last used'
 complete -c exokv -n '__exokv_at exokv sessions' -a 'rename' -d 'Rename a conversation (its KV cache is keyed by its tokens: it follows)'
 complete -c exokv -n '__exokv_at exokv sessions' -a 'rm' -d 'Delete a conversation and its turns (its KV on disk ages out; `exokv cache clear`)'

@@ -25,7 +25,7 @@ from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
-from exokv.errors import ExokvError
+from exokv.errors import PromptTooLong
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.rank import typeahead
@@ -33,14 +33,6 @@ from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
-
-
-class PromptTooLong(ExokvError):
-    """A prompt longer than the model's context, refused before any of it is computed.
-
-    Decided from the prompt's tokens and the model's config alone, so every rank
-    refuses the same turn, before the turn's first collective.
-    """
 
 
 def _quiet_tokenizer_warnings() -> None:
@@ -178,12 +170,16 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
     ) -> TurnResult:
         start = time.perf_counter()
+        if request.sample_seed is not None:
+            mx.random.seed(request.sample_seed)  # every rank alike: the request is broadcast
         tokens = self.render(request.messages)
         if self.context is not None and len(tokens) > self.context:
             raise PromptTooLong(
                 f"the prompt is {len(tokens):,} tokens and the model's context is "
                 f"{self.context:,}: not run (shorten the message, or /new to leave the "
-                "earlier turns behind)"
+                "earlier turns behind)",
+                tokens=len(tokens),
+                context=self.context,
             )
         self.decision += 1
         events, self.draft_events = self.draft_events, []
@@ -250,7 +246,10 @@ class Engine:
             self.coord.cap(self.decision, live, ran, request.session, events)
         if self.coord.tier is not None:
             events += self.coord.tier.take_events(self.decision)
-        stats, entries = self.coord.stats(), self.coord.changed_entries()
+        changed = self.cache.tree.drain_changed()
+        if self.coord.tier is not None:  # write-through and the journal, written after the reply
+            self.coord.tier.after_turn(changed)
+        stats, entries = self.coord.stats(), self.coord.changed_entries(changed)
         overhead += time.perf_counter() - tic
         return TurnResult(
             session=request.session,
@@ -396,6 +395,7 @@ class Engine:
             request.max_tokens,
             start,
             temp=request.temp,
+            top_p=request.top_p,
             on_text=on_text,
             stop=stop,
         )
@@ -453,6 +453,7 @@ def decode(
     temp: float = 0.0,
     on_text: Callable[[str], None] | None = None,
     stop: Callable[[int], bool] | None = None,
+    top_p: float = 1.0,
 ) -> tuple[list[int], str, str, float, float]:
     """Generate after `last` with mlx-lm's generate_step.
 
@@ -473,7 +474,7 @@ def decode(
         model,
         prompt_cache=cache,
         max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp),
+        sampler=make_sampler(temp=temp, top_p=top_p),  # top_p 1.0: off
     )
     for token, _ in steps:
         token = int(token)

@@ -330,6 +330,7 @@ class Rank:
                     "type": "ready",
                     "ranks": self.world.size(),
                     "budgets": [None if b < 0 else b for b in all_budgets],
+                    "notice": engine.tier_notice,  # why the disk tier is cold, or a torn record
                 }
             )
         turn = 0
@@ -378,7 +379,8 @@ class Rank:
                 )
             except PromptTooLong as err:  # every rank alike, before any collective
                 if self.link is not None:
-                    self.link.send({"type": "refused", "id": self.current, "message": str(err)})
+                    refusal = {"message": str(err), "tokens": err.tokens, "context": err.context}
+                    self.link.send({"type": "refused", "id": self.current, **refusal})
                 continue
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)

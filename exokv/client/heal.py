@@ -1,0 +1,179 @@
+"""A rank that dies is replaced, and the chat goes on: HealingClient.
+
+It runs turns on a ClusterClient; when the ranks fail (a rank exits, is killed or
+stops answering, which the ClusterClient finds out and ends what is left of them),
+it says so in one line, starts the ranks again with the same layout — at most
+`restarts` tries in a row, waiting 1, 2, 4 ... seconds between them — hands the new
+ranks every reply's exact tokens it knows, and runs the request in flight again.
+The new ranks start warm from their disk tiers and journals (exokv.cache.journal),
+so the retried turn prefills only what the last finished turn had not cached. A
+start that fails every try (a host that cannot be reached) ends the chat as before.
+
+Between requests (the user at the prompt) the ClusterClient's watcher wakes the main
+thread only while its own SIGUSR1 handler is installed; this client installs one
+that does nothing, so a failure found at the prompt is said at once by a thread of
+ours and healed by the next request, instead of ending the chat.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from exokv.client.cluster import ClusterClient
+from exokv.errors import ExokvError
+from exokv.prompt import MAX_REMEMBERED_REPLIES
+from exokv.rank.kvsave import CacheFileReport
+from exokv.records import CacheEvent, TurnRequest, TurnResult
+
+T = TypeVar("T")
+BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one
+
+
+class HealingClient:
+    def __init__(
+        self,
+        start: Callable[[], ClusterClient],
+        restarts: int,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self._start = start
+        self.restarts = restarts
+        self._say = say or (lambda text: print(f"exokv: {text}", file=sys.stderr, flush=True))
+        self._inner = start()
+        self.ranks = self._inner.ranks
+        self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._said: str | None = None  # the failure already said, once
+        self._lock = threading.Lock()  # _said and _busy, between the notifier and main
+        self._busy = False  # a request is in flight: it says and heals a failure itself
+        self._restarted: list[str] = []  # why, for the next turn's events
+        self._quiet_watcher()
+
+    # -- the client interface ----------------------------------------------------
+
+    @property
+    def budgets(self) -> list[int | None]:
+        return self._inner.budgets
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        result = self._healing(lambda c: c.turn(request, on_text, on_progress))
+        tokens = self._inner.reply_tokens(result.reply)
+        if tokens:
+            self._keep(result.reply, tokens)
+        for why in self._restarted:  # shown with the turn and kept with its events
+            result.events.insert(0, _restart_event(why, result.decision, result.ranks))
+        self._restarted = []
+        return result
+
+    def stop(self) -> None:
+        self._inner.stop()
+
+    def draft(
+        self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
+    ) -> None:
+        # A head start only: ranks that failed are healed by the next request, not here.
+        self._inner.draft(session, messages, text, wait)
+
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        return self._inner.reply_tokens(reply) or self._replies.get(reply)
+
+    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
+        for reply, tokens in pairs:
+            self._keep(reply, list(tokens))
+        self._healing(lambda c: c.remember_replies(pairs))
+
+    def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        return self._healing(lambda c: c.save_cache(session, messages))
+
+    def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        return self._healing(lambda c: c.cache_held(session, messages))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    # -- healing -------------------------------------------------------------------
+
+    def _healing(self, call: Callable[[ClusterClient], T]) -> T:
+        with self._lock:
+            self._busy = True
+        try:
+            while True:
+                try:
+                    return call(self._inner)
+                except ExokvError:
+                    failure = self._inner.failure
+                    if failure is None:
+                        raise  # not the ranks: a refused turn, a message too large
+                self._heal(failure)
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def _say_once(self, failure: str, text: str) -> None:
+        with self._lock:
+            if self._said == failure:
+                return
+            self._said = failure
+        self._say(text)
+
+    def _heal(self, failure: str) -> None:
+        cause = failure.replace("; the chat cannot go on", "")
+        self._say_once(failure, f"{cause}; starting the ranks again")
+        self._inner.close()
+        last = ""
+        for attempt in range(self.restarts):
+            time.sleep(BACKOFF_S * 2**attempt)
+            try:
+                inner = self._start()
+            except ExokvError as err:
+                last = str(err)
+                continue
+            self._inner, self._said = inner, None
+            self._quiet_watcher()
+            if self._replies:
+                inner.remember_replies(list(self._replies.items()))
+            self._restarted.append(f"{cause}; ranks started again (try {attempt + 1})")
+            return
+        tries = f"{self.restarts} tr{'y' if self.restarts == 1 else 'ies'}"
+        raise ExokvError(f"{cause}; the ranks did not start again in {tries}: {last}")
+
+    def _quiet_watcher(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        inner = self._inner
+        threading.Thread(target=self._notice, args=(inner,), daemon=True).start()
+
+    def _notice(self, inner: ClusterClient) -> None:
+        """Say at once that the ranks failed while idle (the next request heals it)."""
+        while inner is self._inner:
+            failure = inner.failure
+            if failure is not None:
+                with self._lock:
+                    busy = self._busy
+                if not busy:
+                    cause = failure.replace("; the chat cannot go on", "")
+                    self._say_once(failure, f"{cause}; the ranks start again with the next request")
+                return
+            time.sleep(0.25)
+
+    def _keep(self, reply: str, tokens: list[int]) -> None:
+        self._replies[reply] = [int(t) for t in tokens]
+        self._replies.move_to_end(reply)
+        while len(self._replies) > MAX_REMEMBERED_REPLIES:
+            self._replies.popitem(last=False)
+
+
+def _restart_event(why: str, decision: int, ranks: int) -> CacheEvent:
+    return CacheEvent(
+        kind="restart", decision=decision, entry=0, tokens=0, bytes=[0] * ranks, reason=why
+    )

@@ -1,0 +1,333 @@
+"""OpenAI's chat-completions shapes: requests checked into a `ChatCall`, replies and
+errors written as OpenAI's clients expect them. Pure: no I/O, no MLX."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = {"system", "user", "assistant", "developer"}  # developer: OpenAI's newer name for system
+SEED_RANGE = 2**64  # mx.random.seed takes an unsigned 64-bit number
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; more is refused before it reaches the queue."""
+
+    body_bytes: int = 1 << 20  # 413 above this
+    messages: int = 1024
+    message_chars: int = 1 << 20
+    reply_tokens: int = 32768  # max_tokens above this is a 400
+    stops: int = 4  # as OpenAI
+    stop_chars: int = 256
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a request that leaves a setting out gets (the server's --max-tokens, --temp)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        499: "client_closed_request",
+        500: "server_error",
+        503: "server_overloaded",
+    }
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def doc(self) -> dict[str, Any]:
+        kind = self.TYPES.get(self.status, "invalid_request_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+@dataclass
+class ChatCall:
+    """One checked POST /v1/chat/completions."""
+
+    messages: list[dict[str, str]]
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(f"{name} must be a number", name)
+    if not low <= value <= high:
+        raise _bad(f"{name} must be between {low:g} and {high:g}, not {value!r}", name)
+    return float(value)
+
+
+def _whole(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{name} must be an integer", name)
+    return value
+
+
+def _content(message: dict[str, Any], i: int, limits: Limits) -> str:
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content: a text part needs a string 'text'", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    if len(content) > limits.message_chars:
+        raise _bad(
+            f"messages[{i}].content is {len(content):,} characters; at most "
+            f"{limits.message_chars:,}",
+            "messages",
+        )
+    return content
+
+
+def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _bad("messages must be a non-empty list", "messages")
+    if len(raw) > limits.messages:
+        raise _bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
+    messages = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}] must be an object", "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role {role!r}: use system, user or assistant", "messages")
+        role = "system" if role == "developer" else role
+        messages.append({"role": role, "content": _content(message, i, limits)})
+    if messages[-1]["role"] != "user":
+        raise _bad("the last message must be the user's", "messages")
+    return messages
+
+
+def _stops(body: dict[str, Any], limits: Limits) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _bad("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > limits.stops or any(len(s) > limits.stop_chars for s in stops):
+        raise _bad(
+            f"stop: at most {limits.stops} strings of {limits.stop_chars} characters", "stop"
+        )
+    return stops
+
+
+def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits) -> ChatCall:
+    """The request's fields, checked; ApiError (400, or 404 for another model) otherwise.
+
+    `models` are the names that select the loaded model: a request never names a path
+    or anything else to load.
+    """
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise _bad(f"the body is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise _bad("the body must be a JSON object")
+    model = doc.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model must be a string", "model")
+    if model is not None and model not in models:
+        served = ", ".join(sorted(models))
+        raise ApiError(
+            404,
+            f"The model {model!r} does not exist: this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
+    if (_whole(doc, "n") or 1) != 1:
+        raise _bad("n: only one choice per request is supported", "n")
+    if doc.get("tools") or doc.get("functions"):
+        raise _bad("tools are not supported by this server", "tools")
+    if doc.get("logprobs"):
+        raise _bad("logprobs are not supported by this server", "logprobs")
+    messages = _messages(doc, limits)
+    max_tokens = _whole(doc, "max_completion_tokens")
+    name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = _whole(doc, "max_tokens"), "max_tokens"
+    if max_tokens is not None and not 1 <= max_tokens <= limits.reply_tokens:
+        raise _bad(f"{name} must be between 1 and {limits.reply_tokens:,}", name)
+    seed = _whole(doc, "seed")
+    stream = doc.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    options = doc.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise _bad("stream_options is an object, and only with stream: true", "stream_options")
+    return ChatCall(
+        messages=messages,
+        max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
+        temperature=_number(doc, "temperature", 0.0, 2.0, defaults.temperature),
+        top_p=_number(doc, "top_p", 0.0, 1.0, 1.0),  # mlx-lm: 0 and 1 both mean off
+        seed=None if seed is None else seed % SEED_RANGE,
+        stop=_stops(doc, limits),
+        stream=stream,
+        include_usage=bool((options or {}).get("include_usage")),
+    )
+
+
+def conversation_name(messages: list[dict[str, str]]) -> str:
+    """The session a request's turns are stored and cached under: named by how the
+    conversation opens (its system prompt and first user message), so each call of one
+    conversation lands in the same session; 'api-' keeps them apart from the chat's."""
+    opening: list[dict[str, str]] = []
+    for m in messages:
+        opening.append(m)
+        if m["role"] == "user":
+            break
+    digest = hashlib.sha256(json.dumps(opening, sort_keys=True).encode()).hexdigest()
+    return f"api-{digest[:10]}"
+
+
+# -- replies ----------------------------------------------------------------------
+
+
+def usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def finish_reason(engine_reason: str, stopped_by_text: bool) -> str:
+    """OpenAI's finish_reason from the engine's ('stop', 'length', 'interrupted')."""
+    if stopped_by_text or engine_reason == "stop":
+        return "stop"
+    return "length"
+
+
+def completion(
+    ident: str, model: str, text: str, finish: str, used: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": used,
+    }
+
+
+def chunk(
+    ident: str,
+    model: str,
+    delta: dict[str, str] | None,
+    finish: str | None = None,
+    used: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One server-sent event's data: a delta, the final finish_reason, or (with
+    stream_options.include_usage) the usage, with no choices, as OpenAI sends it."""
+    doc: dict[str, Any] = {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+    if used is not None:
+        doc["usage"] = used
+    return doc
+
+
+def sse(doc: dict[str, Any] | str) -> bytes:
+    data = doc if isinstance(doc, str) else json.dumps(doc, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class StopText:
+    """Cuts a streamed reply at the first of the request's stop strings.
+
+    Text that could be the start of a stop string is held back until the next piece
+    says whether it is; `hit` tells that a stop string ended the reply.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        """What of the text so far may be sent now."""
+        if self.hit:
+            return ""
+        if not self.stops:
+            return piece
+        self.pending += piece
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit = True
+            out, self.pending = self.pending[: min(found)], ""
+            return out
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def flush(self) -> str:
+        """The reply ended: what was held back is not a stop string."""
+        out, self.pending = ("" if self.hit else self.pending), ""
+        return out

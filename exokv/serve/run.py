@@ -1,0 +1,173 @@
+"""Wire one `exokv serve`: options -> the chat's client and store -> the turn queue ->
+the Starlette app under uvicorn; on SIGTERM or Ctrl-C, drain and shut down like /quit."""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exokv.chat.conversation import Conversation
+from exokv.chat.run import ChatOptions, keep_cache, started, store_hooks, validate
+from exokv.errors import ExokvError, UsageError
+from exokv.serve import api
+
+DEFAULT_PORT = 8000
+
+
+@dataclass
+class ServeOptions(ChatOptions):
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    queue: int = 64  # requests waiting for the ranks; more get 503
+    drain_s: float = 30.0  # on SIGTERM/Ctrl-C, how long in-flight requests may take
+    max_body: int = api.Limits.body_bytes
+
+
+def check(opts: ServeOptions) -> list[str]:
+    """Bounds of the server's own options (usage errors); returns warnings to print."""
+    validate(opts)
+    if not 0 <= opts.port <= 65535:
+        raise UsageError(f"--port {opts.port}: use 0-65535 (0: any free port)")
+    if opts.queue < 1:
+        raise UsageError(f"--queue {opts.queue}: at least 1")
+    if opts.drain_s < 0:
+        raise UsageError(f"--drain-timeout {opts.drain_s}: 0 or more seconds")
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise UsageError("--api-key is empty")
+    if not _loopback(opts.host) and opts.api_key is None:
+        return [
+            f"serving on {opts.host} without --api-key: anyone who can reach this port can "
+            "use the model, and requests and replies cross the network in clear (no TLS)"
+        ]
+    return []
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def model_names(model: str) -> tuple[str, set[str]]:
+    """The id the API shows for the loaded model, and every name that selects it.
+
+    A local path is shown by its last component (the API does not tell the network
+    where the files are); the names only ever select the loaded model.
+    """
+    shown = Path(model).name if ("/" in model and Path(model).exists()) else model
+    return shown, {shown, model}
+
+
+def _say(text: str) -> None:
+    print(f"exokv: {text}", file=sys.stderr, flush=True)
+
+
+class _Recorder:
+    """Every turn the server ran, into the store as the chat records its turns: the
+    conversation (under its `api-` session), the cache's events, entries and samples —
+    what `exokv cache stats|entries|pressure` read while the server runs."""
+
+    def __init__(self, hooks: Any) -> None:
+        self.hooks = hooks
+
+    def __call__(self, job: Any) -> None:
+        request, result = job.request, job.result
+        messages = [dict(m) for m in request.messages]
+        system = messages.pop(0)["content"] if messages[0]["role"] == "system" else None
+        if job.reply:
+            messages.append({"role": "assistant", "content": job.reply})
+        self.hooks.turn_done(Conversation(request.session, system, messages), result)
+        self.hooks.forget(request.session)  # the next call brings the whole conversation
+
+
+def run_serve(opts: ServeOptions) -> int:
+    import uvicorn
+
+    from exokv.chat.signals import ended_by_signals
+    from exokv.serve.app import Service, build_app
+    from exokv.serve.work import TurnQueue
+
+    for warning in check(opts):
+        _say(f"warning: {warning}")
+    with ended_by_signals(), started(opts, kind="serve") as run:
+        client = run.client
+        # No session locks: an API conversation is not opened like a chat's session.
+        hooks = store_hooks(run, opts, locks=False)
+        failed: list[str] = []
+        server: uvicorn.Server | None = None
+
+        def on_failure(why: str) -> None:
+            failed.append(why)
+            if server is not None:
+                server.should_exit = True
+
+        queue = TurnQueue(client, opts.queue, record=_Recorder(hooks), on_failure=on_failure)
+        shown, names = model_names(opts.model)
+        service = Service(
+            model=shown,
+            names=names,
+            queue=queue,
+            ranks=client.ranks,
+            api_key=opts.api_key,
+            limits=api.Limits(body_bytes=opts.max_body),
+            defaults=api.Defaults(max_tokens=opts.max_tokens, temperature=opts.temp),
+            use_cache=keep_cache(opts),
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+            failure=lambda: getattr(client, "failure", None) or (failed[0] if failed else None),
+        )
+        config = uvicorn.Config(
+            build_app(service),
+            host=opts.host,
+            port=opts.port,
+            log_level="warning",
+            access_log=False,  # ours has the tokens, the cached share and the TTFT
+            timeout_graceful_shutdown=opts.drain_s,
+            lifespan="off",
+        )
+        server = uvicorn.Server(config)
+        _watch_ranks(service, server)
+        try:
+            server.run()
+        finally:
+            # In-flight requests had their drain; what is left is stopped on every rank.
+            queue.close(timeout=0.0 if service.failure() else 2.0)
+        why = service.failure()
+        if why:  # the ranks are gone: one line, exit 1, as the chat
+            raise ExokvError(why)
+        return 0
+
+
+def _watch_ranks(service: Any, server: Any) -> None:
+    """End the server when the ranks are gone (ClusterClient notices it between requests;
+    its wake-up signal would raise in the middle of the event loop, so it is replaced)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+
+    def watch() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            where = f"[{host}]" if ":" in host else host
+            noun = "rank" if service.ranks == 1 else "ranks"
+            _say(
+                f"serving {service.model} on {service.ranks} {noun} at http://{where}:{port}/v1 "
+                "(Ctrl-C to stop)"
+            )
+        while not server.should_exit:
+            if service.failure():
+                server.should_exit = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="exokv-serve-watch", daemon=True).start()

@@ -1,0 +1,203 @@
+"""The queue between the HTTP requests and the client: one turn at a time, bounded.
+
+The ranks run one turn at a time, so requests wait in a bounded queue (a full one is
+a 503 with Retry-After) and one worker thread feeds them to the client — the same
+`client.turn` the chat calls. Each job's text and its end travel back to the event
+loop on an asyncio queue. A job whose client went away is skipped if it still waits,
+or stopped with the client's own stop (the chat's Ctrl-C path: every rank ends the
+reply at the same token, and the cache keeps what was computed, as after a Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from exokv.errors import ExokvError, PromptTooLong
+from exokv.records import TurnRequest, TurnResult
+from exokv.serve.api import ApiError, StopText
+
+RETRY_AFTER_S = 1
+
+
+class Job:
+    """One request's turn, between the event loop (which reads `events`) and the worker."""
+
+    def __init__(
+        self, request: TurnRequest, stops: list[str], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.request = request
+        self.stop_text = StopText(stops)
+        self.loop = loop
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.cancelled = threading.Event()  # the client went away
+        self.stop_asked = False  # the client's stop was called for this job
+        self.finished = False  # its last event was sent
+        self.submitted = time.perf_counter()
+        self.first_text: float | None = None  # when its first text was sent
+        self.reply = ""  # the text sent: the reply, cut at a stop string
+        self.result: TurnResult | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_text is None else self.first_text - self.submitted
+
+    def _emit(self, kind: str, value: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    def text(self, piece: str) -> None:
+        if piece:
+            if self.first_text is None:
+                self.first_text = time.perf_counter()
+            self.reply += piece
+            self._emit("text", piece)
+
+    def done(self, result: TurnResult) -> None:
+        self.result = result
+        self.finished = True
+        self._emit("done", result)
+
+    def fail(self, error: ApiError) -> None:
+        self.finished = True
+        self._emit("error", error)
+
+
+class TurnQueue:
+    """A bounded queue of jobs and the one thread that runs them through `client.turn`."""
+
+    def __init__(
+        self,
+        client: Any,
+        size: int,
+        record: Callable[[Job], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.record = record  # called in the worker after each turn that ran
+        self.on_failure = on_failure  # the ranks are gone: the server must end
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=size)
+        self._current: Job | None = None
+        self._lock = threading.Lock()
+        self._closing = False
+        self._thread = threading.Thread(target=self._work, name="exokv-serve-turns", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._current is not None
+
+    def submit(self, job: Job) -> None:
+        if self._closing:
+            raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise ApiError(
+                503,
+                f"the server is busy: {self._jobs.maxsize} requests are waiting; retry later",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+
+    def cancel(self, job: Job) -> None:
+        """The client of `job` went away: skip it, or stop its reply on every rank."""
+        job.cancelled.set()
+        with self._lock:
+            if self._current is job:
+                self._stop(job)
+
+    def close(self, timeout: float) -> None:
+        """Take no more jobs; wait up to `timeout` for the queued and running ones, then
+        stop the running one and wait for the ranks to end it (the caches stay alike)."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        while (self.busy or self.waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while True:  # what still waits is not run
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.fail(ApiError(503, "the server is shutting down"))
+        with self._lock:
+            if self._current is not None:
+                self._stop(self._current)
+        self._jobs.put(None)
+        self._thread.join()
+
+    # -- the worker ---------------------------------------------------------------
+
+    def _stop(self, job: Job) -> None:
+        if not job.stop_asked:
+            job.stop_asked = True
+            self.client.stop()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():  # its client left while it waited: nothing ran
+                job.fail(ApiError(499, "the client closed the request before it ran"))
+                continue
+            with self._lock:
+                self._current = job
+            try:
+                self._run(job)
+            finally:
+                with self._lock:
+                    self._current = None
+
+    def _run(self, job: Job) -> None:
+        def on_text(piece: str) -> None:
+            if job.cancelled.is_set() or job.stop_text.hit:
+                self._stop(job)  # the stop may have come before the turn began
+                return
+            job.text(job.stop_text.feed(piece))
+            if job.stop_text.hit:
+                self._stop(job)
+
+        def on_progress(done: int, total: int) -> None:
+            if job.cancelled.is_set():
+                self._stop(job)
+
+        try:
+            result = self.client.turn(job.request, on_text=on_text, on_progress=on_progress)
+        except PromptTooLong as err:
+            job.fail(
+                ApiError(
+                    400,
+                    f"This model's maximum context length is {err.context:,} tokens; your "
+                    f"messages are {err.tokens:,} tokens. Shorten them.",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+            )
+            return
+        except ExokvError as err:
+            job.fail(ApiError(500, f"the turn failed: {err}"))
+            failure = getattr(self.client, "failure", None)  # the ranks are gone
+            if failure and self.on_failure is not None:
+                self.on_failure(failure)
+            return
+        except Exception as err:  # noqa: BLE001 - one request fails, the server stays up
+            job.fail(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            return
+        job.text(job.stop_text.flush())
+        if self.record is not None:
+            try:
+                job.result = result
+                self.record(job)
+            except ExokvError as err:  # the store failed: the reply is still good
+                print(f"exokv: warning: turn not recorded: {err}", file=sys.stderr, flush=True)
+        job.done(result)

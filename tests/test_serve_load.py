@@ -1,0 +1,98 @@
+"""Many clients at once against `exokv serve`, some leaving mid-stream: the server stays
+up, every finished reply is the one-at-a-time reply, and each rank stays in its budget."""
+
+from __future__ import annotations
+
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from exokv.config import parse_size
+from exokv.state.store import db_path
+from tests.chat_helpers import home_with_models
+from tests.serve_helpers import MODEL, raw, serving
+
+CLIENTS = 24
+TURNS = 3
+MAX_TOKENS = 8
+BUDGET = "96KB"  # a few conversations of builtin:tiny, far from all of them
+SYSTEM = (
+    "You are the shared assistant of this load test. Every client sends this same long "
+    "system prompt first, so the cache can serve it to every new conversation."
+)
+
+
+def user_line(client: int, turn: int) -> str:
+    return f"client {client} says thing number {turn} about topic {client * 7 % 11}"
+
+
+def run_conversation(server, client: int, leave_at: int | None) -> list[tuple[str, int]]:
+    """(reply, cached tokens) per turn; at turn `leave_at` it first leaves a stream early."""
+    api = server.client()
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for turn in range(TURNS):
+        messages.append({"role": "user", "content": user_line(client, turn)})
+        if turn == leave_at:
+            stream = api.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=5000, temperature=0, stream=True
+            )
+            for n, _ in enumerate(stream):
+                if n == 2:
+                    break
+            stream.close()
+        done = api.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+        )
+        reply = done.choices[0].message.content
+        out.append((reply, done.usage.prompt_tokens_details.cached_tokens))
+        messages.append({"role": "assistant", "content": reply})
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> list[list[str]]:
+    """Every conversation's replies, one request at a time, without a cache."""
+    home = home_with_models(tmp_path_factory.mktemp("load-ref") / "h", models_dir, link=True)
+    with serving(home, "--no-cache") as s:
+        return [[r for r, _ in run_conversation(s, c, None)] for c in range(CLIENTS)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_many_clients_at_once(tmp_path: Path, models_dir: Path, one_at_a_time, ranks: int) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    args = ["--cache-budget", BUDGET, "--queue", str(2 * CLIENTS)]
+    if ranks == 2:
+        args += ["-n", "2", "--starting-port", "26720"]
+    with serving(home, *args) as s:
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            runs = list(
+                pool.map(
+                    lambda c: run_conversation(s, c, 1 if c % 4 == 0 else None), range(CLIENTS)
+                )
+            )
+        assert s.proc.poll() is None and raw(s.url + "/health")[2]["status"] == "ok"
+        assert [[r for r, _ in run] for run in runs] == one_at_a_time
+        # The clients that left mid-stream were stopped, not run to their 5000 tokens.
+        left = s.access(499)
+        assert len(left) == CLIENTS // 4 and all("finish=interrupted" in x for x in left), left
+        # The shared system prompt is served to conversations that start after others.
+        firsts = [run[0][1] for run in runs]
+        assert max(firsts) >= 30, firsts
+        assert all(c > 0 for run in runs for _, c in run[1:])  # later turns hit the cache
+    budget = parse_size(BUDGET)
+    with sqlite3.connect(db_path(home)) as db:
+        samples = db.execute(
+            "SELECT rank, cache_bytes FROM memory_samples WHERE run_id = (SELECT MAX(id) FROM runs)"
+        ).fetchall()
+        evicted = db.execute(
+            "SELECT COUNT(*) FROM cache_events WHERE kind IN ('evict', 'spill')"
+        ).fetchone()
+    assert evicted[0] > 0  # the budget mattered: RAM held not all (the disk tier took the rest)
+    assert {r for r, _ in samples} == set(range(ranks))
+    assert len(samples) >= ranks * CLIENTS * TURNS  # one per rank after every turn
+    over = [(r, b) for r, b in samples if b > budget]
+    assert not over, over
