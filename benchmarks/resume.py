@@ -90,14 +90,15 @@ def _take_terminal() -> None:
 class Trial:
     """One REPL in a pseudo-terminal, with the arrival time of every chunk it writes."""
 
-    def __init__(self, home: Path, model: str, max_tokens: int) -> None:
+    def __init__(self, home: Path, model: str, max_tokens: int, *extra: str) -> None:
         master, slave = pty.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
         env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
         env.update(EXOKV_HOME=str(home), TERM="xterm-256color", PROMPT_TOOLKIT_NO_CPR="1")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
-            exokv("chat", "--model", model, "--session", "demo", "--max-tokens", str(max_tokens)),
+            exokv("chat", "--model", model, "--session", "demo", "--max-tokens", str(max_tokens))
+            + list(extra),
             stdin=slave,
             stdout=slave,
             stderr=slave,
@@ -129,6 +130,8 @@ class Trial:
             found = rx.search(text)
             if found:
                 return found
+            if self.proc.poll() is not None and not select.select([self.fd], [], [], 0)[0]:
+                break  # the chat is gone: say what it showed rather than wait on
             self._read(0.01)
         raise SystemExit(f"no {pattern!r} on the terminal:\n{self.text()[-2000:]}")
 

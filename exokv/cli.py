@@ -153,6 +153,9 @@ def chat(
     memory_threshold: float = _MEMORY_THRESHOLD,
     max_kv_size: int = _MAX_KV_SIZE,
     no_cache: bool = _NO_CACHE,
+    no_typeahead: bool = typer.Option(
+        False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
+    ),
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,
@@ -181,6 +184,7 @@ def chat(
         max_tokens=max_tokens,
         temp=temp,
         max_kv_size=max_kv_size,
+        no_typeahead=no_typeahead,
         session=session,
         json=json_out,
         prompt=one_shot,

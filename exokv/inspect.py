@@ -149,6 +149,9 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
     for line in _run_lines(doc["runs"]):
         console.print(line)
     console.print(table)
+    typed = tables.typeahead_line(doc["total"])
+    if typed:
+        console.print(typed)
     console.print(
         f"{_plural(doc['total']['turns'], 'turn')}, {_plural(doc['sessions'], 'session')}. "
         "Saved: prompt tokens not prefilled thanks to hits. Ranks take the same cache "

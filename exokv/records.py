@@ -43,7 +43,9 @@ class CacheEvent:
     """One change to the cache, identical on every rank by construction.
 
     kind: add | hit | update | evict | clear, and with a disk tier spill (RAM to disk),
-    load (disk to RAM) and drop (off the disk). ``bytes`` has one value per rank.
+    load (disk to RAM) and drop (off the disk); typing ahead adds draft (a speculative
+    prefill step: `tokens` run) and draft-used (`tokens` of a turn's hit it gave).
+    ``bytes`` has one value per rank.
     ``pressures`` is every rank's memory pressure when the decision was taken.
     """
 
@@ -129,6 +131,7 @@ class TurnResult:
     events: list[CacheEvent] = field(default_factory=list)
     rank_stats: list[RankStats] = field(default_factory=list)
     entries: list[EntryInfo] = field(default_factory=list)
+    typed_ahead_tokens: int = 0  # of cached_tokens, those prefilled while the user typed
 
     @property
     def evictions(self) -> int:

@@ -276,3 +276,15 @@ def sessions_table(rows: Sequence[dict[str, Any]], width: int) -> RenderableType
             ]
         )
     return fit(columns, cells, width)
+
+
+def typeahead_line(row: dict[str, Any]) -> str | None:
+    """What typing ahead did (a stats row or total), or None when it never ran."""
+    steps = int(row.get("typeahead_steps") or 0)
+    if not steps:
+        return None
+    done, used = int(row.get("typeahead_tokens") or 0), int(row.get("typeahead_used") or 0)
+    return (
+        f"Typed ahead: {done:,} tokens prefilled before Enter in {steps:,} "
+        f"step{'s' if steps != 1 else ''}; {used:,} of them used by turns."
+    )

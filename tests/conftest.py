@@ -63,6 +63,22 @@ def tiny_qwen_hd32() -> qwen2.Model:
     return build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2)
 
 
+@pytest.fixture(scope="session")
+def tiny(models_dir: Path):
+    """builtin:tiny loaded in this process: (model, tokenizer)."""
+    from exokv.model.resolve import load_model
+
+    old = os.environ.get("EXOKV_HOME")
+    os.environ["EXOKV_HOME"] = str(models_dir.parent)
+    try:
+        return load_model("builtin:tiny")
+    finally:
+        if old is None:
+            del os.environ["EXOKV_HOME"]
+        else:
+            os.environ["EXOKV_HOME"] = old
+
+
 # Tests that start ranks pass fixed --starting-port values in 25000-26999, each test
 # its own: below the ephemeral range (Linux 32768-60999, macOS 49152-65535), so no
 # port the OS hands out for an outgoing connection can take one of them mid-suite.

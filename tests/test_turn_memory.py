@@ -4,33 +4,15 @@ holds it (the tree lends the hit's K/V to the turn instead of copying it)."""
 from __future__ import annotations
 
 import gc
-import os
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import pytest
 
 from exokv.rank.engine import Engine
 from exokv.records import TurnRequest
 from tests.test_cache_budget import Carried
 
 LONG = " ".join(f"stone {i} river light" for i in range(240))  # ~2,100 tokens
-
-
-@pytest.fixture(scope="module")
-def tiny(models_dir: Path):
-    from exokv.model.resolve import load_model
-
-    old = os.environ.get("EXOKV_HOME")
-    os.environ["EXOKV_HOME"] = str(models_dir.parent)
-    try:
-        return load_model("builtin:tiny")
-    finally:
-        if old is None:
-            del os.environ["EXOKV_HOME"]
-        else:
-            os.environ["EXOKV_HOME"] = old
 
 
 def peak_of(turn, held):

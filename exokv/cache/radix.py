@@ -132,6 +132,7 @@ class Figures:
 SplitPayload = Callable[[Any, int], tuple[Any, Any]]
 SizeOf = Callable[[Any], int]
 Key = tuple[int, int]  # (last_used, id): a node's place in an LRU order
+COLD_OFFSET = 1 << 48  # put_first's times: below every clock value a tree reaches
 Resident = Callable[[Any], bool]
 
 
@@ -365,6 +366,14 @@ class RadixTree:
     def touch(self, path: Sequence[Node]) -> None:
         now = self.tick()
         for node in path:
+            self._use(node, now)
+
+    def put_first(self, nodes: Sequence[Node]) -> None:
+        """Give `nodes` an LRU time before every touched node's (a negative one, still in
+        clock order among such nodes): evicted first, until a `touch` makes them ordinary.
+        The typed-ahead draft's entries (exokv.rank.typeahead) are kept this way."""
+        now = self.tick() - COLD_OFFSET
+        for node in nodes:
             self._use(node, now)
 
     # -- checking ---------------------------------------------------------------

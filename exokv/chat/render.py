@@ -241,6 +241,9 @@ class Renderer:
             self.note("no cache statistics yet: send a message first")
             return
         self.console.print(tables.stats_table(rows, self._width()))
+        typed = tables.typeahead_line(rows[0])
+        if typed:
+            self.note(typed)
 
     def evictions(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -259,6 +262,8 @@ def status_line(r: TurnResult) -> str:
         f"TTFT {_seconds(r.ttft_s)}",
         f"{r.decode_tps:,.1f} tok/s",
     ]
+    if r.typed_ahead_tokens:  # of the cached tokens, those prefilled before Enter
+        parts.append(f"{r.typed_ahead_tokens:,} typed ahead")
     if r.evictions:
         parts.append(f"{r.evictions} eviction{'s' if r.evictions != 1 else ''}")
     if r.finish_reason == "interrupted":

@@ -42,6 +42,7 @@ from prompt_toolkit.styles import Style
 
 from exokv.chat.conversation import COMMANDS, TAKES_ARGUMENT, ChatController, Outcome
 from exokv.chat.render import BannerInfo, Renderer
+from exokv.chat.typeahead import DraftWatcher
 from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
@@ -281,17 +282,35 @@ def run_repl(
         enable_open_in_editor=False,
     )
     interrupts = _Interrupts(client, renderer)
+    watcher = _draft_watcher(chat, client, opts, session)
     with interrupts.installed(), warnings.catch_warnings():
         # A warning from a library (asyncio's "never awaited" after a signal) is noise
         # on the chat's screen; EXOKV_DEBUG=1 shows them.
         if not debug_enabled():
             warnings.simplefilter("ignore", RuntimeWarning)
-        _loop(chat, session, renderer, interrupts, transcript)
+        try:
+            _loop(chat, session, renderer, interrupts, transcript, watcher)
+        finally:
+            if watcher is not None:
+                watcher.close()
         finish = getattr(chat.hooks, "finish", None)
         if finish is not None:
             finish(chat)
     renderer.note("bye")
     return 0
+
+
+def _draft_watcher(
+    chat: ChatController, client: Client, opts: Any, session: PromptSession[str]
+) -> DraftWatcher | None:
+    """Typing ahead (exokv.chat.typeahead): on, unless --no-typeahead or there is no cache."""
+    if getattr(opts, "no_typeahead", False) or not chat.settings.use_cache:
+        return None
+    if not callable(getattr(client, "draft", None)):
+        return None
+    watcher = DraftWatcher(client, lambda: (chat.current.name, chat.current.prompt()))
+    watcher.attach(session.default_buffer)
+    return watcher
 
 
 def _loop(
@@ -300,16 +319,24 @@ def _loop(
     renderer: Renderer,
     interrupts: _Interrupts,
     transcript: Transcript | None,
+    watcher: DraftWatcher | None = None,
 ) -> None:
     while True:
         message = [("class:session", chat.current.name), ("class:arrow", " › ")]
+        if watcher is not None:
+            watcher.resume()
         try:
             line = session.prompt(message)
         except KeyboardInterrupt:
+            if watcher is not None:
+                watcher.hold(abandon=True)
             renderer.note("(Ctrl-D or /quit leaves; Ctrl-C while a reply streams stops it)")
             continue
         except EOFError:
             return
+        if watcher is not None:
+            text = line.lstrip()
+            watcher.hold(abandon=not text or (text.startswith("/") and not text.startswith("//")))
         if not line.strip():
             continue
         renderer.begin_turn()

@@ -32,6 +32,7 @@ class ChatOptions:
     memory_threshold: float = 0.9
     max_kv_size: int | None = None
     no_cache: bool = False
+    no_typeahead: bool = False  # the REPL sends no draft to the ranks (exokv.chat.typeahead)
     disk_budget: str | None = None  # the disk tier (exokv.cache.tier); see exokv.cache.tiers
     kv_bits: int | None = None
     kv_group_size: int = 64

@@ -31,6 +31,14 @@ class Client(Protocol):
         """Ask the reply being generated to end at the next token (Ctrl-C)."""
         ...
 
+    def draft(
+        self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
+    ) -> None:
+        """Prefill ahead of Enter (exokv.rank.typeahead): the conversation `messages` with
+        the user's unsent `text`, in steps the next draft or turn interrupts; "" abandons
+        it. Returns at once (`wait`: once the ranks have done all of it or given it up)."""
+        ...
+
     @property
     def budgets(self) -> list[int | None]:
         """Each rank's cache budget in bytes (None: no budget)."""

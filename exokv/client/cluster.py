@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import json
 import os
 import queue
@@ -101,6 +102,9 @@ class ClusterClient(Client):
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
+        self._drafts_over = threading.Condition()
+        self._draft_over = 0  # the latest draft rank 0 said gets no more steps
         split = parse_split(opts.split)
         if split is not None and opts.parallel == "tensor":
             raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
@@ -214,6 +218,28 @@ class ClusterClient(Client):
                 pass
 
         threading.Thread(target=send, daemon=True).start()
+
+    def draft(
+        self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
+    ) -> None:
+        """Send the draft to rank 0, which steps it while nothing else waits (rank/main.py).
+        Called from the REPL's draft thread: a failure here is the next request's to say."""
+        number = next(self._draft_ids)
+        message = {"type": "draft", "id": f"draft-{number}", "session": session}
+        try:
+            self._send({**message, "messages": list(messages), "draft": text}, fail=False)
+        except ExokvError:  # the channel's errors too
+            return
+        if wait:
+            with self._drafts_over:
+                while self._draft_over < number and not (self.failure or self._closed):
+                    self._drafts_over.wait(_POLL_S)
+
+    def _drafted(self, ident: Any) -> None:
+        number = str(ident).removeprefix("draft-")
+        with self._drafts_over:
+            self._draft_over = max(self._draft_over, int(number) if number.isdigit() else 0)
+            self._drafts_over.notify_all()
 
     # -- replies' exact tokens (the engine renders earlier replies as generated) --------
 
@@ -486,6 +512,9 @@ class ClusterClient(Client):
             except channel.ChannelError:
                 message = None
             self._last_seen = time.monotonic()
+            if message is not None and message.get("type") == "drafted":
+                self._drafted(message.get("id"))
+                continue
             if message is None:
                 self._link_lost = True
             self._inbox.put(message)

@@ -78,6 +78,12 @@ class HealingClient:
     def stop(self) -> None:
         self._inner.stop()
 
+    def draft(
+        self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
+    ) -> None:
+        # A head start only: ranks that failed are healed by the next request, not here.
+        self._inner.draft(session, messages, text, wait)
+
     def reply_tokens(self, reply: str) -> list[int] | None:
         return self._inner.reply_tokens(reply) or self._replies.get(reply)
 

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 
 from exokv.client import Client
+from exokv.client.drafts import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.kvsave import CacheFileReport
@@ -20,6 +21,8 @@ class LocalClient(Client):
         self.engine = Engine(model, tokenizer, options=options)
         self.ranks = 1
         self._stop = threading.Event()
+        self._engine_lock = threading.Lock()  # drafts run in a thread of their own
+        self._drafts = DraftRunner(self.engine.speculate, self._engine_lock)
 
     def turn(
         self,
@@ -28,7 +31,16 @@ class LocalClient(Client):
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
         self._stop.clear()
-        return self.engine.turn(request, on_text, on_progress, should_stop=self._stop.is_set)
+        self._drafts.cancel()  # the step in flight finishes (and is used), no more after it
+        with self._engine_lock:
+            return self.engine.turn(request, on_text, on_progress, should_stop=self._stop.is_set)
+
+    def draft(
+        self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
+    ) -> None:
+        serial = self._drafts.submit(session, messages, text)
+        if wait:
+            self._drafts.wait(serial)
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token (Ctrl-C)."""
@@ -44,13 +56,16 @@ class LocalClient(Client):
         return self.engine.reply_tokens(reply)
 
     def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        self.engine.remember_replies(pairs)
+        with self._engine_lock:
+            self.engine.remember_replies(pairs)
 
     # -- /save and resuming (exokv.rank.kvsave): the disk tier ----------------------
 
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """Write the conversation's cached path to the disk tier and persist the tree."""
-        report = kvsave.save_session(self.engine, session, messages)
+        self._drafts.cancel()
+        with self._engine_lock:
+            report = kvsave.save_session(self.engine, session, messages)
         tier = self.engine.coord.tier
         if tier is not None and report.tokens and tier.store.failed:
             report.warning = tier.store.failed
@@ -58,7 +73,10 @@ class LocalClient(Client):
 
     def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """How much of a resumed conversation the restored tree holds."""
-        return kvsave.on_disk(self.engine, session, messages)
+        with self._engine_lock:
+            return kvsave.on_disk(self.engine, session, messages)
 
     def close(self) -> None:
-        self.engine.close()
+        self._drafts.close()
+        with self._engine_lock:
+            self.engine.close()

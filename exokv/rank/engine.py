@@ -28,6 +28,7 @@ from exokv.config import DEFAULT_MEMORY_THRESHOLD
 from exokv.errors import PromptTooLong
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
+from exokv.rank import typeahead
 from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512
@@ -102,6 +103,7 @@ class Engine:
         self.coord = Coordinator(
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
+        self.draft_events: list[CacheEvent] = []  # speculative steps', reported by the next turn
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
@@ -180,21 +182,27 @@ class Engine:
                 context=self.context,
             )
         self.decision += 1
-        events: list[CacheEvent] = []
+        events, self.draft_events = self.draft_events, []
         use_cache = request.use_cache
         overhead = time.perf_counter()
         expect = len(tokens) + request.max_tokens  # the most tokens this turn's cache holds
+        drafted = typeahead.drafted_spans(self.cache.tree, tokens) if use_cache else []
         hit = (
             self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
             if use_cache
             else Hit(self._new_cache(), 0, [])
         )
         ran = hit.length  # tokens the cache has run
+        typed_ahead = typeahead.covered(drafted, hit.length)
         if self.coord.tier is not None:  # loads (or agreed misses) from the disk tier
             events += self.coord.tier.take_events(self.decision)
         try:
             if hit.entry is not None:
                 events.append(self._event("hit", hit.entry, request.session, hit.length))
+                if typed_ahead:
+                    used = self._event("draft-used", hit.entry, request.session, hit.length)
+                    used.tokens = typed_ahead
+                    events.append(used)
             # What the tree does not hold yet is what this turn can add to it; what the
             # turn holds besides: its cache's room up to mlx-lm's step, and a copy of
             # the hit where the tree did not lend it.
@@ -260,7 +268,49 @@ class Engine:
             events=events,
             rank_stats=stats,
             entries=entries,
+            typed_ahead_tokens=typed_ahead,
         )
+
+    def speculate(self, session: str, messages: Sequence[dict[str, str]], draft: str) -> int:
+        """One step of prefill ahead of Enter (exokv.rank.typeahead): at most SPEC_CHUNK
+        more tokens of the conversation with the draft's stable part, stored in the tree
+        as draft entries. Every rank runs the same steps; a step's one collective is its
+        plan's gather, and after it every rank is within its budget, as after a turn.
+        Returns the draft's tokens still to prefill (0: none, or nothing to do)."""
+        plan = typeahead.draft_tokens(self.render, messages, draft)
+        if plan is None or (self.context is not None and len(plan.tokens) > self.context):
+            return 0
+        tokens = plan.tokens
+        meets = self.cache.tree.match(tokens).length
+        if meets >= len(tokens):
+            return 0
+        self.decision += 1
+        events: list[CacheEvent] = []
+        drafted = typeahead.draft_ids(self.cache.tree, tokens)
+        expect = min(len(tokens), meets + typeahead.SPEC_CHUNK)
+        hit = self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
+        stop = min(len(tokens), hit.length + typeahead.SPEC_CHUNK)
+        try:
+            copied = 0 if hit.lent else hit.length
+            room = -(-stop // KVCache.step) * KVCache.step - stop
+            probe = memory.sample(self.group.rank)
+            self.coord.begin(self.decision, stop - meets + room, probe, events, copied=copied)
+            prefill(self.model, hit.cache, tokens[hit.length : stop])
+            added, changed = self._insert(tokens, hit.cache, stop, session, events)
+        finally:
+            self.cache.release(hit)
+        path = self.cache.tree.match(tokens[:stop]).path
+        typeahead.put_draft_first(self.cache.tree, path, plan.history, drafted, added, changed)
+        step = self._event("draft", path[-1], session, hit.length)
+        step.tokens = stop - hit.length
+        events.append(step)
+        self.coord.cap(self.decision, path, stop, session, events)
+        if self.coord.tier is not None:
+            events += self.coord.tier.take_events(self.decision)
+        self.draft_events += events
+        if self.cache.tree.match(tokens).length < stop:
+            return 0  # the budget did not keep it: no more steps for this draft
+        return len(tokens) - stop
 
     def _stops(self, n: int, hit: int, meets: int) -> list[int]:
         """Where prefill pauses: the prompt's end (all but its last token, which decode
@@ -280,10 +330,11 @@ class Engine:
 
     def _insert(
         self, tokens: Sequence[int], cache: list[Any], length: int, session: str, events: list
-    ) -> None:
+    ) -> tuple[list[Node], list[Node]]:
         added, changed = self.cache.insert(tokens, cache, session, length=length)
         events += [self._event("update", n, session) for n in changed]
         events += [self._event("add", n, session) for n in added]
+        return added, changed
 
     # -- replies' exact tokens (a resumed session renders as before) -----------
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from exokv.errors import ExokvError
+from exokv.rank.typeahead import DraftFeed
 from exokv.records import TurnRequest
 from exokv.wire import channel
 from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
@@ -278,6 +279,7 @@ class Rank:
         self.current: int | None = None  # the front end's number for the request in hand
         self._stop_for: int | None = None  # the request the last stop message named
         self._stop_lock = threading.Lock()
+        self.drafts = DraftFeed(on_done=self._draft_over)  # rank 0: typed-ahead drafts
         self.log_path: Path | None = None
         if os.environ.get("EXOKV_RANK_LOG", "") not in ("", "0"):
             from exokv.config import exokv_home
@@ -343,6 +345,14 @@ class Rank:
                 # A resumed session's replies as the exact tokens once generated: every
                 # rank must render them alike, so this travels like a turn.
                 engine.remember_replies([(r, t) for r, t in message["pairs"]])
+                continue
+            if kind == "draft":  # a step of prefill ahead of Enter (exokv.rank.typeahead)
+                left = engine.speculate(message["session"], message["messages"], message["draft"])
+                if self.rank == 0:
+                    self.drafts.stepped(left)
+                if self.log_path is not None:
+                    counts = {k: v - before[k] for k, v in group.counts.items()}
+                    self._log_draft(engine, counts)
                 continue
             if kind in ("save", "held"):
                 answer = self._save if kind == "save" else self._held
@@ -423,7 +433,7 @@ class Rank:
     # -- rank 0 and the channel -------------------------------------------------
 
     def _next_message(self) -> dict[str, Any]:
-        message = self.inbox.get()
+        message = self.drafts.next(self.inbox)  # the pending draft's next step, if nothing else
         if message.get("type") == "turn":
             with self._stop_lock:
                 self.current = message.get("id")
@@ -454,8 +464,21 @@ class Rank:
                     self._stop_for = message.get("id")
                     if self._stop_for == self.current:
                         self.stop.set()
-            elif kind in ("turn", "remember", "save", "held", "shutdown"):
+            elif kind in ("turn", "remember", "save", "held", "shutdown", "draft"):
                 self.inbox.put(message)
+
+    def _draft_over(self, ident: Any) -> None:
+        """Tell the front end a draft gets no more steps (a client may wait for that)."""
+        if self.link is not None and ident is not None:
+            self.link.send({"type": "drafted", "id": ident})
+
+    def _log_draft(self, engine: Any, counts: dict[str, int]) -> None:
+        """A speculative step in this rank's log: its collectives (the events come with
+        the next turn's line, as the turn reports them)."""
+        assert self.log_path is not None
+        line = {"rank": self.rank, "draft_step": engine.decision, "collectives": counts}
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _heartbeat(self) -> None:
         assert self.link is not None

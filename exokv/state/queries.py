@@ -95,6 +95,15 @@ def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
     evictions = db.execute(
         "SELECT COUNT(*) FROM cache_events WHERE run_id = ? AND kind = 'evict'", (run_id,)
     ).fetchone()[0]
+    # Typing ahead (exokv.rank.typeahead): steps and tokens prefilled before Enter, and
+    # the tokens of those turns then used.
+    typed = db.execute(
+        "SELECT COUNT(CASE WHEN kind = 'draft' THEN 1 END), "
+        "COALESCE(SUM(CASE WHEN kind = 'draft' THEN tokens END), 0), "
+        "COALESCE(SUM(CASE WHEN kind = 'draft-used' THEN tokens END), 0) "
+        "FROM cache_events WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
     return {
         "turns": row[0],
         "hits": row[1],
@@ -103,6 +112,9 @@ def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
         "prompt_tokens": row[3],
         "prefilled_tokens": row[4],
         "evictions": evictions,
+        "typeahead_steps": typed[0],
+        "typeahead_tokens": typed[1],
+        "typeahead_used": typed[2],
     }
 
 
@@ -128,6 +140,9 @@ _TOTAL_KEYS = (
     "turns",
     "prompt_tokens",
     "prefilled_tokens",
+    "typeahead_steps",
+    "typeahead_tokens",
+    "typeahead_used",
 )
 
 
@@ -146,7 +161,8 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
             "misses",
             "tokens_saved",
         )
-        + ("prompt_tokens", "prefilled_tokens", "evictions"),
+        + ("prompt_tokens", "prefilled_tokens", "evictions")
+        + ("typeahead_steps", "typeahead_tokens", "typeahead_used"),
         0,
     )
     budgets: list[int | None] = []
@@ -183,6 +199,9 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
                     "hit_rate": _ratio(counts["hits"], counts["turns"]),
                     "tokens_saved": counts["tokens_saved"],
                     "evictions": counts["evictions"],
+                    "typeahead_steps": counts["typeahead_steps"],
+                    "typeahead_tokens": counts["typeahead_tokens"],
+                    "typeahead_used": counts["typeahead_used"],
                 }
             )
     budget_total = None if not budgets or None in budgets else sum(b or 0 for b in budgets)
