@@ -9,7 +9,7 @@ from exokv.client import Client
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.kvsave import CacheFileReport
-from exokv.records import TurnRequest, TurnResult
+from exokv.records import RowOutcome, TurnRequest, TurnResult
 
 
 class LocalClient(Client):
@@ -29,6 +29,16 @@ class LocalClient(Client):
     ) -> TurnResult:
         self._stop.clear()
         return self.engine.turn(request, on_text, on_progress, should_stop=self._stop.is_set)
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+    ) -> list[RowOutcome]:
+        from exokv.rank.batch import run_batch
+
+        return run_batch(self.engine, requests, on_text, should_stop=should_stop)
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token (Ctrl-C)."""

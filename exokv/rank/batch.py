@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -31,21 +31,12 @@ from mlx_lm.sample_utils import make_sampler
 from exokv.cache import memory
 from exokv.cache.prefix_cache import Hit
 from exokv.errors import PromptTooLong
-from exokv.records import CacheEvent, TurnRequest, TurnResult
+from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 
 # Per-row callbacks: the row's index in the batch comes first.
 RowText = Callable[[int, str], None]
 RowProgress = Callable[[int, int, int], None]
 RowStop = Callable[[int], bool]
-
-
-@dataclass
-class RowOutcome:
-    """One row's end: its result, or the refusal that kept it from running."""
-
-    result: TurnResult | None = None
-    refused: PromptTooLong | None = None
-    batch: int = 1  # rows decoded together with it (1: it ran alone)
 
 
 @dataclass
@@ -82,15 +73,26 @@ def run_batch(
     on_text: RowText | None = None,
     on_progress: RowProgress | None = None,
     should_stop: RowStop | None = None,
+    on_step: Callable[[], None] | None = None,
 ) -> list[RowOutcome]:
     """Each request's turn, decoded together where the engine allows; outcomes in order.
+    on_step() is called after each decode step's text (rank 0 sends the step's pieces
+    as one message).
 
     Every rank must call this with the same requests in the same order, and pass a
     `should_stop` (only rank 0's ever says yes: the stop is agreed by a collective).
     """
 
     def row_text(i: int) -> Callable[[str], None] | None:
-        return (lambda piece: on_text(i, piece)) if on_text else None
+        if on_text is None:
+            return None
+
+        def text(piece: str) -> None:
+            on_text(i, piece)
+            if on_step is not None:  # a row alone: each piece is its step's
+                on_step()
+
+        return text
 
     def row_progress(i: int) -> Callable[[int, int], None] | None:
         return (lambda d, t: on_progress(i, d, t)) if on_progress else None
@@ -98,17 +100,23 @@ def run_batch(
     def row_stop(i: int) -> Callable[[], bool]:
         return lambda: bool(should_stop and should_stop(i))
 
-    if len(requests) == 1 or not batchable(engine) or any(not r.use_cache for r in requests):
+    # A seeded sample is reproducible alone only; without the cache, a turn is its own.
+    alone = any(not r.use_cache or (r.sample_seed is not None and r.temp > 0) for r in requests)
+    if len(requests) == 1 or alone or not batchable(engine):
         outcomes = []
         for i, request in enumerate(requests):
             try:
                 result = engine.turn(request, row_text(i), row_progress(i), row_stop(i))
             except PromptTooLong as err:  # every rank alike, before any collective
-                outcomes.append(RowOutcome(refused=err))
+                outcomes.append(_refused(err))
                 continue
             outcomes.append(RowOutcome(result=result))
         return outcomes
-    return _Batch(engine, requests, on_text, on_progress, should_stop).run()
+    return _Batch(engine, requests, on_text, on_progress, should_stop, on_step).run()
+
+
+def _refused(err: PromptTooLong) -> RowOutcome:
+    return RowOutcome(refused=str(err), tokens=err.tokens, context=err.context)
 
 
 class _Batch:
@@ -119,8 +127,10 @@ class _Batch:
         on_text: RowText | None,
         on_progress: RowProgress | None,
         should_stop: RowStop | None,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_step = on_step
         self.requests = list(requests)
         self.on_text = on_text
         self.on_progress = on_progress
@@ -159,12 +169,10 @@ class _Batch:
         tokens = engine.render(request.messages)
         if engine.context is not None and len(tokens) > engine.context:
             self.outcomes[i] = RowOutcome(
-                refused=PromptTooLong(
-                    f"the prompt is {len(tokens):,} tokens and the model's context is "
-                    f"{engine.context:,}: not run",
-                    tokens=len(tokens),
-                    context=engine.context,
-                )
+                refused=f"the prompt is {len(tokens):,} tokens and the model's context is "
+                f"{engine.context:,}: not run",
+                tokens=len(tokens),
+                context=engine.context,
             )
             return None
         engine.decision += 1
@@ -232,6 +240,8 @@ class _Batch:
             tokens = [int(t) for t in picked.tolist()]
             for r, token in zip(active, tokens, strict=True):
                 self._take(r, token, now)
+            if self.on_step is not None:
+                self.on_step()
             for r, stop in zip(active, self._agreed_stops(active), strict=True):
                 if stop and r.finish == "length":
                     r.finish = "interrupted"
@@ -246,6 +256,8 @@ class _Batch:
                 row.cache = [c.extract(j) for c in batch]
                 mx.eval([c.keys for c in row.cache])
                 self._flush(row)
+            if self.on_step is not None:
+                self.on_step()
             keep = [j for j in range(len(active)) if j not in ending]
             if not keep:
                 return
@@ -345,4 +357,53 @@ class _Batch:
             events=row.events,
             rank_stats=stats,
             entries=entries,
+        )
+
+
+def answer_batch(engine: Any, message: dict[str, Any], link: Any, stopped: set[Any]) -> None:
+    """A `batch` message from the front end, run on this rank (every rank alike); rank 0
+    (the one with a `link`) streams each row's text under the row's id, then its result.
+    `stopped` holds the ids of rows the front end asked to stop (rank 0's only)."""
+    ids = [row["id"] for row in message["rows"]]
+    requests = [TurnRequest.from_dict(row["request"]) for row in message["rows"]]
+
+    pieces: list[list[Any]] = []  # one decode step's text, sent as one message
+
+    def on_text(i: int, piece: str) -> None:
+        if piece:
+            pieces.append([ids[i], piece])
+
+    def on_step() -> None:
+        if pieces:
+            link.send({"type": "texts", "pieces": list(pieces)})
+            pieces.clear()
+
+    def on_progress(i: int, done: int, total: int) -> None:
+        link.send({"type": "progress", "id": ids[i], "done": done, "total": total})
+
+    try:
+        outcomes = run_batch(
+            engine,
+            requests,
+            on_text=on_text if link is not None else None,
+            on_progress=on_progress if link is not None else None,
+            # Every rank passes one (never true off rank 0): the stop is a collective.
+            should_stop=lambda i: ids[i] in stopped,
+            on_step=on_step if link is not None else None,
+        )
+        if link is not None:
+            on_step()  # what a row alone (one at a time) said
+    finally:
+        stopped.difference_update(ids)
+    if link is None:
+        return
+    for ident, outcome in zip(ids, outcomes, strict=True):
+        result = outcome.result
+        link.send(
+            {
+                "type": "row",
+                "id": ident,
+                "outcome": asdict(outcome),
+                "tokens": engine.reply_tokens(result.reply) if result is not None else None,
+            }
         )
