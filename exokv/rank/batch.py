@@ -154,6 +154,10 @@ class _Batch:
             for row in rows:
                 self.engine.cache.release(row.hit)
             raise
+        # Every row's cache is its own copy (nothing was lent): the paths are unlocked
+        # now, so each row's cap below may evict what the other rows fetched.
+        for row in rows:
+            self.engine.cache.release(row.hit)
         for row in rows:
             self.outcomes[row.index] = RowOutcome(
                 result=self._end(row), batch=max(len(decoding), 1)
@@ -321,19 +325,13 @@ class _Batch:
 
             ran = layers.offset(cache) or row.hit.length
         full = row.tokens + row.generated
-        try:
-            if ran > 0 and cache:
-                added, changed = engine.cache.insert(full, cache, row.request.session, length=ran)
-                coord = engine.coord
-                row.events += [
-                    coord.event("update", n, row.request.session, row.decision) for n in changed
-                ]
-                row.events += [
-                    coord.event("add", n, row.request.session, row.decision) for n in added
-                ]
-        finally:
-            row.hit.cache = None
-            engine.cache.release(row.hit)
+        if ran > 0 and cache:
+            added, changed = engine.cache.insert(full, cache, row.request.session, length=ran)
+            coord = engine.coord
+            session = row.request.session
+            row.events += [coord.event("update", n, session, row.decision) for n in changed]
+            row.events += [coord.event("add", n, session, row.decision) for n in added]
+        row.cache = None
         live = engine.cache.tree.match(full[:ran]).path
         engine.coord.cap(row.decision, live, ran, row.request.session, row.events)
         if engine.coord.tier is not None:
