@@ -174,7 +174,8 @@ class TurnQueue:
             # A seeded sample is reproducible alone only.
             alone = [j for j in jobs if j.request.sample_seed is not None and j.request.temp > 0]
             together = [j for j in jobs if j not in alone]
-            if len(together) > 1:
+            # A client without `turns` (a wrapper that does not pass it on) runs each alone.
+            if len(together) > 1 and hasattr(self.client, "turns"):
                 with self._lock:
                     self._rows = together
                 try:
