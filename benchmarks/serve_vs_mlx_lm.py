@@ -221,8 +221,9 @@ def measure(servers: dict[str, tuple[Server, str]], args: argparse.Namespace) ->
             out[name]["decode_tps"].append(tps)
         for name, (server, model) in servers.items():
             out[name]["returning_ttft_s"] += returning(server, model, args.conv_turns, trial)
-    for _name, (server, model) in servers.items():
-        many_clients(server, model, args.clients, args.turns)
+    for name, (server, model) in servers.items():
+        if name != "exokv_serial":  # its cache holds what the batched one's does
+            many_clients(server, model, args.clients, args.turns)
     return out
 
 
@@ -240,6 +241,10 @@ def main() -> None:
     p.add_argument("--conv-turns", type=int, default=4)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="exokv serve --batch (rows at most)")
+    p.add_argument(
+        "--serial", action="store_true", help="also measure exokv serve --batch 1 (one at a time)"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -256,20 +261,30 @@ def main() -> None:
     results: dict[str, Any] = {"model": args.model, "args": vars(args)}
     exokv_argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model]
     exokv_argv += ["--port", "{port}", "--disk-budget", "0", "--queue", "256"]
+    serial_argv = [*exokv_argv, "--batch", "1"]
+    exokv_argv += ["--batch", str(args.batch)]
     mlx_argv = [sys.executable, __file__, "--mlx-lm-probe", "--model", str(path)]
     mlx_argv += ["--port", "{port}", "--log-level", "INFO"]
     mlx_argv += ["--prompt-cache-size", str(args.clients * args.turns + 16)]
     exokv = Server("exokv", exokv_argv, env, "serving ")
+    serial = None
     try:
         mlx = Server("mlx_lm.server", mlx_argv, env, "Starting httpd")
+        servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
+        if args.serial:  # its own home: its cache is not the batched server's
+            serial_home = Path(tempfile.mkdtemp(prefix="serve-bench-serial-"))
+            (serial_home / "models").symlink_to(home / "models", target_is_directory=True)
+            serial_env = {**env, "EXOKV_HOME": str(serial_home)}
+            serial = Server("exokv --batch 1", serial_argv, serial_env, "serving ")
+            servers["exokv_serial"] = (serial, args.model)
         try:
-            results.update(
-                measure({"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}, args)
-            )
+            results.update(measure(servers, args))
             results["exokv"]["cache_bytes"] = exokv_cache_bytes(home)
             results["mlx_lm"]["cache_bytes"] = mlx_lm_cache_bytes(mlx)
         finally:
             mlx.stop()
+            if serial is not None:
+                serial.stop()
     finally:
         exokv.stop()
         shutil.rmtree(home, ignore_errors=True)
@@ -292,20 +307,30 @@ def report(results: dict[str, Any], as_json: bool) -> None:
         name: {"decode_tps_median": tps, "returning_ttft_s_median": ttft, "cache_bytes": size}
         for name, tps, ttft, size in rows
     }
-    (e, m) = rows
+    e, m = rows
     results["ratios"] = {
         "decode_tps_exokv_over_mlx_lm": e[1] / m[1],
         "returning_ttft_exokv_over_mlx_lm": e[2] / m[2],
         "cache_bytes_exokv_over_mlx_lm": e[3] / m[3] if m[3] > 0 else None,
     }
+    if "exokv_serial" in results:  # one at a time, beside the batched server
+        r = results["exokv_serial"]
+        tps, ttft = statistics.median(r["decode_tps"]), statistics.median(r["returning_ttft_s"])
+        results["summary"]["exokv_serial"] = {
+            "decode_tps_median": tps,
+            "returning_ttft_s_median": ttft,
+        }
+        results["ratios"]["decode_tps_batched_over_serial"] = e[1] / tps
+        rows.append(("exokv_serial", tps, ttft, -1))
     if as_json:
         print(json.dumps(results, indent=2))
         return
     print(
-        f"{'server':<10} {'decode tok/s, 8 streams':>24} {'returning TTFT':>16} {'cache bytes':>14}"
+        f"{'server':<13} {'decode tok/s, 8 streams':>24} {'returning TTFT':>16} {'cache bytes':>14}"
     )
     for name, tps, ttft, size in rows:
-        print(f"{name:<10} {tps:>24.1f} {ttft * 1000:>13.1f} ms {size:>14,}")
+        shown = f"{size:,}" if size >= 0 else "-"
+        print(f"{name:<13} {tps:>24.1f} {ttft * 1000:>13.1f} ms {shown:>14}")
     print(json.dumps(results["ratios"]))
 
 

@@ -225,6 +225,9 @@ def serve(
         help="require 'Authorization: Bearer KEY' (or set EXOKV_API_KEY)",
     ),
     queue: int = typer.Option(64, "--queue", help="requests that may wait; more get 503"),
+    batch: int = typer.Option(
+        1, "--batch", help="requests decoded together at most (1: one at a time)"
+    ),
     drain_timeout: float = typer.Option(
         30.0, "--drain-timeout", help="seconds in-flight requests get on SIGTERM/Ctrl-C"
     ),
@@ -248,6 +251,7 @@ def serve(
         port=port,
         api_key=api_key,
         queue=queue,
+        batch=batch,
         drain_s=drain_timeout,
         max_body=parse_size(max_body),
         **_shared(locals()),

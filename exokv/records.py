@@ -147,3 +147,15 @@ class TurnResult:
         result.rank_stats = [RankStats.from_dict(r) for r in data.get("rank_stats", [])]
         result.entries = [EntryInfo.from_dict(e) for e in data.get("entries", [])]
         return result
+
+
+@dataclass
+class RowOutcome:
+    """One request's end in a batch of turns (`Client.turns`): its result, or the
+    refusal (a prompt over the context) that kept it from running."""
+
+    result: TurnResult | None = None
+    refused: str | None = None  # why, in one line
+    tokens: int = 0  # the refused prompt's tokens
+    context: int = 0  # and the model's context
+    batch: int = 1  # rows decoded together with it (1: it ran alone)

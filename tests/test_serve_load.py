@@ -61,10 +61,13 @@ def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) ->
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_many_clients_at_once(tmp_path: Path, models_dir: Path, one_at_a_time, ranks: int) -> None:
+def test_many_clients_at_once(
+    tmp_path: Path, models_dir: Path, one_at_a_time, ranks: int, batch: int
+) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
-    args = ["--cache-budget", BUDGET, "--queue", str(2 * CLIENTS)]
+    args = ["--cache-budget", BUDGET, "--queue", str(2 * CLIENTS), "--batch", str(batch)]
     if ranks == 2:
         args += ["-n", "2", "--starting-port", "26720"]
     with serving(home, *args) as s:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from exokv.rank.kvsave import CacheFileReport
-from exokv.records import TurnRequest, TurnResult
+from exokv.records import RowOutcome, TurnRequest, TurnResult
 
 
 class Client(Protocol):
@@ -37,6 +37,17 @@ class Client(Protocol):
         """Prefill ahead of Enter (exokv.rank.typeahead): the conversation `messages` with
         the user's unsent `text`, in steps the next draft or turn interrupts; "" abandons
         it. Returns at once (`wait`: once the ranks have done all of it or given it up)."""
+        ...
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+    ) -> list[RowOutcome]:
+        """Several requests' turns decoded together (exokv.rank.batch), outcomes in order;
+        on_text(row, piece) streams each row, should_stop(row) ends one row (agreed by
+        every rank within a decode step)."""
         ...
 
     @property

@@ -42,7 +42,7 @@ from exokv.client import Client
 from exokv.config import parse_budgets
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.records import TurnRequest, TurnResult
+from exokv.records import RowOutcome, TurnRequest, TurnResult
 from exokv.wire import channel
 from exokv.wire.launch import (
     BEAT_MARK,
@@ -199,6 +199,16 @@ class ClusterClient(Client):
                 # so the caches stay the same everywhere; then let the caller see Ctrl-C.
                 interrupted = True
                 self.stop()
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+    ) -> list[RowOutcome]:
+        from exokv.client.batch import cluster_turns
+
+        return cluster_turns(self, requests, on_text, should_stop)
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token, on every rank.

@@ -29,7 +29,7 @@ from exokv.client.cluster import ClusterClient
 from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.rank.kvsave import CacheFileReport
-from exokv.records import CacheEvent, TurnRequest, TurnResult
+from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 
 T = TypeVar("T")
 BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one
@@ -74,6 +74,21 @@ class HealingClient:
             result.events.insert(0, _restart_event(why, result.decision, result.ranks))
         self._restarted = []
         return result
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+    ) -> list[RowOutcome]:
+        # A batch the ranks die in runs again whole on the new ranks, as a turn does.
+        outcomes = self._healing(lambda c: c.turns(requests, on_text, should_stop))
+        for outcome in outcomes:
+            result = outcome.result
+            tokens = self._inner.reply_tokens(result.reply) if result else None
+            if result and tokens:
+                self._keep(result.reply, tokens)
+        return outcomes
 
     def stop(self) -> None:
         self._inner.stop()

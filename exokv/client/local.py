@@ -10,7 +10,7 @@ from exokv.client.drafts import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.kvsave import CacheFileReport
-from exokv.records import TurnRequest, TurnResult
+from exokv.records import RowOutcome, TurnRequest, TurnResult
 
 
 class LocalClient(Client):
@@ -41,6 +41,16 @@ class LocalClient(Client):
         serial = self._drafts.submit(session, messages, text)
         if wait:
             self._drafts.wait(serial)
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+    ) -> list[RowOutcome]:
+        from exokv.rank.batch import run_batch
+
+        return run_batch(self.engine, requests, on_text, should_stop=should_stop)
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token (Ctrl-C)."""

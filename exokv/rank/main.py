@@ -278,6 +278,7 @@ class Rank:
         self.stop = threading.Event()  # the reply in hand must end (Ctrl-C)
         self.current: int | None = None  # the front end's number for the request in hand
         self._stop_for: int | None = None  # the request the last stop message named
+        self.stopped_rows: set[int] = set()  # rows of a batch the front end stopped
         self._stop_lock = threading.Lock()
         self.drafts = DraftFeed(on_done=self._draft_over)  # rank 0: typed-ahead drafts
         self.log_path: Path | None = None
@@ -361,6 +362,11 @@ class Rank:
                     self.link.send(
                         {"type": "report", "id": message.get("id"), "report": report.to_dict()}
                     )
+                continue
+            if kind == "batch":  # several requests decoded together (exokv.rank.batch)
+                from exokv.rank.batch import answer_batch
+
+                answer_batch(engine, message, self.link, self.stopped_rows)
                 continue
             if kind != "turn":
                 if kind == "shutdown":
@@ -460,11 +466,12 @@ class Rank:
                 return
             kind = message["type"]
             if kind == "stop":
+                self.stopped_rows.add(message.get("id"))  # a batch's row, if it is one
                 with self._stop_lock:
                     self._stop_for = message.get("id")
                     if self._stop_for == self.current:
                         self.stop.set()
-            elif kind in ("turn", "remember", "save", "held", "shutdown", "draft"):
+            elif kind in ("turn", "batch", "remember", "save", "held", "shutdown", "draft"):
                 self.inbox.put(message)
 
     def _draft_over(self, ident: Any) -> None:

@@ -79,6 +79,8 @@ class _Request:
             ]
         if job is not None and job.ttft_s is not None:
             parts.append(f"ttft={job.ttft_s:.3f}s")
+        if job is not None and job.batch > 1:
+            parts.append(f"batch={job.batch}")  # decoded together with batch-1 others
         parts.append(f"time={time.perf_counter() - self.started:.3f}s")
         if stream:
             parts.append("stream")

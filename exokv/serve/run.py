@@ -28,6 +28,7 @@ class ServeOptions(ChatOptions):
     queue: int = 64  # requests waiting for the ranks; more get 503
     drain_s: float = 30.0  # on SIGTERM/Ctrl-C, how long in-flight requests may take
     max_body: int = api.Limits.body_bytes
+    batch: int = 1  # requests decoded together at most (1: one at a time)
 
 
 def check(opts: ServeOptions) -> list[str]:
@@ -37,6 +38,8 @@ def check(opts: ServeOptions) -> list[str]:
         raise UsageError(f"--port {opts.port}: use 0-65535 (0: any free port)")
     if opts.queue < 1:
         raise UsageError(f"--queue {opts.queue}: at least 1")
+    if opts.batch < 1:
+        raise UsageError(f"--batch {opts.batch}: at least 1 (1: one request at a time)")
     if opts.drain_s < 0:
         raise UsageError(f"--drain-timeout {opts.drain_s}: 0 or more seconds")
     if opts.api_key is not None and not opts.api_key.strip():
@@ -111,7 +114,13 @@ def run_serve(opts: ServeOptions) -> int:
             if server is not None:
                 server.should_exit = True
 
-        queue = TurnQueue(client, opts.queue, record=_Recorder(hooks), on_failure=on_failure)
+        queue = TurnQueue(
+            client,
+            opts.queue,
+            record=_Recorder(hooks),
+            on_failure=on_failure,
+            batch=opts.batch,
+        )
         shown, names = model_names(opts.model)
         service = Service(
             model=shown,

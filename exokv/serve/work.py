@@ -1,8 +1,11 @@
-"""The queue between the HTTP requests and the client: one turn at a time, bounded.
+"""The queue between the HTTP requests and the client: turns in batches, bounded.
 
-The ranks run one turn at a time, so requests wait in a bounded queue (a full one is
-a 503 with Retry-After) and one worker thread feeds them to the client — the same
-`client.turn` the chat calls. Each job's text and its end travel back to the event
+Requests wait in a bounded queue (a full one is a 503 with Retry-After) and one
+worker thread feeds them to the client: with `batch` 1, one at a time through the
+same `client.turn` the chat calls; above, every waiting job (up to `batch`) at once
+through `client.turns`, which decodes them together (exokv.rank.batch), and a lone
+job still through `client.turn`. A job seeded for sampling runs alone (a seed is
+reproducible only so). Each job's text and its end travel back to the event
 loop on an asyncio queue. A job whose client went away is skipped if it still waits,
 or stopped with the client's own stop (the chat's Ctrl-C path: every rank ends the
 reply at the same token, and the cache keeps what was computed, as after a Ctrl-C).
@@ -42,6 +45,7 @@ class Job:
         self.first_text: float | None = None  # when its first text was sent
         self.reply = ""  # the text sent: the reply, cut at a stop string
         self.result: TurnResult | None = None
+        self.batch = 1  # requests decoded together with this one (the access log says)
 
     @property
     def ttft_s(self) -> float | None:
@@ -68,7 +72,8 @@ class Job:
 
 
 class TurnQueue:
-    """A bounded queue of jobs and the one thread that runs them through `client.turn`."""
+    """A bounded queue of jobs and the one thread that runs them through the client:
+    up to `batch` waiting jobs at a time, decoded together."""
 
     def __init__(
         self,
@@ -76,8 +81,12 @@ class TurnQueue:
         size: int,
         record: Callable[[Job], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
+        batch: int = 1,
     ) -> None:
         self.client = client
+        self.batch = max(1, batch)
+        self._rows: list[Job] = []  # the batch being decoded, if any
+        self._halt = False  # close(): every row of the batch stops
         self.record = record  # called in the worker after each turn that ran
         self.on_failure = on_failure  # the ranks are gone: the server must end
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=size)
@@ -93,7 +102,7 @@ class TurnQueue:
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return self._current is not None or bool(self._rows)
 
     def submit(self, job: Job) -> None:
         if self._closing:
@@ -130,6 +139,7 @@ class TurnQueue:
             if job is not None:
                 job.fail(ApiError(503, "the server is shutting down"))
         with self._lock:
+            self._halt = True  # a batch's rows see it at their next decode step
             if self._current is not None:
                 self._stop(self._current)
         self._jobs.put(None)
@@ -147,16 +157,91 @@ class TurnQueue:
             job = self._jobs.get()
             if job is None:
                 return
-            if job.cancelled.is_set():  # its client left while it waited: nothing ran
-                job.fail(ApiError(499, "the client closed the request before it ran"))
-                continue
-            with self._lock:
-                self._current = job
-            try:
-                self._run(job)
-            finally:
+            jobs, last = [job], False
+            while len(jobs) < self.batch:  # the others waiting now join it
+                try:
+                    more = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    last = True
+                    break
+                jobs.append(more)
+            for job in jobs:
+                if job.cancelled.is_set():  # its client left while it waited: nothing ran
+                    job.fail(ApiError(499, "the client closed the request before it ran"))
+            jobs = [j for j in jobs if not j.finished]
+            # A seeded sample is reproducible alone only.
+            alone = [j for j in jobs if j.request.sample_seed is not None and j.request.temp > 0]
+            together = [j for j in jobs if j not in alone]
+            # A client without `turns` (a wrapper that does not pass it on) runs each alone.
+            if len(together) > 1 and hasattr(self.client, "turns"):
                 with self._lock:
-                    self._current = None
+                    self._rows = together
+                try:
+                    self._run_batch(together)
+                finally:
+                    with self._lock:
+                        self._rows = []
+            else:
+                alone = together + alone
+            for job in alone:
+                with self._lock:
+                    self._current = job
+                try:
+                    self._run(job)
+                finally:
+                    with self._lock:
+                        self._current = None
+            if last:
+                return
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        def on_text(i: int, piece: str) -> None:
+            job = jobs[i]
+            if not (job.cancelled.is_set() or job.stop_text.hit):
+                job.text(job.stop_text.feed(piece))
+
+        def should_stop(i: int) -> bool:
+            job = jobs[i]
+            return self._halt or job.cancelled.is_set() or job.stop_text.hit
+
+        try:
+            outcomes = self.client.turns(
+                [j.request for j in jobs], on_text=on_text, should_stop=should_stop
+            )
+        except Exception as err:  # noqa: BLE001 - the batch fails, the server stays up
+            for job in jobs:
+                self._failed(job, err)
+            return
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            job.batch = outcome.batch
+            if outcome.refused is not None:
+                job.fail(_too_long(outcome.tokens, outcome.context))
+            elif outcome.result is not None:
+                self._finish(job, outcome.result)
+
+    def _failed(self, job: Job, err: Exception) -> None:
+        """A turn that raised: the request's error, and the server's end if the ranks are gone."""
+        if isinstance(err, PromptTooLong):
+            job.fail(_too_long(err.tokens, err.context))
+        elif isinstance(err, ExokvError):
+            job.fail(ApiError(500, f"the turn failed: {err}"))
+            failure = getattr(self.client, "failure", None)  # the ranks are gone
+            if failure and self.on_failure is not None:
+                self.on_failure(failure)
+        else:
+            job.fail(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+
+    def _finish(self, job: Job, result: TurnResult) -> None:
+        job.text(job.stop_text.flush())
+        if self.record is not None:
+            try:
+                job.result = result
+                self.record(job)
+            except ExokvError as err:  # the store failed: the reply is still good
+                print(f"exokv: warning: turn not recorded: {err}", file=sys.stderr, flush=True)
+        job.done(result)
 
     def _run(self, job: Job) -> None:
         def on_text(piece: str) -> None:
@@ -173,31 +258,17 @@ class TurnQueue:
 
         try:
             result = self.client.turn(job.request, on_text=on_text, on_progress=on_progress)
-        except PromptTooLong as err:
-            job.fail(
-                ApiError(
-                    400,
-                    f"This model's maximum context length is {err.context:,} tokens; your "
-                    f"messages are {err.tokens:,} tokens. Shorten them.",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-            )
-            return
-        except ExokvError as err:
-            job.fail(ApiError(500, f"the turn failed: {err}"))
-            failure = getattr(self.client, "failure", None)  # the ranks are gone
-            if failure and self.on_failure is not None:
-                self.on_failure(failure)
-            return
         except Exception as err:  # noqa: BLE001 - one request fails, the server stays up
-            job.fail(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+            self._failed(job, err)
             return
-        job.text(job.stop_text.flush())
-        if self.record is not None:
-            try:
-                job.result = result
-                self.record(job)
-            except ExokvError as err:  # the store failed: the reply is still good
-                print(f"exokv: warning: turn not recorded: {err}", file=sys.stderr, flush=True)
-        job.done(result)
+        self._finish(job, result)
+
+
+def _too_long(tokens: int, context: int) -> ApiError:
+    return ApiError(
+        400,
+        f"This model's maximum context length is {context:,} tokens; your "
+        f"messages are {tokens:,} tokens. Shorten them.",
+        param="messages",
+        code="context_length_exceeded",
+    )

@@ -1,0 +1,146 @@
+"""`exokv serve --batch 8`: concurrent requests decoded together, with the real openai client.
+
+Eight requests wait while a first one runs; when it ends they are taken as one batch
+(the access log says batch=8). Their replies equal the one-at-a-time replies, each
+rank stays within its budget after every request, and a client that leaves mid-stream
+stops its own row only.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from exokv.config import parse_size
+from exokv.state.store import db_path
+from tests.chat_helpers import home_with_models
+from tests.serve_helpers import MODEL, raw, serving
+
+SYSTEM = "You are the shared assistant of the batch test; answer every client briefly."
+MAX_TOKENS = [6, 12, 3, 9, 16, 5, 10, 8]
+LEAVER = 3  # this client streams a long reply and leaves after a few pieces
+BUDGET = "64KB"
+
+
+def messages(client: int) -> list[dict[str, str]]:
+    line = f"client {client} asks about topic {client * 7 % 11}" + " please" * (client % 3)
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": line}]
+
+
+def ask(api, client: int) -> str:
+    """Client `client`'s reply: odd clients stream it, even ones take it whole."""
+    if client % 2:
+        stream = api.chat.completions.create(
+            model=MODEL,
+            messages=messages(client),
+            max_tokens=MAX_TOKENS[client],
+            temperature=0,
+            stream=True,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    done = api.chat.completions.create(
+        model=MODEL, messages=messages(client), max_tokens=MAX_TOKENS[client], temperature=0
+    )
+    return done.choices[0].message.content
+
+
+def leave_mid_stream(api, pieces: int = 3) -> int:
+    """Stream a 30000-token reply and leave after `pieces` pieces; how many came."""
+    stream = api.chat.completions.create(
+        model=MODEL, messages=messages(LEAVER), max_tokens=30000, temperature=0, stream=True
+    )
+    got = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            got += 1
+            if got == pieces:
+                break
+    stream.close()
+    return got
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> list[str]:
+    home = home_with_models(tmp_path_factory.mktemp("batch-ref") / "h", models_dir, link=True)
+    with serving(home) as s:  # --batch 1: today's one request at a time
+        api = s.client()
+        return [ask(api, c) for c in range(len(MAX_TOKENS))]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_concurrent_requests_are_decoded_in_one_batch(
+    tmp_path: Path, models_dir: Path, one_at_a_time: list[str], ranks: int
+) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    args = ["--batch", "8", "--queue", "16", "--cache-budget", BUDGET]
+    if ranks == 2:
+        args += ["-n", "2", "--starting-port", "26760"]
+    with serving(home, *args) as s:
+        # A first request holds the ranks (2000 tokens, some seconds) while the eight
+        # arrive and wait; when it ends they are taken together.
+        apis = [s.client() for _ in MAX_TOKENS]  # made before: the eight queue at once
+        with ThreadPoolExecutor(len(MAX_TOKENS) + 1) as pool:
+            blocker = pool.submit(
+                lambda: s.client().chat.completions.create(
+                    model=MODEL, messages=messages(99), max_tokens=2000, temperature=0
+                )
+            )
+            deadline = time.monotonic() + 60
+            while not raw(s.url + "/health")[2]["busy"]:
+                assert time.monotonic() < deadline, "the first request did not start"
+                time.sleep(0.05)
+            clients = [c for c in range(len(MAX_TOKENS)) if c != LEAVER]
+            replies = {c: pool.submit(ask, apis[c], c) for c in clients}
+            left = pool.submit(leave_mid_stream, apis[LEAVER])
+            while raw(s.url + "/health")[2]["waiting"] < len(MAX_TOKENS):
+                assert time.monotonic() < deadline, "the eight requests did not queue"
+                assert not blocker.done(), (s.access(), raw(s.url + "/health"))
+                time.sleep(0.05)
+            assert left.result(timeout=300) == 3
+            got = {c: f.result(timeout=300) for c, f in replies.items()}
+        assert got == {c: one_at_a_time[c] for c in clients}
+        assert s.proc.poll() is None and raw(s.url + "/health")[2]["status"] == "ok"
+        # The access log: the eight were decoded as one batch; the leaver stopped early.
+        done = s.wait_log(lambda x: " /v1/" in x and "batch=8" in x and " 200 " in x)
+        assert len(done) == len(clients), s.access()
+        gone = [x for x in s.access(499) if "batch=8" in x]
+        assert len(gone) == 1 and "finish=interrupted" in gone[0], s.access()
+        completion = int(gone[0].split("completion=")[1].split()[0])
+        assert 3 <= completion < 30000
+        # A later request still runs, and is served from the cache the batch left.
+        again = apis[0].chat.completions.create(
+            model=MODEL, messages=messages(0), max_tokens=MAX_TOKENS[0], temperature=0
+        )
+        assert again.choices[0].message.content == one_at_a_time[0]
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+    budget = parse_size(BUDGET)
+    with sqlite3.connect(db_path(home)) as db:
+        samples = db.execute(
+            "SELECT rank, cache_bytes FROM memory_samples WHERE run_id = (SELECT MAX(id) FROM runs)"
+        ).fetchall()
+    assert {r for r, _ in samples} == set(range(ranks))
+    assert len(samples) >= ranks * (len(MAX_TOKENS) + 1)  # one per rank after each request
+    over = [(r, b) for r, b in samples if b > budget]
+    assert not over, over
+
+
+def test_batch_must_be_at_least_one(tmp_path: Path, models_dir: Path) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "exokv", "serve", "--model", MODEL, "--batch", "0"],
+        env={**os.environ, "EXOKV_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--batch 0: at least 1" in run.stderr
+    assert "Traceback" not in run.stderr
