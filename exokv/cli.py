@@ -146,7 +146,7 @@ def chat(
 
 @app.command()
 def models(json_out: bool = typer.Option(False, "--json", help="one JSON document")) -> None:
-    """List the builtin models and the models found locally."""
+    """List the default model, the builtins and the models found locally (HF cache, ollama)."""
     import json
 
     from rich.console import Console
@@ -158,7 +158,10 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print("builtin: and zoo models are generated on first use; --json adds paths and params")
+    print(
+        "smollm2 is fetched once per machine and builtin: models generated on first use; "
+        "--json adds paths, params and sources"
+    )
 
 
 @app.command()

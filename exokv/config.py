@@ -9,7 +9,7 @@ from pathlib import Path
 
 from exokv.errors import UsageError
 
-DEFAULT_MODEL = "builtin:small"
+DEFAULT_MODEL = "smollm2"
 DEFAULT_MEMORY_THRESHOLD = 0.9
 
 _UNITS = {
@@ -41,6 +41,22 @@ def exokv_home() -> Path:
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
     return base / "exokv"
+
+
+def machine_models_dir() -> Path:
+    """Converted real models, shared by every EXOKV_HOME on this machine.
+
+    EXOKV_MODELS, else the platform's per-user cache dir: a conversion is
+    redone from its source if lost, and tests and sessions share one copy.
+    """
+    env = os.environ.get("EXOKV_MODELS")
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "exokv" / "models"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "exokv" / "models"
 
 
 def default_model() -> str:

@@ -77,3 +77,15 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
     )
     return home / "models"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted for mlx-lm: fetched and converted once per machine.
+
+    It lives in the machine's models folder (EXOKV_MODELS or the user's cache dir),
+    shared by every test and session; real-model tests keep --max-tokens small.
+    """
+    from exokv.model.smollm2 import ensure_smollm2
+
+    return ensure_smollm2()

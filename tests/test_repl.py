@@ -486,7 +486,7 @@ def test_resume_without_model_keeps_the_sessions_model(tmp_path: Path, models: P
     finally:
         code = term.close()
     assert code == 0, term.text[-2000:]
-    assert "builtin:small" not in term.text
+    assert "smollm2" not in term.text
     assert _num(status.group(2)) > 0  # the saved KV cache of the same model served the turn
 
 

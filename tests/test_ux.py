@@ -130,7 +130,7 @@ def test_resume_keeps_model_system_and_max_kv_size(tmp_path: Path, models_dir: P
                       home, env=env)  # fmt: skip
     assert again.returncode == 0, again.stderr.decode()
     err = again.stderr.decode()
-    assert "resuming 'pasta' on builtin:tiny" in err and "builtin:small" not in err
+    assert "resuming 'pasta' on builtin:tiny" in err and "smollm2" not in err
     assert json.loads(again.stdout)["cached_tokens"] > 0  # its own KV cache was used
     info = json.loads(exokv_text(home, "sessions", "show", "pasta", "--json").stdout)
     stored = (info["model"], info["system"], info["max_kv_size"])

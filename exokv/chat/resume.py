@@ -39,7 +39,9 @@ def resolve(session: str | None, model: str | None, max_kv_size: int | None) -> 
         notes = [f"resuming {session!r} on {was}"]
     elif model is None:
         model = default_model()
-        notes = [f"using {model} (choose a real one with --model PATH_OR_REPO or EXOKV_MODEL)"]
+        notes = [
+            f"using {model} (choose another with --model or EXOKV_MODEL; `exokv models` lists them)"
+        ]
     elif was and was != model:
         notes = [
             f"session {session!r} was on {was}; it continues on {model} as asked "

