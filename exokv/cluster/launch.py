@@ -32,7 +32,7 @@ from exokv.errors import ExokvError, UsageError
 LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 # Settings a rank on another machine should see as this one does (never secrets).
-FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG")
+FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG", "EXOKV_TEST_FAIL_AT")
 
 
 @dataclass

@@ -44,6 +44,8 @@ BOOTSTRAP_TIMEOUT = 60.0
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
 SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
+# Tests only: "RANK:PHASE" (PHASE prefill, decode or insert) makes that rank raise there.
+FAIL_AT_ENV = "EXOKV_TEST_FAIL_AT"
 
 
 class CountingGroup:
@@ -239,6 +241,24 @@ def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: lis
     return model, tokenizer
 
 
+def inject_failure(engine: Any, rank: int, spec: str) -> None:
+    """Tests only (FAIL_AT_ENV): make `engine` raise on `rank` when the turn reaches a
+    phase, as a real failure there would (a full disk, memory, a broken kernel)."""
+    if not spec:
+        return
+    who, _, phase = spec.partition(":")
+    methods = {"prefill": "_prefill", "decode": "_decode", "insert": "_insert"}
+    if phase not in methods or not who.isdigit():
+        raise ExokvError(f"{FAIL_AT_ENV}={spec!r}: use RANK:{'|'.join(methods)}")
+    if int(who) != rank:
+        return
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected failure in {phase} ({FAIL_AT_ENV})")
+
+    setattr(engine, methods[phase], fail)
+
+
 def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) -> dict[str, Any]:
     """Rank 0's next message on every rank, checked to be the step this rank expects.
 
@@ -318,6 +338,7 @@ class Rank:
                 **tier_options(args, rank=self.rank, layout=self._layout()),
             ),
         )
+        inject_failure(engine, self.rank, os.environ.get(FAIL_AT_ENV, ""))
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, args.wake_host)
         # Startup only, not per turn: every rank's effective budget for the front end.
@@ -372,6 +393,10 @@ class Rank:
                 if self.link is not None:
                     self.link.send({"type": "refused", "id": self.current, "message": str(err)})
                 continue
+            # The turn ends on every rank together: a rank that failed in it has exited
+            # (its error on stderr, named by the front end), so this collective fails on
+            # the others instead of rank 0 reporting a reply that rank did not finish.
+            group.any(False)
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
                 self.link.send(
