@@ -308,14 +308,16 @@ class Rank:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> int:
-        from exokv.cache.tiers import tier_options
-        from exokv.engine import Engine, EngineOptions, PromptTooLong
-
         if self.link is not None:
-            # Liveness and commands flow while the model loads, so a slow load is not a hang.
+            # Liveness and commands flow while the model loads, so a slow load is not a
+            # hang; and from the moment the channel is up: importing the engine (mlx-lm,
+            # transformers) takes seconds, past the front end's 10 s on a loaded machine.
             threading.Thread(target=self._heartbeat, daemon=True).start()
             threading.Thread(target=self._read_channel, daemon=True).start()
             self.link.send({"type": "status", "message": "loading the model"})
+        from exokv.cache.tiers import tier_options
+        from exokv.engine import Engine, EngineOptions, PromptTooLong
+
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
         model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
