@@ -345,8 +345,8 @@ def bench_engine(
     from mlx_lm import load
 
     from exokv.cache.prefix_cache import Payload
-    from exokv.engine import Engine, EngineOptions
     from exokv.model.builtin import ensure_builtin
+    from exokv.rank.engine import Engine, EngineOptions
     from exokv.records import TurnRequest
 
     model, tokenizer = load(str(ensure_builtin("tiny")))

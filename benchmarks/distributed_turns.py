@@ -22,10 +22,10 @@ import statistics
 from typing import Any
 
 from exokv.chat.run import ChatOptions
-from exokv.cluster.client import ClusterClient
+from exokv.client.cluster import ClusterClient
 from exokv.config import exokv_home
-from exokv.engine import Engine, EngineOptions
 from exokv.model.resolve import load_model
+from exokv.rank.engine import Engine, EngineOptions
 from exokv.records import TurnRequest
 
 WORDS = (

@@ -24,9 +24,9 @@ from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from exokv.chat.run import ChatOptions
-from exokv.cluster.client import ClusterClient
-from exokv.engine import Engine, EngineOptions
+from exokv.client.cluster import ClusterClient
 from exokv.model.resolve import load_model
+from exokv.rank.engine import Engine, EngineOptions
 from exokv.records import TurnRequest
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."

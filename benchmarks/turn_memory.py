@@ -16,8 +16,8 @@ import gc
 import mlx.core as mx
 
 from exokv.bench.strategies import Carried, MlxLmLru
-from exokv.engine import Engine
 from exokv.model.resolve import load_model
+from exokv.rank.engine import Engine
 from exokv.records import TurnRequest
 
 

@@ -13,8 +13,8 @@ import argparse
 import json
 import statistics
 
-from exokv.engine import Engine, EngineOptions
 from exokv.model.resolve import load_model
+from exokv.rank.engine import Engine, EngineOptions
 from exokv.records import TurnRequest
 
 WORDS = (

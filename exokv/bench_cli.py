@@ -16,7 +16,10 @@ BENCH_DEFAULT_MODEL = "builtin:base"
 
 def bench(
     model: str = typer.Option(
-        None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
+        None,
+        "--model",
+        "-m",
+        help="builtin:NAME, smollm2, a path, a .gguf, ollama:NAME or a HF repo id",
     ),
     ranks: int = typer.Option(
         1, "--ranks", "-n", help="ranks on this machine, started by mlx.launch"

@@ -69,7 +69,10 @@ def chat(
         show_default=False,
     ),
     model: str = typer.Option(
-        None, "--model", "-m", help="builtin:tiny|small|base, a path or a HF repo id"
+        None,
+        "--model",
+        "-m",
+        help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
     ),
     system: str = typer.Option(None, "--system", help="system prompt"),
     max_tokens: int = typer.Option(256, "--max-tokens", help="most tokens per reply"),
@@ -158,10 +161,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print(
-        "smollm2 is fetched once per machine and builtin: models generated on first use; "
-        "--json adds paths, params and sources"
-    )
+    print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
 
 
 @app.command()

@@ -18,8 +18,8 @@ import time
 
 import mlx.core as mx
 
-from exokv.engine import Engine, EngineOptions, prefill
 from exokv.model.resolve import load_model
+from exokv.rank.engine import Engine, EngineOptions, prefill
 
 
 def main() -> None:

@@ -66,11 +66,35 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32") -> Path:
             writer.add_tensor(tensor, gguf.quants.quantize(value, kind), raw_dtype=kind)
         else:
             writer.add_tensor(tensor, value.astype(np.float32))
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(config, scaling))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _llama3_factors(config: dict[str, Any], scaling: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter stores for Llama 3's RoPE scaling: one factor per frequency."""
+    import math
+
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    base, factor = config.get("rope_theta", 10000.0), scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _write_config(writer: Any, config: dict[str, Any], arch: str) -> None:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from exokv.cache import layers
-from exokv.engine import Engine, EngineOptions, decode, prefill
+from exokv.rank.engine import Engine, EngineOptions, decode, prefill
 from exokv.records import TurnRequest
 from tests.test_cache_kinds import KINDS, model_for, stored_bytes
 

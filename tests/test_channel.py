@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 from exokv.chat.run import ChatOptions
-from exokv.cluster import channel
-from exokv.cluster.client import ClusterClient
+from exokv.client.cluster import ClusterClient
 from exokv.records import TurnRequest
+from exokv.wire import channel
 
 
 def pair(limit: int = channel.MAX_MESSAGE) -> tuple[channel.Connection, channel.Connection]:

@@ -23,10 +23,10 @@ import pytest
 from chat_helpers import home_with_models
 
 from exokv.chat.run import ChatOptions
-from exokv.cluster.client import ClusterClient, diagnose, parse_split
-from exokv.cluster.launch import FORWARDED_ENV, plan_launch, read_hostfile
+from exokv.client.cluster import ClusterClient, diagnose, parse_split
 from exokv.errors import UsageError
 from exokv.records import TurnRequest
+from exokv.wire.launch import FORWARDED_ENV, plan_launch, read_hostfile
 
 SCRIPT = [
     "Hello, who are you?",
@@ -138,12 +138,12 @@ def replies(turns: list[dict[str, Any]]) -> list[str]:
 
 
 def test_plan_local_ranks_use_mlx_launch_on_loopback() -> None:
-    plan = plan_launch(["python", "-m", "exokv.cluster.rank"], ranks=3, starting_port=25000)
+    plan = plan_launch(["python", "-m", "exokv.rank.main"], ranks=3, starting_port=25000)
     argv = plan.argv
     assert Path(argv[0]).name == "mlx.launch"
     assert argv[argv.index("-n") + 1] == "3"
     assert argv[argv.index("--starting-port") + 1] == "25000"
-    assert argv[argv.index("--") + 1 :] == ["python", "-m", "exokv.cluster.rank"]
+    assert argv[argv.index("--") + 1 :] == ["python", "-m", "exokv.rank.main"]
     assert plan.local and plan.bind_host == "127.0.0.1" and plan.ranks == 3
     assert not any("--env" == a for a in argv), "local ranks inherit the environment"
 
@@ -196,8 +196,8 @@ def test_bad_launch_options_fail_before_launching(tmp_path: Path) -> None:
 def test_unreachable_host_fails_before_launching(monkeypatch) -> None:
     import threading
 
-    from exokv.cluster import launch
     from exokv.errors import ExokvError
+    from exokv.wire import launch
 
     sshd = socket.create_server(("127.0.0.1", 0))  # greets like an ssh server
 
@@ -274,7 +274,7 @@ def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path
     assert [t["cached_tokens"] for t in two] == [t["cached_tokens"] for t in one]
 
     # One collective per turn for the cache decision, counted by wrapping the group
-    # (exokv.cluster.rank.CountingGroup) on each rank; one broadcast carries the request.
+    # (exokv.rank.main.CountingGroup) on each rank; one broadcast carries the request.
     for rank in (0, 1):
         log = rank_log(home, rank)
         assert len(log) == len(SCRIPT)
@@ -442,7 +442,7 @@ def test_ranks_end_when_the_front_end_is_killed(
     assert not alive, "ranks outlived their front end"
     assert chat.leftovers() == []
     # The ranks remove the launcher's folder as they go; the next chat would otherwise.
-    from exokv.cluster.client import _sweep_scratch
+    from exokv.client.cluster import _sweep_scratch
 
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _sweep_scratch()
@@ -454,7 +454,7 @@ def _rank_processes(chat: Chat) -> list[psutil.Process]:
     found = []
     for p in chat.seen.values():
         try:
-            if p.is_running() and "exokv.cluster.rank" in " ".join(p.cmdline()):
+            if p.is_running() and "exokv.rank.main" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:
             continue  # e.g. the launcher's short-lived mktemp, a zombie for an instant

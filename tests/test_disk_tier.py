@@ -10,7 +10,7 @@ import pytest
 
 from exokv.cache import layers
 from exokv.cache.disk import decode, encode
-from exokv.engine import Engine, EngineOptions
+from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
 from tests.test_cache_budget import chats, engine_for, play, tokenizer  # noqa: F401
 from tests.test_cache_kinds import KINDS, VOCAB, model_for
@@ -194,7 +194,7 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
 def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path):  # noqa: F811
     """/save copies count against the disk budget; when a spill finds no entry on disk to
     drop, the oldest copy's file goes (its entry stays in RAM) rather than the spill."""
-    from exokv.chat import kvsave
+    from exokv.rank import kvsave
     from exokv.records import TurnRequest
     from tests.test_cache_budget import _with_replies
 

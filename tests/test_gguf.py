@@ -111,6 +111,29 @@ def test_float32_gguf_replies_equal_the_source(env: dict[str, Any], family: str)
     assert converted["tie_word_embeddings"] == original.get("tie_word_embeddings", True)
 
 
+def test_llama3_rope_scaling_is_read_back(env: dict[str, Any]) -> None:
+    """Llama 3.1+ files keep RoPE scaling as rope_freqs only: mlx-lm's four numbers come back."""
+    import shutil
+
+    source = env["root"] / "llama3-tiny"
+    shutil.copytree(env["home"] / "models" / SOURCES["llama"], source)
+    config = json.loads((source / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (source / "config.json").write_text(json.dumps(config))
+    path = write_gguf(source, env["root"] / "llama3.gguf")
+    from exokv.model.resolve import resolve_model
+
+    converted = json.loads((resolve_model(str(path)) / "config.json").read_text())
+    assert converted["rope_scaling"] == config["rope_scaling"]
+    assert _greedy(str(path)) == _greedy(str(source))
+
+
 def _dequantized(path: Path) -> dict[str, np.ndarray]:
     """The converted checkpoint's weights as float32 (quantized ones dequantized)."""
     import mlx.core as mx
@@ -166,7 +189,7 @@ def test_quantized_gguf_keeps_the_files_values(
 def test_float32_gguf_on_two_ranks_gives_the_sources_replies(env: dict[str, Any]) -> None:
     source = str(env["home"] / "models" / SOURCES["llama"])
     f32 = str(_gguf(env, "llama", "F32"))
-    two = ["-n", "2", "--parallel", "pipeline", "--starting-port", "26640"]
+    two = ["-n", "2", "--parallel", "pipeline", "--split", "1,3", "--starting-port", "26640"]
     replies = _chat(env, f32, *two)
     assert replies == _chat(env, source)
     assert len(set(replies)) == 2
@@ -280,3 +303,40 @@ def test_ollama_models_run_and_are_listed(env: dict[str, Any]) -> None:
     assert "ollama pull tiny:7b" in _error(missing)
     bad = run_exokv(["chat", "--model", "ollama:", "hi"], env["home"], env=env["env"])
     assert bad.returncode == 2 and "ollama:NAME[:TAG]" in _error(bad)
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_K", 4), ("Q6_K", 6)])
+def test_k_quants_are_decoded_by_gguf_and_quantized_again(
+    tmp_path: Path, qtype: str, bits: int
+) -> None:
+    """mx.load reads K-quants only by casting to float16 (and its Q4_K decoding differs from
+    llama.cpp's): exokv decodes them with the gguf package and quantizes again at their bits."""
+    import gguf
+    import mlx.core as mx
+
+    from exokv.model.gguf_read import read_gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(0)
+    # Any bytes are valid K-quant blocks; small ones keep the f16 scales finite.
+    raw = rng.integers(0, 60, size=(8, 512 // block * size), dtype=np.uint8)
+    path = tmp_path / "k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors, _ = read_gguf(path)
+    weight = tensors["blk.0.ffn_down.weight"]
+    scales, biases = tensors["blk.0.ffn_down.scales"], tensors["blk.0.ffn_down.biases"]
+    got = np.array(
+        mx.dequantize(weight, scales, biases, group_size=32, bits=bits).astype(mx.float32)
+    )
+    reference = gguf.quants.dequantize(raw, kind).reshape(8, 512)
+    groups = reference.reshape(-1, 32)
+    step = (groups.max(axis=1) - groups.min(axis=1)) / (2**bits - 1)
+    error = np.abs(got.reshape(-1, 32) - groups).max(axis=1)
+    # MLX's affine rounding is within one step of its group (as in the Q5_0 test).
+    assert np.all(error <= step * 1.01 + 1e-6), (error / step).max()

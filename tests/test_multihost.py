@@ -132,7 +132,7 @@ def _ranks_left(home: Path) -> list[int]:
         left = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             try:
-                if "exokv.cluster.rank" in " ".join(p.info["cmdline"] or []) and (
+                if "exokv.rank.main" in " ".join(p.info["cmdline"] or []) and (
                     p.environ().get("EXOKV_HOME") == str(home)
                 ):
                     left.append(p.pid)

@@ -2,7 +2,7 @@
 real error in one line (issue 18).
 
 Injected through the rank's test-only hook (EXOKV_TEST_FAIL_AT=RANK:PHASE, see
-exokv.cluster.rank.inject_failure), as a real failure there would raise. The chat
+exokv.rank.main.inject_failure), as a real failure there would raise. The chat
 ends (exit 1): a rank that failed mid-turn may hold a cache the others do not.
 """
 

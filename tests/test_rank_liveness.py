@@ -15,7 +15,7 @@ SCRIPT = r"""
 import sys, threading, time
 from types import SimpleNamespace
 
-from exokv.cluster import rank
+from exokv.rank import main as rank
 
 SLOW_S = 1.0
 
@@ -23,7 +23,7 @@ SLOW_S = 1.0
 class SlowEngineImport:
     # A loaded machine: importing the engine (mlx-lm, transformers) takes seconds.
     def find_spec(self, name, path=None, target=None):
-        if name == "exokv.engine":
+        if name == "exokv.rank.engine":
             time.sleep(SLOW_S)
         return None
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from chat_helpers import home_with_models
 
-from exokv.chat import kvsave
+from exokv.rank import kvsave
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -279,8 +279,8 @@ def test_sigkill_after_turn_two_keeps_turns_one_and_two(
 @pytest.fixture(scope="module")
 def engine(models: Path):
     """A factory of engines on builtin:tiny: `engine(**EngineOptions fields)`."""
-    from exokv.engine import Engine, EngineOptions
     from exokv.model.resolve import load_model
+    from exokv.rank.engine import Engine, EngineOptions
 
     old = os.environ.get("EXOKV_HOME")
     os.environ["EXOKV_HOME"] = str(models.parent)
@@ -300,7 +300,7 @@ def _long_prompt() -> list[dict[str, str]]:
 
 
 def test_stop_during_prefill_keeps_the_cache_consistent(engine) -> None:
-    from exokv.engine import PREFILL_STEP
+    from exokv.rank.engine import PREFILL_STEP
     from exokv.records import TurnRequest
 
     warm, cold = engine(), engine()

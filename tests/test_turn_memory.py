@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from exokv.engine import Engine
+from exokv.rank.engine import Engine
 from exokv.records import TurnRequest
 from tests.test_cache_budget import Carried
 

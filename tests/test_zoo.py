@@ -12,10 +12,10 @@ from mlx_lm.generate import generate_step
 from rich.console import Console
 from zoo_helpers import FAMILIES, zoo_models
 
-from exokv.cluster.rank import in_step
 from exokv.errors import ExokvError
 from exokv.model import pipeline, zoo
 from exokv.model.resolve import load_model, models_table
+from exokv.rank.main import in_step
 
 # What each family is, from mlx-lm's own classes: cache kind, pipeline, tensor.
 EXPECTED = {

@@ -11,7 +11,7 @@ Output, all on rank 0's standard output and nowhere else (the launcher merges
 every rank's stdout in chunks, so only one rank may write there): a
 `PROGRESS_MARK` line per measurement and one `DOC_MARK` line with the JSON
 document. Every other print of every rank goes to standard error, with the
-heartbeats and the one-line error (`exokv.cluster.rank.ERROR_MARK`).
+heartbeats and the one-line error (`exokv.wire.launch.ERROR_MARK`).
 
 The JSON argument holds only the bench settings (no secrets).
 """
@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import mlx.core as mx
 
-from exokv.cluster.rank import beat, release_stdin, report_error
+from exokv.rank.main import beat, release_stdin, report_error
 
 PROGRESS_MARK = "exokv-bench-progress "
 DOC_MARK = "exokv-bench-doc "
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(settings: dict[str, Any], world: mx.distributed.Group, out: IO[str] | None) -> dict:
     """Load this rank's shard, run the bench, and merge every rank's per-rank figures."""
     from exokv.bench import runner
-    from exokv.cluster.group import MlxGroup
-    from exokv.cluster.rank import load_shard
+    from exokv.collectives import MlxGroup
+    from exokv.rank.main import load_shard
 
     known = {f.name for f in fields(runner.BenchConfig)}
     config = runner.BenchConfig(**{k: v for k, v in settings["config"].items() if k in known})

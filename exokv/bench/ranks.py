@@ -8,7 +8,7 @@ for one rank.
 Time bounds: every rank must say it is alive (a heartbeat on stderr) within
 `START_TIMEOUT` of the launch and then at least every `HEARTBEAT_TIMEOUT`; the
 launcher exiting without a document, or with an error, is a one-line error
-naming the rank (`exokv.cluster.client.diagnose`). Whatever happens, the
+naming the rank (`exokv.client.cluster.diagnose`). Whatever happens, the
 launcher's whole process group (the launcher and every rank) is ended.
 """
 
@@ -28,10 +28,9 @@ from dataclasses import asdict
 from typing import IO, Any
 
 from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
-from exokv.cluster.client import diagnose
-from exokv.cluster.launch import LaunchPlan, nudge_ranks, plan_launch, rank_command
-from exokv.cluster.rank import BEAT_MARK
+from exokv.client.cluster import diagnose
 from exokv.errors import ExokvError
+from exokv.wire.launch import BEAT_MARK, LaunchPlan, nudge_ranks, plan_launch, rank_command
 
 START_TIMEOUT = 90.0  # launcher start + distributed init, until every rank beats
 HEARTBEAT_TIMEOUT = 20.0  # ranks beat every 2 s, from a thread, even while MLX computes

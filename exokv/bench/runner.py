@@ -34,7 +34,7 @@ from exokv.bench.strategies import (
     render,
     synchronize,
 )
-from exokv.cluster.group import Group
+from exokv.collectives import Group
 
 OTHERS = tuple(s for s in STRATEGIES if s != "exokv")
 TIMINGS = ("ttft_s", "decode_tps", "overhead_s")

@@ -3,9 +3,9 @@
 Every strategy turns the messages into tokens with the same renderer (the exokv
 engine's own ``Engine.render``, shared by the runner, so the four see exactly the
 same token sequences whatever that renderer does), prefills the tokens its cache
-does not hold in chunks of ``exokv.engine.PREFILL_STEP`` and decodes
+does not hold in chunks of ``exokv.rank.engine.PREFILL_STEP`` and decodes
 greedily with mlx-lm's ``generate_step`` fed the last prompt token: the code path
-of ``exokv.engine.Engine``, which the ``exokv`` strategy runs itself. TTFT is
+of ``exokv.rank.engine.Engine``, which the ``exokv`` strategy runs itself. TTFT is
 measured the same way everywhere: from the start of the turn (before the prompt
 is tokenized and the cache is looked up) to the first generated token.
 
@@ -25,7 +25,7 @@ is tokenized and the cache is looked up) to the first generated token.
   of the requests being served (here the one just fetched). Nothing is trimmed
   after ``insert_cache``, so between requests the LRU can hold more than the
   budget; what the server bounds is LRU + active cache at admission.
-- ``exokv``: ``exokv.engine.Engine``, the prefix cache (with a byte budget, its
+- ``exokv``: ``exokv.rank.engine.Engine``, the prefix cache (with a byte budget, its
   ``EngineOptions(budget=...)``: before each turn it evicts least recently used
   leaves until the stored bytes plus the turn's new tokens fit, and after the
   turn's insert again until the stored bytes are within the budget: a cap).
@@ -45,8 +45,8 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_c
 from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache.prefix_cache import cache_length
-from exokv.cluster.group import Group
-from exokv.engine import Engine, EngineOptions, decode, prefill
+from exokv.collectives import Group
+from exokv.rank.engine import Engine, EngineOptions, decode, prefill
 from exokv.records import TurnRequest
 
 LRU_MAX_SIZE = 10  # mlx_lm.server --prompt-cache-size default

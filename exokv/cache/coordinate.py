@@ -19,7 +19,7 @@ from exokv.cache.policy import Entry, Eviction, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node, RadixTree
 from exokv.cache.tier import DiskTier
-from exokv.cluster.group import Group
+from exokv.collectives import Group
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats
 

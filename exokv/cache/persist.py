@@ -19,7 +19,7 @@ from typing import Any
 
 from exokv.cache.prefix_cache import Payload, PrefixCache
 from exokv.cache.radix import Node
-from exokv.cluster.group import Group
+from exokv.collectives import Group
 
 VERSION = 2  # 2: a file says where it ends (version 1 files are not read)
 TREE_FILE = "tree.json"

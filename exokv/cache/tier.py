@@ -35,7 +35,7 @@ from exokv.cache.disk import DiskStore
 from exokv.cache.layers import StorageClass
 from exokv.cache.prefix_cache import Payload, PrefixCache, _slices
 from exokv.cache.radix import Node, common_prefix
-from exokv.cluster.group import Group
+from exokv.collectives import Group
 from exokv.records import CacheEvent
 
 RAM, DISK = "ram", "disk"

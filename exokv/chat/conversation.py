@@ -11,8 +11,9 @@ import secrets
 import string
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from exokv.client import Client
 from exokv.records import TurnRequest, TurnResult
 
 COMMANDS = {
@@ -60,17 +61,6 @@ def fresh_name(taken: Iterable[str]) -> str:
         name = "chat-" + "".join(secrets.choice(alphabet) for _ in range(4))
         if name not in used:
             return name
-
-
-class Client(Protocol):
-    """Runs turns on one rank or on a cluster."""
-
-    def turn(
-        self,
-        request: TurnRequest,
-        on_text: Callable[[str], None] | None = None,
-        on_progress: Callable[[int, int], None] | None = None,
-    ) -> TurnResult: ...
 
 
 @dataclass

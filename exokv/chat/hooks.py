@@ -4,7 +4,7 @@ Every finished turn is one `Store.record_turn` transaction (the messages after t
 turn with the replies' exact token ids, the turn's numbers, its cache events, entries
 and memory samples), so a crash loses at most the turn in progress. Sessions are
 loaded from the store when opened, with their replies' tokens given back to the
-client. KV is kept on disk by the disk tier alone (`exokv.chat.kvsave`): `/save` and
+client. KV is kept on disk by the disk tier alone (`exokv.rank.kvsave`): `/save` and
 quitting write the current session's cached path to every rank's tier, and a resumed
 session's next turn loads what the restored tree holds of it.
 
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
-from exokv.chat.kvsave import CacheFileReport
+from exokv.client import Client
+from exokv.rank.kvsave import CacheFileReport
 from exokv.records import CacheEvent, TurnResult
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
@@ -39,7 +40,7 @@ class StoreHooks(ChatHooks):
         store: Store,
         run_id: int,
         model: str,
-        client: Any = None,
+        client: Client | None = None,
         use_cache: bool = True,
         max_kv_size: int | None = None,
         locks: SessionLocks | None = None,

@@ -42,6 +42,7 @@ from prompt_toolkit.styles import Style
 
 from exokv.chat.conversation import COMMANDS, TAKES_ARGUMENT, ChatController, Outcome
 from exokv.chat.render import BannerInfo, Renderer
+from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
 
@@ -126,7 +127,7 @@ class _Interrupts:
     Python's default would raise KeyboardInterrupt and end the chat without saving.
     """
 
-    def __init__(self, client: Any, renderer: Renderer) -> None:
+    def __init__(self, client: Client, renderer: Renderer) -> None:
         self.client = client
         self.renderer = renderer
         self.count = 0
@@ -217,7 +218,7 @@ class Transcript:
         self.out.flush()
 
 
-def banner_info(chat: ChatController, client: Any, opts: Any) -> BannerInfo:
+def banner_info(chat: ChatController, client: Client, opts: Any) -> BannerInfo:
     ranks = int(getattr(client, "ranks", 1) or 1)
     return BannerInfo(
         model=opts.model,
@@ -242,7 +243,7 @@ def _disk_budget(opts: Any) -> int | None:
 
 def run_repl(
     chat: ChatController,
-    client: Any,
+    client: Client,
     opts: Any,
     *,
     input: Input | None = None,

@@ -7,8 +7,8 @@ import sys
 from dataclasses import dataclass
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
+from exokv.client import make_client
 from exokv.config import parse_budgets
-from exokv.engine import EngineOptions
 from exokv.errors import UsageError
 
 
@@ -41,7 +41,7 @@ class ChatOptions:
         if self.hosts:
             return len([h for h in self.hosts.split(",") if h.strip()])
         if self.hostfile:
-            from exokv.cluster.launch import read_hostfile
+            from exokv.wire.launch import read_hostfile
 
             return len(read_hostfile(self.hostfile)[0])
         return self.ranks
@@ -96,27 +96,6 @@ def keep_cache(opts: ChatOptions) -> bool:
     return not opts.no_cache and 0 not in budgets
 
 
-def make_client(opts: ChatOptions):  # noqa: ANN201 - LocalClient or ClusterClient
-    budgets = parse_budgets(opts.cache_budget, opts.rank_count())
-    if opts.rank_count() == 1 and not opts.hostfile:
-        from exokv.cache.tiers import tier_options
-        from exokv.chat.local import LocalClient
-
-        return LocalClient(
-            opts.model,
-            EngineOptions(
-                budget=budgets[0] if budgets else None,
-                memory_threshold=opts.memory_threshold,
-                max_kv_size=opts.max_kv_size,
-                seed=opts.seed,
-                **tier_options(opts, rank=0, layout="pipeline:1:even"),
-            ),
-        )
-    from exokv.cluster.client import ClusterClient
-
-    return ClusterClient(opts, budgets, progress=_startup_progress())
-
-
 def _startup_progress():  # noqa: ANN202 - a line printer, or None
     """Ranks take seconds to start: on a terminal, say what happens (on stderr)."""
     if not sys.stderr.isatty():
@@ -161,7 +140,7 @@ def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
     try:
         if opts.session:
             locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
-        client = make_client(opts)
+        client = make_client(opts, progress=_startup_progress())
         run_id: int | None = None
         try:
             run_id = store.start_run(opts.model, client.ranks, list(client.budgets))

@@ -139,8 +139,8 @@ def resolve_model(name: str) -> Path:
             )
         return local
     if local.exists():
-        from exokv.model.gguf_convert import is_gguf
         from exokv.model.gguf_models import converted_dir, ensure_gguf_model
+        from exokv.model.gguf_read import is_gguf
 
         if is_gguf(local):
             return _converted(name, lambda: ensure_gguf_model(local), converted_dir(local))
@@ -367,7 +367,8 @@ def _smollm2_entry() -> dict[str, Any]:
 def _ollama_entries() -> list[dict[str, Any]]:
     """Models pulled with ollama; family and quantization from the GGUF header."""
     from exokv.model import ollama
-    from exokv.model.gguf_convert import FAMILIES, gguf_header
+    from exokv.model.gguf_convert import FAMILIES
+    from exokv.model.gguf_read import gguf_header
 
     found = []
     for name, blob in ollama.list_ollama():

@@ -120,7 +120,7 @@ def _check_header(path: Path) -> None:
 @contextmanager
 def _wake_signal_held() -> Iterator[None]:
     """Hold back SIGUSR1 (how a chat's watcher ends the chat when its ranks are lost, see
-    exokv.cluster.client) until a write transaction is over: a turn that finished is
+    exokv.client.cluster) until a write transaction is over: a turn that finished is
     stored whole, then the chat ends."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -1,4 +1,4 @@
-"""One rank of a distributed chat: `python -m exokv.cluster.rank ...`, started by mlx.launch.
+"""One rank of a distributed chat: `python -m exokv.rank.main ...`, started by mlx.launch.
 
 Every rank loads its shard of the model and runs the same Engine. Rank 0 alone
 talks to the front end over the channel: it reads one request, broadcasts it to
@@ -31,19 +31,17 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from exokv.cluster import channel
-from exokv.cluster.wake import Doorbell
 from exokv.errors import ExokvError
 from exokv.records import TurnRequest
+from exokv.wire import channel
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
+from exokv.wire.wake import Doorbell
 
 if TYPE_CHECKING:
-    from exokv.cluster.group import Group
+    from exokv.collectives import Group
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
-ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
-BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see beat())
-SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 # Tests only: "RANK:PHASE" (PHASE prefill, decode or insert) makes that rank raise there.
 FAIL_AT_ENV = "EXOKV_TEST_FAIL_AT"
 
@@ -80,7 +78,7 @@ class CountingGroup:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="exokv.cluster.rank")
+    p = argparse.ArgumentParser(prog="exokv.rank.main")
     p.add_argument("--model", required=True)
     p.add_argument("--backend", default="ring")
     p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
@@ -316,7 +314,7 @@ class Rank:
             threading.Thread(target=self._read_channel, daemon=True).start()
             self.link.send({"type": "status", "message": "loading the model"})
         from exokv.cache.tiers import tier_options
-        from exokv.engine import Engine, EngineOptions, PromptTooLong
+        from exokv.rank.engine import Engine, EngineOptions, PromptTooLong
 
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
@@ -324,7 +322,7 @@ class Rank:
         # A beat that also says the shard is loaded: the front end shows start-up progress.
         os.write(1, f"{BEAT_MARK}{self.rank} loaded\n".encode())
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
-        from exokv.cluster.group import MlxGroup  # mlx-lm: imported after beat() has started
+        from exokv.collectives import MlxGroup  # mlx-lm: imported after beat() has started
 
         group = CountingGroup(MlxGroup(self.world))
         engine = Engine(
@@ -415,7 +413,7 @@ class Rank:
                 gather_s = group.seconds["gather"] - before_s["gather"]
                 self._log(turn, result, counts, gather_s)
 
-    # -- /save and resuming: the disk tier (exokv.chat.kvsave) ---------------------
+    # -- /save and resuming: the disk tier (exokv.rank.kvsave) ---------------------
 
     def _layout(self) -> str:
         """What a rank's disk tier depends on besides the model: how the layers are spread."""
@@ -425,7 +423,7 @@ class Rank:
     def _save(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
         """Every rank writes its shard of the conversation's path; a write that failed on
         any rank (a full disk) makes the save fail on all of them."""
-        from exokv.chat import kvsave
+        from exokv.rank import kvsave
 
         session = message["session"]
         report = kvsave.save_session(engine, session, message["messages"])
@@ -443,7 +441,7 @@ class Rank:
     def _held(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
         """A resumed session: how much of it the restored tree holds (the same on every
         rank: the tree is); its next turn loads that from disk."""
-        from exokv.chat import kvsave
+        from exokv.rank import kvsave
 
         return kvsave.on_disk(engine, message["session"], message["messages"])
 

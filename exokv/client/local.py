@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from exokv.chat import kvsave
-from exokv.chat.kvsave import CacheFileReport
-from exokv.engine import Engine, EngineOptions
+from exokv.client import Client
+from exokv.rank import kvsave
+from exokv.rank.engine import Engine, EngineOptions
+from exokv.rank.kvsave import CacheFileReport
 from exokv.records import TurnRequest, TurnResult
 
 
-class LocalClient:
+class LocalClient(Client):
     def __init__(self, model_name: str, options: EngineOptions) -> None:
         from exokv.model.resolve import load_model
 
@@ -45,7 +46,7 @@ class LocalClient:
     def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
         self.engine.remember_replies(pairs)
 
-    # -- /save and resuming (exokv.chat.kvsave): the disk tier ----------------------
+    # -- /save and resuming (exokv.rank.kvsave): the disk tier ----------------------
 
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """Write the conversation's cached path to the disk tier and persist the tree."""

@@ -12,7 +12,7 @@ run `exokv chat` must neither run nor shadow the standard library in a rank.
 The channel's token never appears on a command line or in an environment
 variable (both can be read by other users through `ps`): the front end writes
 one bootstrap line to the launcher's standard input, which the launcher
-forwards to the ranks, and only rank 0 reads it (see `exokv.cluster.rank`).
+forwards to the ranks, and only rank 0 reads it (see `exokv.rank.main`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 # Settings a rank on another machine should see as this one does (never secrets).
 FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG", "EXOKV_TEST_FAIL_AT")
+# What a rank prints through the launcher, read by the front end (both sides import this).
+ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
+BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.main.beat)
+SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
 @dataclass
@@ -248,7 +252,7 @@ _ENTRY = (
 )
 
 
-def rank_command(python: str | None = None, module: str = "exokv.cluster.rank") -> list[str]:
+def rank_command(python: str | None = None, module: str = "exokv.rank.main") -> list[str]:
     """The argv that starts one rank (the launcher runs it once per rank): `module`'s
     main() with the arguments that follow, as `python -m module` would but for sys.path."""
     return [python or sys.executable, "-c", _ENTRY.format(module=module)]

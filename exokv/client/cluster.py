@@ -37,19 +37,22 @@ from pathlib import Path
 from typing import IO, Any
 
 from exokv.cache.tiers import disk_budget_text
-from exokv.cluster import channel
-from exokv.cluster.launch import (
+from exokv.client import Client
+from exokv.config import parse_budgets
+from exokv.errors import ExokvError, UsageError
+from exokv.prompt import MAX_REMEMBERED_REPLIES
+from exokv.records import TurnRequest, TurnResult
+from exokv.wire import channel
+from exokv.wire.launch import (
+    BEAT_MARK,
+    ERROR_MARK,
+    SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
     nudge_ranks,
     plan_launch,
     rank_command,
 )
-from exokv.cluster.rank import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
-from exokv.config import parse_budgets
-from exokv.engine import MAX_REMEMBERED_REPLIES
-from exokv.errors import ExokvError, UsageError
-from exokv.records import TurnRequest, TurnResult
 
 CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
 HEARTBEAT_TIMEOUT = 10.0  # rank 0 beats every 2 s; this stays inside the 15 s promise
@@ -62,7 +65,7 @@ _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
 _PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
 
 
-class ClusterClient:
+class ClusterClient(Client):
     """Runs turns on ranks started by mlx.launch; the same interface as LocalClient."""
 
     def __init__(
@@ -223,7 +226,7 @@ class ClusterClient:
         for reply, tokens in pairs:
             self._keep_reply(reply, tokens)
 
-    # -- /save and resuming (exokv.chat.kvsave): every rank's disk tier --------------
+    # -- /save and resuming (exokv.rank.kvsave): every rank's disk tier --------------
 
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> Any:
         """Write the conversation's cached path to every rank's disk tier."""
@@ -234,7 +237,7 @@ class ClusterClient:
         return self._report({"type": "held", "session": session, "messages": messages})
 
     def _report(self, message: dict[str, Any]) -> Any:
-        from exokv.chat.kvsave import CacheFileReport
+        from exokv.rank.kvsave import CacheFileReport
 
         with self._in_flight():
             ident = self._new_id()
@@ -389,7 +392,7 @@ class ClusterClient:
     def _start(self) -> None:
         plan: LaunchPlan = self.plan
         self._server = channel.ChannelServer(plan.bind_host)
-        from exokv.cluster.launch import channel_addresses
+        from exokv.wire.launch import channel_addresses
 
         boot = {
             "addresses": channel_addresses(plan, self._server.port),

@@ -1,0 +1,82 @@
+"""The front end's one way to run turns: a `Client`, whatever runs them.
+
+`local.LocalClient` runs the engine in this process (one rank); `cluster.ClusterClient`
+starts ranks with mlx.launch and speaks to rank 0 over the channel. The REPL, script
+mode and one-shot prompts (through `ChatController`) and any other front end hold a
+`Client` from `make_client` and never need to know which one it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from exokv.rank.kvsave import CacheFileReport
+from exokv.records import TurnRequest, TurnResult
+
+
+class Client(Protocol):
+    """Runs turns on one rank or on a cluster."""
+
+    ranks: int
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult: ...
+
+    def stop(self) -> None:
+        """Ask the reply being generated to end at the next token (Ctrl-C)."""
+        ...
+
+    @property
+    def budgets(self) -> list[int | None]:
+        """Each rank's cache budget in bytes (None: no budget)."""
+        ...
+
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        """The exact tokens generated for `reply`, if this client still knows them."""
+        ...
+
+    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
+        """Restore a resumed session's reply tokens (on every rank)."""
+        ...
+
+    def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        """Write the conversation's cached path to the disk tier (of every rank)."""
+        ...
+
+    def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        """How much of a resumed conversation the cache holds."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def make_client(opts: Any, progress: Callable[[str], None] | None = None) -> Client:
+    """The client `opts` asks for (a chat's options: model, ranks or hosts, budgets, tier):
+    the engine in this process for one local rank, else ranks started by mlx.launch.
+    `progress` hears the ranks' start-up, one line at a time."""
+    from exokv.config import parse_budgets
+
+    budgets = parse_budgets(opts.cache_budget, opts.rank_count())
+    if opts.rank_count() == 1 and not opts.hostfile:
+        from exokv.cache.tiers import tier_options
+        from exokv.client.local import LocalClient
+        from exokv.rank.engine import EngineOptions
+
+        return LocalClient(
+            opts.model,
+            EngineOptions(
+                budget=budgets[0] if budgets else None,
+                memory_threshold=opts.memory_threshold,
+                max_kv_size=opts.max_kv_size,
+                seed=opts.seed,
+                **tier_options(opts, rank=0, layout="pipeline:1:even"),
+            ),
+        )
+    from exokv.client.cluster import ClusterClient
+
+    return ClusterClient(opts, budgets, progress=progress)

@@ -1,1 +1,0 @@
-"""Ranks, the channel to the front end, and the collectives the engine uses."""

@@ -1,0 +1,54 @@
+"""exokv's layers, lowest first: a module imports from its own layer and the layers below.
+
+Each entry names a module and, for a subpackage, every module in it (the root `exokv`
+is its `__init__` alone); the longest entry that covers a module places it (see
+`layer_of`). `tests/test_layers.py` reads
+this list and fails on an import that runs up it, and on a module no entry names: a new
+package or top-level module is placed here first.
+
+The wire sits below the rank: the rank dials the front end's channel and rings the
+doorbell, the client listens and launches, and both read the launcher's marks.
+"""
+
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "ground",
+        (
+            "exokv",  # the package itself: its version
+            "exokv.layers",
+            "exokv.errors",
+            "exokv.records",
+            "exokv.config",
+            "exokv.prompt",
+            "exokv.tables",
+        ),
+    ),
+    ("below the cache", ("exokv.collectives", "exokv.state", "exokv.model")),
+    ("cache", ("exokv.cache",)),
+    ("wire", ("exokv.wire",)),
+    ("rank", ("exokv.rank",)),
+    ("client", ("exokv.client",)),
+    (
+        "front ends",
+        (
+            "exokv.chat",
+            "exokv.bench",
+            "exokv.bench_cli",
+            "exokv.inspect",
+            "exokv.sessions_cli",
+            "exokv.completion",
+        ),
+    ),
+    ("cli", ("exokv.cli", "exokv.__main__")),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the layer `module` (a dotted name) belongs to; None: no layer."""
+    best: tuple[int, int] | None = None  # (length of the entry, layer)
+    for index, (_, entries) in enumerate(LAYERS):
+        for entry in entries:
+            covers = module == entry or ("." in entry and module.startswith(entry + "."))
+            if covers and (best is None or len(entry) > best[0]):
+                best = (len(entry), index)
+    return None if best is None else best[1]

@@ -1,0 +1,206 @@
+"""Reading a GGUF file: its metadata, and its tensors as MLX arrays.
+
+``mx.load`` reads GGUF natively: Q4_0, Q4_1 and Q8_0 tensors come back as MLX
+affine-quantized arrays (weight, scales, biases; groups of 32), so they stay
+exactly the file's; F32, F16 and BF16 come back as they are. Other types are
+decoded by the ``gguf`` package (llama.cpp's reference decoders) and quantized
+again with MLX at about their bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from exokv.errors import ExokvError
+
+GGUF_MAGIC = b"GGUF"
+GROUP_SIZE = 32
+# GGUF types kept as they are: floats, and what mx.load gives as MLX quantized arrays.
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+NATIVE_TYPES = {"F32": 32, "F16": 16, "BF16": 16, "Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# Types mx.load reads only by casting to float16 (its Q4_K decoding differs from
+# llama.cpp's): decoded by the gguf package like the ones it cannot read.
+MLX_CASTS = ("Q2_K", "Q4_K", "Q6_K")
+# Types decoded by the gguf package and quantized again, at about their bits per weight.
+REQUANTIZED = {
+    "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
+    "IQ4_NL": 4, "IQ4_XS": 4, "IQ3_XXS": 4, "IQ3_S": 4, "IQ2_XXS": 3, "IQ2_XS": 3, "IQ2_S": 3,
+}  # fmt: skip
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file that starts with the GGUF magic (a .gguf, or an ollama blob)."""
+    try:
+        with open(path, "rb") as f:
+            return path.is_file() and f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, metadata): tensors as mx arrays, quantized ones in MLX's affine format.
+
+    Q4_0, Q4_1 and Q8_0 come from ``mx.load`` as MLX quantized arrays, exactly.
+    Other quantized types (Q4_K, Q6_K, Q5_0, ...) are decoded by the ``gguf``
+    package (llama.cpp's own reference decoders) and quantized again with MLX at
+    the closest bit width: mlx reads some of them only by casting, some not at all.
+    """
+    import mlx.core as mx
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise ExokvError(f"{path} is not a readable GGUF file: {_one_line(e)}") from e
+    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    kinds = {t.name: t.tensor_type for t in reader.tensors}
+    unsupported = sorted({k.name for k in kinds.values() if _bits_for(k.name) is None})
+    if unsupported:
+        raise ExokvError(
+            f"{path}: GGUF tensor type {', '.join(unsupported)} is not supported; supported: "
+            f"{', '.join(NATIVE_TYPES)} (kept as they are) and "
+            f"{', '.join(REQUANTIZED)} (quantized again for MLX)"
+        )
+    loaded: dict[str, Any] = {}
+    # mx.load refuses a file holding a type it cannot read at all (Q5_0, ...): then
+    # every tensor is decoded, the kept types too.
+    if all(k.name in NATIVE_TYPES or k.name in MLX_CASTS for k in kinds.values()):
+        try:
+            with _gguf_named(path) as named:
+                loaded = mx.load(str(named))
+        except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
+            raise ExokvError(f"cannot read the GGUF file {path}: {_one_line(e)}") from e
+    tensors: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        name, kind = tensor.name, tensor.tensor_type.name
+        if kind in NATIVE_TYPES and name in loaded:
+            base = name.removesuffix(".weight")
+            parts = [name] + [
+                f"{base}.{p}" for p in ("scales", "biases") if name.endswith(".weight")
+            ]
+            tensors.update((key, loaded[key]) for key in parts if key in loaded)
+        else:
+            tensors.update(_decoded(tensor, kind))
+    return tensors, metadata
+
+
+@contextlib.contextmanager
+def _gguf_named(path: Path) -> Iterator[Path]:
+    """``path``, or a link to it ending in .gguf: mx.load picks the format by extension."""
+    if path.suffix == ".gguf":
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="exokv-gguf-") as tmp:
+        link = Path(tmp) / "model.gguf"
+        link.symlink_to(path.resolve())
+        yield link
+
+
+def _decoded(tensor: Any, kind: str) -> dict[str, Any]:
+    """One tensor decoded by the gguf package; quantized types quantized again for MLX."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf import quants
+
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
+    if kind in FLOAT_TYPES:
+        return {tensor.name: mx.array(values).astype(getattr(mx, FLOAT_TYPES[kind]))}
+    array = mx.array(values.astype(np.float32)).astype(mx.float16)
+    if array.ndim != 2 or shape[-1] % GROUP_SIZE:
+        return {tensor.name: array}
+    weight, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=_bits_for(kind))
+    base = tensor.name.removesuffix(".weight")
+    return {tensor.name: weight, f"{base}.scales": scales, f"{base}.biases": biases}
+
+
+def _bits_for(kind: str) -> int | None:
+    """MLX bits for a GGUF type: its own for the kept ones, the closest for the others."""
+    if kind in FLOAT_TYPES:
+        return 16
+    return NATIVE_TYPES.get(kind) or REQUANTIZED.get(kind)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+# --- a quick look at a file ---------------------------------------------------------------
+
+# GGUF metadata value types: fixed sizes (struct formats); 8 is a string, 9 an array.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_header(path: Path, wanted: tuple[str, ...]) -> dict[str, Any]:
+    """The scalar metadata ``wanted`` (e.g. general.architecture), read without the tensors.
+
+    For listings: the gguf package's reader parses every array of the file
+    (a vocabulary of 150,000 strings) before giving one key. Stops once all are found.
+    """
+    try:
+        return _read_header(path, wanted)
+    except (struct.error, UnicodeDecodeError, ValueError, MemoryError, OverflowError) as e:
+        raise ExokvError(f"{path} is not a readable GGUF file: {_one_line(e)}") from e
+
+
+def _read_header(path: Path, wanted: tuple[str, ...]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    with open(path, "rb") as f:
+
+        def read(fmt: str) -> Any:
+            size = struct.calcsize("<" + fmt)
+            return struct.unpack("<" + fmt, f.read(size))[0]
+
+        def skip(kind: int) -> Any:
+            if kind == _STRING:
+                return f.read(read("Q")).decode("utf-8", "replace")
+            if kind == _ARRAY:
+                inner, count = read("I"), read("Q")
+                if inner in _SCALARS:
+                    f.seek(count * struct.calcsize("<" + _SCALARS[inner]), 1)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+                return None
+            return read(_SCALARS[kind])
+
+        if f.read(4) != GGUF_MAGIC:
+            raise ExokvError(f"{path} is not a GGUF file")
+        _version, _tensors, count = read("I"), read("Q"), read("Q")
+        for _ in range(count):
+            key = f.read(read("Q")).decode("utf-8", "replace")
+            value = skip(read("I"))
+            if key in wanted:
+                found[key] = value
+                if len(found) == len(wanted):
+                    break
+    return found
+
+
+def value_of(value: Any) -> Any:
+    """A metadata value as plain Python (arrays as lists)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def text(value: Any) -> str | None:
+    return value if isinstance(value, str) or value is None else str(value_of(value))
