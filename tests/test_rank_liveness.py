@@ -71,3 +71,54 @@ def test_heartbeats_flow_while_the_engine_is_imported() -> None:
     assert first == "status"
     # 1 s of import at a 0.05 s heartbeat: many, not none (a loaded machine may lose some).
     assert int(beats) >= 5
+
+
+def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
+    """The front end's verdict on a rank whose heartbeats stopped: a local rank that is
+    a running process is busy (a call holding its GIL silences its beat threads); a
+    stopped one is dead, as before."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    import psutil
+
+    from exokv.client.cluster import HEARTBEAT_TIMEOUT, ClusterClient
+
+    # A launcher stand-in whose child is "rank 1" (MLX_RANK in its environment).
+    code = (
+        "import os, subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "env={**os.environ, 'MLX_RANK': '1'}); time.sleep(60)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(launcher.pid).children():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rank1 = psutil.Process(launcher.pid).children()[0]
+        client = object.__new__(ClusterClient)
+        now = time.monotonic()
+        client.plan = SimpleNamespace(local=True)
+        client._proc, client._link_lost, client._rank_pids = launcher, False, {}
+        client._beats = {0: now, 1: now - HEARTBEAT_TIMEOUT - 5}
+        client._last_seen = now
+        assert client._trouble() == (None, False)  # silent but running: busy
+        os.kill(rank1.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while rank1.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cause, _ = client._trouble()
+        assert cause is not None and cause.startswith("rank 1 stopped responding")
+        client.plan = SimpleNamespace(local=False)  # a remote rank has only its beat
+        os.kill(rank1.pid, signal.SIGCONT)
+        client._rank_pids = {}
+        assert client._trouble()[0] is not None
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            p.kill()
+        launcher.kill()
+        launcher.wait()
