@@ -99,6 +99,7 @@ class ClusterClient(Client):
         self._drains: list[threading.Thread] = []
         self._budgets: list[int | None] = []
         self._beats: dict[int, float] = {}  # rank -> when its last stdout beat came
+        self._rank_pids: dict[int, Any] = {}  # local rank -> its psutil.Process
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
@@ -566,16 +567,45 @@ class ClusterClient(Client):
         if self._proc is not None and self._proc.poll() is not None:
             return "the ranks stopped", True
         now = time.monotonic()
-        silent = [r for r, t in sorted(self._beats.items()) if now - t > HEARTBEAT_TIMEOUT]
+        silent = [
+            r
+            for r, t in sorted(self._beats.items())
+            if now - t > HEARTBEAT_TIMEOUT and not self._running_here(r)
+        ]
         if silent:
             return (
                 f"rank {silent[0]} stopped responding "
                 f"(no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s; a stopped process or a "
                 "sleeping or unreachable host)"
             ), False
-        if now - self._last_seen > HEARTBEAT_TIMEOUT:
+        if now - self._last_seen > HEARTBEAT_TIMEOUT and not self._running_here(0):
             return f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)", False
         return None, False
+
+    def _running_here(self, rank: int) -> bool:
+        """Whether a silent rank on this machine is a running process: busy, not dead.
+
+        A rank's heartbeats come from Python threads, so a call that holds the GIL
+        silences them: loading a tokenizer does for about a second, and on a loaded
+        machine one prefill's mx.eval did for over 10 s (two ranks of SmolLM2 with
+        nine other processes on two cores). Where the rank is a local process, its
+        state decides: stopped (SIGSTOP, a debugger) or gone is dead, anything else
+        is working. Remote ranks have only their heartbeat.
+        """
+        if not self.plan.local or self._proc is None:
+            return False
+        import psutil
+
+        try:
+            if rank not in self._rank_pids:
+                for p in psutil.Process(self._proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if "MLX_RANK" in (env := p.environ()):
+                            self._rank_pids[int(env["MLX_RANK"])] = p
+            process = self._rank_pids[rank]
+            return process.status() not in _NOT_RUNNING
+        except (KeyError, ValueError, psutil.Error):
+            return False
 
     def _send(self, message: dict[str, Any], fail: bool = True) -> None:
         if self.failure:
@@ -698,6 +728,8 @@ def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None
 
 
 _TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
+# psutil states of a local rank that cannot be working (see _running_here).
+_NOT_RUNNING = ("stopped", "tracing-stop", "zombie", "dead")
 
 
 def _exit_cause(code: str | None) -> str:

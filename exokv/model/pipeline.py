@@ -11,6 +11,14 @@ The inner model keeps only its slice, so ``model.layers`` and ``make_cache`` giv
 cache for this rank's layers only; the bookkeeping a family keeps by layer index
 (llama's and gpt-oss's ``layer_types`` and mask indices, gemma3's sliding pattern)
 is re-sliced to the local layers.
+
+What crosses between ranks is received into a buffer shaped like the rank's own
+embedding output, so that template must have the dtype the hidden state has where
+the rank's layers start. It need not be the embedding's: a GGUF's quantized
+embedding gives float16 and its float32 norms turn the hidden state to float32 at
+the first layer. Received at half its size, the rest of it stayed in the socket
+and the next collective read it (the turn's agreed stop came out true on one rank).
+``hidden_dtypes`` reads the dtypes off a one-token graph that is never computed.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from exokv.errors import ExokvError
 
 
 def inner_model(model: Any) -> Any | None:
@@ -56,21 +66,76 @@ def apply_pipeline(model: Any, group: mx.distributed.Group, split: list[int]) ->
     inner = inner_model(model)
     if inner is None:
         raise ValueError("the model has no list of layers to split")
+    rank, size = group.rank(), group.size()
+    start, end = local_range(split, rank)
+    dtypes = hidden_dtypes(model)  # before slicing: every layer takes part
+    if rank < size - 1:  # this rank receives its first hidden state
+        _receive_as(inner, dtypes[start])
     if hasattr(inner, "pipeline"):
+        # mlx-lm gathers each rank's last hidden state as it is: they must agree.
+        ends = {dtypes[local_range(split, r)[1]] for r in range(size)}
+        if len(ends) > 1:
+            raise ExokvError(
+                "this model's hidden state changes dtype from layer to layer "
+                f"({', '.join(sorted(map(str, ends)))}): mlx-lm's pipeline cannot carry it "
+                "across ranks; use --parallel tensor or one rank"
+            )
         inner.pipeline(group, split)
         return "mlx-lm"
-    rank, size = group.rank(), group.size()
     total = len(inner.layers)
-    start, end = local_range(split, rank)
     inner.layers = inner.layers[start:end]
     _RESLICE.get(type(inner).__name__, _reslice_indices)(model, inner, start, end, total)
-    last = {"send": rank != 0, "gather": size > 1}
+    # Every rank gathers in the final hidden state's dtype (only rank 0's part is kept).
+    last = {"send": rank != 0, "gather": dtypes[-1] if size > 1 else None}
     if len(inner.layers) == 1:  # one layer both receives and sends
         _make_stage(inner.layers[0], group, receive=rank < size - 1, **last)
     else:
         _make_stage(inner.layers[0], group, receive=rank < size - 1)
         _make_stage(inner.layers[-1], group, **last)
     return "generic"
+
+
+def hidden_dtypes(model: Any) -> list[mx.Dtype]:
+    """The hidden state's dtype entering each decoder layer, then leaving the last one,
+    on one rank: read off the graph of a one-token forward pass, never computed (so
+    no weight is read)."""
+    inner = inner_model(model)
+    assert inner is not None
+    seen: list[mx.Dtype] = []
+    bases = [type(layer) for layer in inner.layers]
+    recorders: dict[type, type] = {}
+    for layer, base in zip(inner.layers, bases, strict=True):
+        if base not in recorders:
+
+            def __call__(self: Any, x: mx.array, *args: Any, _base: type = base, **kw: Any) -> Any:
+                seen.append(x.dtype)
+                out = _base.__call__(self, x, *args, **kw)
+                seen.append(out.dtype if isinstance(out, mx.array) else out[0].dtype)
+                return out
+
+            recorders[base] = type(base.__name__, (base,), {"__call__": __call__})
+        layer.__class__ = recorders[base]
+    try:
+        model(mx.array([[0]]))
+    finally:
+        for layer, base in zip(inner.layers, bases, strict=True):
+            layer.__class__ = base
+    entering = seen[0::2]
+    return [*entering, seen[-1]] if seen else []
+
+
+def _receive_as(inner: Any, dtype: mx.Dtype) -> None:
+    """On a rank that receives its hidden state, the embedding output it receives into
+    (its values are not used) takes the dtype that state has."""
+    embed = getattr(inner, "embed_tokens", None)
+    if embed is None:
+        raise ExokvError("the model has no token embedding to split the pipeline at")
+    base = type(embed)
+
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
+        return base.__call__(self, x).astype(dtype)
+
+    embed.__class__ = type(base.__name__, (base,), {"__call__": __call__})
 
 
 # -- the hidden state between ranks ---------------------------------------------------
@@ -81,7 +146,7 @@ def _make_stage(
     group: mx.distributed.Group,
     receive: bool = False,
     send: bool = False,
-    gather: bool = False,
+    gather: mx.Dtype | None = None,
 ) -> None:
     """Give ``layer`` (in place: same parameters) the pipeline's receive/send steps."""
     base = type(layer)
@@ -99,8 +164,8 @@ def _make_stage(
             # this rank would never send and the next one would wait forever.
             bound = signature.bind(self, x, *args, **kwargs)
             _depend(bound.arguments.get("cache"), out)
-        if gather:
-            out = mx.distributed.all_gather(out, group=group)[: out.shape[0]]
+        if gather is not None:
+            out = mx.distributed.all_gather(out.astype(gather), group=group)[: out.shape[0]]
         return out
 
     stage = type(f"Pipeline{base.__name__}", (base,), {"__call__": __call__})

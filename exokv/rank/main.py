@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
+# Tests only: "RANK:PHASE" (PHASE prefill, decode or insert) makes that rank raise there.
+FAIL_AT_ENV = "EXOKV_TEST_FAIL_AT"
 
 
 class CountingGroup:
@@ -238,6 +240,24 @@ def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: lis
     return model, tokenizer
 
 
+def inject_failure(engine: Any, rank: int, spec: str) -> None:
+    """Tests only (FAIL_AT_ENV): make `engine` raise on `rank` when the turn reaches a
+    phase, as a real failure there would (a full disk, memory, a broken kernel)."""
+    if not spec:
+        return
+    who, _, phase = spec.partition(":")
+    methods = {"prefill": "_prefill", "decode": "_decode", "insert": "_insert"}
+    if phase not in methods or not who.isdigit():
+        raise ExokvError(f"{FAIL_AT_ENV}={spec!r}: use RANK:{'|'.join(methods)}")
+    if int(who) != rank:
+        return
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected failure in {phase} ({FAIL_AT_ENV})")
+
+    setattr(engine, methods[phase], fail)
+
+
 def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) -> dict[str, Any]:
     """Rank 0's next message on every rank, checked to be the step this rank expects.
 
@@ -289,14 +309,16 @@ class Rank:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> int:
-        from exokv.cache.tiers import tier_options
-        from exokv.rank.engine import Engine, EngineOptions, PromptTooLong
-
         if self.link is not None:
-            # Liveness and commands flow while the model loads, so a slow load is not a hang.
+            # Liveness and commands flow while the model loads, so a slow load is not a
+            # hang; and from the moment the channel is up: importing the engine (mlx-lm,
+            # transformers) takes seconds, past the front end's 10 s on a loaded machine.
             threading.Thread(target=self._heartbeat, daemon=True).start()
             threading.Thread(target=self._read_channel, daemon=True).start()
             self.link.send({"type": "status", "message": "loading the model"})
+        from exokv.cache.tiers import tier_options
+        from exokv.rank.engine import Engine, EngineOptions, PromptTooLong
+
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
         model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
@@ -319,6 +341,7 @@ class Rank:
                 **tier_options(args, rank=self.rank, layout=self._layout()),
             ),
         )
+        inject_failure(engine, self.rank, os.environ.get(FAIL_AT_ENV, ""))
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, args.wake_host)
         # Startup only, not per turn: every rank's effective budget for the front end.
@@ -388,6 +411,10 @@ class Rank:
                     refusal = {"message": str(err), "tokens": err.tokens, "context": err.context}
                     self.link.send({"type": "refused", "id": self.current, **refusal})
                 continue
+            # The turn ends on every rank together: a rank that failed in it has exited
+            # (its error on stderr, named by the front end), so this collective fails on
+            # the others instead of rank 0 reporting a reply that rank did not finish.
+            group.any(False)
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
                 self.link.send(

@@ -1,0 +1,124 @@
+"""A rank's channel heartbeat flows from the moment the channel is up (issue 18).
+
+Rank 0 used to start its heartbeat only after importing the engine (mlx-lm and
+transformers: 8 s measured between the channel's connection and the first message
+with the machine loaded), and the front end ends a chat whose rank 0 is silent for
+10 s. Here that import is made slow on purpose; heartbeats must flow through it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = r"""
+import sys, threading, time
+from types import SimpleNamespace
+
+from exokv.rank import main as rank
+
+SLOW_S = 1.0
+
+
+class SlowEngineImport:
+    # A loaded machine: importing the engine (mlx-lm, transformers) takes seconds.
+    def find_spec(self, name, path=None, target=None):
+        if name == "exokv.rank.engine":
+            time.sleep(SLOW_S)
+        return None
+
+
+sys.meta_path.insert(0, SlowEngineImport())
+rank.HEARTBEAT_S = 0.05
+sent = []
+
+
+class Link:
+    def send(self, message):
+        sent.append(message["type"])
+
+    def recv(self):
+        time.sleep(60)
+
+
+class Loaded(Exception):
+    pass
+
+
+def load_shard(*args):
+    raise Loaded
+
+
+rank.load_shard = load_shard
+world = SimpleNamespace(rank=lambda: 0, size=lambda: 1)
+args = SimpleNamespace(split=None, model="m", parallel="pipeline")
+tic = time.monotonic()
+try:
+    rank.Rank(args, world, Link()).run()
+except Loaded:
+    pass
+assert time.monotonic() - tic >= SLOW_S
+print(sent.count("heartbeat"), sent[0])
+"""
+
+
+def test_heartbeats_flow_while_the_engine_is_imported() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    beats, first = proc.stdout.split()
+    assert first == "status"
+    # 1 s of import at a 0.05 s heartbeat: many, not none (a loaded machine may lose some).
+    assert int(beats) >= 5
+
+
+def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
+    """The front end's verdict on a rank whose heartbeats stopped: a local rank that is
+    a running process is busy (a call holding its GIL silences its beat threads); a
+    stopped one is dead, as before."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    import psutil
+
+    from exokv.client.cluster import HEARTBEAT_TIMEOUT, ClusterClient
+
+    # A launcher stand-in whose child is "rank 1" (MLX_RANK in its environment).
+    code = (
+        "import os, subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "env={**os.environ, 'MLX_RANK': '1'}); time.sleep(60)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(launcher.pid).children():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        rank1 = psutil.Process(launcher.pid).children()[0]
+        client = object.__new__(ClusterClient)
+        now = time.monotonic()
+        client.plan = SimpleNamespace(local=True)
+        client._proc, client._link_lost, client._rank_pids = launcher, False, {}
+        client._beats = {0: now, 1: now - HEARTBEAT_TIMEOUT - 5}
+        client._last_seen = now
+        assert client._trouble() == (None, False)  # silent but running: busy
+        os.kill(rank1.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while rank1.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cause, _ = client._trouble()
+        assert cause is not None and cause.startswith("rank 1 stopped responding")
+        client.plan = SimpleNamespace(local=False)  # a remote rank has only its beat
+        os.kill(rank1.pid, signal.SIGCONT)
+        client._rank_pids = {}
+        assert client._trouble()[0] is not None
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            p.kill()
+        launcher.kill()
+        launcher.wait()
