@@ -162,3 +162,43 @@ def test_a_chat_over_ssh_on_two_hosts(
     trees = sorted(p.parent.name for p in (home / "kv").glob("*/*/rank*/tree.json"))
     assert trees == ["rank0", "rank1"]
     assert _ranks_left(home) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_on_the_other_host_is_replaced(
+    tmp_path: Path, models_dir: Path, ssh_bin: Path
+) -> None:
+    """SIGKILL of the rank on the second host between turns: one line, the ranks are
+    started again over ssh, and the next turn is warm with the uninterrupted reply."""
+    from test_cluster import Chat, run_script
+
+    reference = run_script(home_with_models(tmp_path / "ref", models_dir), SCRIPT)
+    home = home_with_models(tmp_path / "h", models_dir)
+    hostfile = _hostfile(tmp_path / "hosts.json", home, True)
+    chat = Chat(
+        home,
+        *("--hostfile", str(hostfile), "--starting-port", "28430"),
+        env={"PATH": f"{ssh_bin}:{os.environ['PATH']}"},
+    )
+    turns = [chat.send(SCRIPT[0])]
+    time.sleep(1.0)  # the turn's files and journal record are written after its reply
+    remote = [
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if "exokv.rank.main" in " ".join(p.info["cmdline"] or [])
+        and p.environ().get("EXOKV_HOME") == str(home)
+        and p.environ().get("MLX_RANK") == "1"
+    ]
+    assert len(remote) == 1
+    remote[0].kill()
+    time.sleep(3.0)  # the chat sees it at the prompt
+    turns += [chat.send(line) for line in SCRIPT[1:]]
+    code, err = chat.finish()
+    assert code == 0, err
+    said = [x for x in err.splitlines() if "rank 1" in x and "again" in x]
+    assert len(said) == 1, err
+    assert [t["reply"] for t in turns] == [t["reply"] for t in reference]
+    restarted = [e for e in turns[1]["events"] if e["kind"] == "restart"]
+    assert len(restarted) == 1, turns[1]["events"]
+    assert turns[1]["cached_tokens"] == reference[1]["cached_tokens"] > 0  # warm from disk
+    assert _ranks_left(home) == []
