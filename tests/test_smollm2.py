@@ -87,3 +87,26 @@ def test_models_lists_it_with_size_family_quantization_and_source(
     assert 90e6 < entry["size_bytes"] < 120e6
     table = run_exokv(["models"], tmp_path, env=env).stdout.decode()
     assert any(line.startswith("smollm2") and "4-bit" in line for line in table.splitlines())
+
+
+@pytest.mark.timeout(300)
+def test_a_restart_resumes_from_the_disk_tier_with_the_uncached_reply(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """The disk tier on the real model: a session quit, then continued in a new chat,
+    loads its KV from disk and replies as --no-cache does."""
+    env = {"EXOKV_MODELS": str(smollm2_dir.parent)}
+    args = ["chat", "--model", str(smollm2_dir), "--json", "--max-tokens", "6"]
+    home = tmp_path / "home"
+
+    def turns(*extra: str, stdin: str) -> list[dict]:
+        proc = run_exokv([*args, *extra], home, stdin, env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        return [json.loads(x) for x in proc.stdout.decode().splitlines() if '"turn"' in x]
+
+    turns("--session", "paris", stdin="What is the capital of France?\n")
+    resumed = turns("--session", "paris", stdin="And of Spain?\n")[0]
+    assert resumed["cached_tokens"] > 0
+    assert any(e["kind"] == "load" for e in resumed["events"]), resumed["events"]
+    cold = turns("--no-cache", stdin="What is the capital of France?\nAnd of Spain?\n")
+    assert resumed["reply"] == cold[1]["reply"]
