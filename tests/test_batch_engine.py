@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import pytest
-
 from exokv.rank.batch import batchable, run_batch
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.records import TurnRequest
 
 SYSTEM = "You are a terse assistant that answers in one line."
 QUESTIONS = ["Hi there.", "What is rain?", "Pick a colour.", "Who are you?", "Count to three."]
-
-
-@pytest.fixture(scope="module")
-def tiny(models_dir: Path):
-    from exokv.model.resolve import load_model
-
-    old = os.environ.get("EXOKV_HOME")
-    os.environ["EXOKV_HOME"] = str(models_dir.parent)
-    try:
-        return load_model("builtin:tiny")
-    finally:
-        if old is None:
-            del os.environ["EXOKV_HOME"]
-        else:
-            os.environ["EXOKV_HOME"] = old
 
 
 def engine(tiny, **options) -> Engine:
