@@ -75,3 +75,19 @@ def test_rank_1_killed_during_a_turn_runs_it_again(tmp_path, models_dir):
     assert [first["reply"], second["reply"]] == [t["reply"] for t in reference]
     assert second["cached_tokens"] == reference[1]["cached_tokens"] > 0
     assert len([x for x in err.splitlines() if "rank 1 was killed by SIGKILL" in x]) == 1, err
+
+
+def test_a_request_run_again_passes_on_only_the_text_not_yet_shown() -> None:
+    from exokv.client.heal import ShownOnce
+
+    got: list[str] = []
+    shown = ShownOnce(got.append)
+    shown.rerun()
+    for piece in ["The ", "cat", " sat"]:  # the ranks die after this much
+        shown(piece)
+    shown.rerun()  # the new ranks stream the same reply from its start
+    for piece in ["The c", "at s", "at on", " the mat"]:
+        shown(piece)
+    assert "".join(got) == "The cat sat on the mat"
+    assert got[:3] == ["The ", "cat", " sat"]
+    ShownOnce(None)("nothing to pass on")  # a request without a stream

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
@@ -66,7 +67,13 @@ class HealingClient:
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        result = self._healing(lambda c: c.turn(request, on_text, on_progress))
+        shown = ShownOnce(on_text)
+
+        def run(inner: ClusterClient) -> TurnResult:
+            shown.rerun()
+            return inner.turn(request, shown if on_text else None, on_progress)
+
+        result = self._healing(run)
         tokens = self._inner.reply_tokens(result.reply)
         if tokens:
             self._keep(result.reply, tokens)
@@ -82,7 +89,15 @@ class HealingClient:
         should_stop: Callable[[int], bool] | None = None,
     ) -> list[RowOutcome]:
         # A batch the ranks die in runs again whole on the new ranks, as a turn does.
-        outcomes = self._healing(lambda c: c.turns(requests, on_text, should_stop))
+        rows = [ShownOnce(partial(on_text, i) if on_text else None) for i in range(len(requests))]
+
+        def run(inner: ClusterClient) -> list[RowOutcome]:
+            for row in rows:
+                row.rerun()
+            relay = (lambda row, piece: rows[row](piece)) if on_text else None
+            return inner.turns(requests, relay, should_stop)
+
+        outcomes = self._healing(run)
         for outcome in outcomes:
             result = outcome.result
             tokens = self._inner.reply_tokens(result.reply) if result else None
@@ -186,6 +201,26 @@ class HealingClient:
         self._replies.move_to_end(reply)
         while len(self._replies) > MAX_REMEMBERED_REPLIES:
             self._replies.popitem(last=False)
+
+
+class ShownOnce:
+    """The text of a request that may run again after a restart: the new ranks stream
+    its reply from the start, so only what goes past the text already passed on is
+    passed on — a reader (the REPL, a server's stream) never gets a piece twice."""
+
+    def __init__(self, on_text: Callable[[str], None] | None) -> None:
+        self.on_text = on_text
+        self.shown = 0  # characters passed on, over every run
+        self.seen = 0  # characters of this run
+
+    def rerun(self) -> None:
+        self.seen = 0
+
+    def __call__(self, piece: str) -> None:
+        start, self.seen = self.seen, self.seen + len(piece)
+        if self.on_text is not None and self.seen > self.shown:
+            self.on_text(piece[max(0, self.shown - start) :])
+            self.shown = self.seen
 
 
 def _restart_event(why: str, decision: int, ranks: int) -> CacheEvent:
