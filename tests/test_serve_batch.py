@@ -149,6 +149,24 @@ def test_concurrent_requests_are_decoded_in_one_batch(
     assert not over, over
 
 
+@pytest.mark.timeout(300)
+def test_a_lone_stream_that_leaves_stops_within_a_few_steps_on_two_ranks(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    """One request at a time (--batch 1), the front end lagging: the turn's text is paced
+    as a batch's, so the leaver's turn ends a few steps past what it was shown."""
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    args = ["-n", "2", "--starting-port", "26880", "--batch", "1"]
+    with serving(home, *args, env={SLOW_TEXTS_ENV: "1.0"}) as s:  # 1 s over each message
+        assert leave_mid_stream(s.client()) == 3
+        gone = s.wait_log(lambda x: " /v1/" in x and " 499 " in x, timeout=120)
+        completion = int(gone[0].split("completion=")[1].split()[0])
+        # Each piece read holds at most WINDOW + 1 tokens, and the ranks agree on a stop
+        # every few tokens. A message per token, read 1 s apart, let rank 0 run hundreds
+        # of tokens ahead (80 with 0.3 s).
+        assert "finish=interrupted" in gone[0] and 3 <= completion <= 6 * (WINDOW + 1), gone
+
+
 def test_batch_must_be_at_least_one(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
     run = subprocess.run(
