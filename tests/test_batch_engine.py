@@ -90,3 +90,30 @@ def test_a_rotating_cache_runs_one_at_a_time(tiny) -> None:
     assert [o.result.reply for o in outcomes] == [
         engine(tiny, max_kv_size=64).turn(r).reply for r in reqs
     ]
+
+
+def test_a_row_is_answered_when_it_ends_while_the_others_decode_on(tiny) -> None:
+    reqs = requests([3, 24, 1, 12])
+    streamed: dict[int, str] = {}
+    answered: list[tuple[int, dict[int, str]]] = []  # (row, what every row had streamed)
+    eng = engine(tiny)
+
+    def on_row(i: int, outcome) -> None:
+        assert outcome.result is not None and outcome.batch == len(reqs)
+        # Its tokens are in the tree already: a second turn of it would be served them.
+        assert eng.cache.tree.match(eng.render(reqs[i].messages)).length > 0
+        answered.append((i, dict(streamed)))
+
+    outcomes = run_batch(
+        eng,
+        reqs,
+        on_text=lambda i, p: streamed.__setitem__(i, streamed.get(i, "") + p),
+        on_row=on_row,
+    )
+    # Shortest first, each before the longer rows had made their whole reply.
+    assert [i for i, _ in answered] == [2, 0, 3, 1]
+    for i, seen in answered[:-1]:
+        assert seen[i] == outcomes[i].result.reply
+        assert len(seen[1]) < len(outcomes[1].result.reply), (i, seen)
+    alone = engine(tiny)
+    assert [o.result.reply for o in outcomes] == [alone.turn(r).reply for r in reqs]

@@ -44,10 +44,11 @@ class Client(Protocol):
         requests: list[TurnRequest],
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
+        on_row: Callable[[int, RowOutcome], None] | None = None,
     ) -> list[RowOutcome]:
         """Several requests' turns decoded together (exokv.rank.batch), outcomes in order;
         on_text(row, piece) streams each row, should_stop(row) ends one row (agreed by
-        every rank within a decode step)."""
+        every rank within a decode step), on_row(row, outcome) as soon as a row ends."""
         ...
 
     def stop_now(self) -> None:

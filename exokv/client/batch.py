@@ -44,8 +44,10 @@ def cluster_turns(
     requests: list[TurnRequest],
     on_text: Callable[[int, str], None] | None = None,
     should_stop: Callable[[int], bool] | None = None,
+    on_row: Callable[[int, RowOutcome], None] | None = None,
 ) -> list[RowOutcome]:
-    """Run `requests` as one batch on `client`'s ranks (a ClusterClient); outcomes in order."""
+    """Run `requests` as one batch on `client`'s ranks (a ClusterClient); outcomes in order,
+    and each to on_row(row, outcome) as soon as it comes (its row ended)."""
     with client._in_flight():
         ids = [client._new_id() for _ in requests]
         rows = BatchRows(client, ids)
@@ -55,7 +57,7 @@ def cluster_turns(
         client._send({"type": "batch", "id": client._new_id(), "rows": batch})
         client._rows = rows
         try:
-            return _collect(client, rows, row_of, on_text, should_stop)
+            return _collect(client, rows, row_of, on_text, should_stop, on_row)
         finally:
             client._rows = None
 
@@ -66,6 +68,7 @@ def _collect(
     row_of: dict[int, int],
     on_text: Callable[[int, str], None] | None,
     should_stop: Callable[[int], bool] | None,
+    on_row: Callable[[int, RowOutcome], None] | None,
 ) -> list[RowOutcome]:
     """Read the batch's messages until every row's outcome came."""
     outcomes: list[RowOutcome | None] = [None] * len(rows.ids)
@@ -88,6 +91,8 @@ def _collect(
             result = outcomes[i].result
             if result is not None and message.get("tokens"):
                 client._keep_reply(result.reply, message["tokens"])
+            if on_row is not None:
+                on_row(i, outcomes[i])
     return [o for o in outcomes if o is not None]
 
 

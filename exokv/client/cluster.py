@@ -212,10 +212,11 @@ class ClusterClient(Client):
         requests: list[TurnRequest],
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
+        on_row: Callable[[int, RowOutcome], None] | None = None,
     ) -> list[RowOutcome]:
         from exokv.client.batch import cluster_turns
 
-        return cluster_turns(self, requests, on_text, should_stop)
+        return cluster_turns(self, requests, on_text, should_stop, on_row)
 
     def stop_row(self, row: int) -> None:
         """End row `row` of the batch in flight at its next decode step, on every rank."""

@@ -87,15 +87,23 @@ class HealingClient:
         requests: list[TurnRequest],
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
+        on_row: Callable[[int, RowOutcome], None] | None = None,
     ) -> list[RowOutcome]:
-        # A batch the ranks die in runs again whole on the new ranks, as a turn does.
+        # A batch the ranks die in runs again whole on the new ranks, as a turn does; a
+        # row answered before they died is not answered again.
         rows = [ShownOnce(partial(on_text, i) if on_text else None) for i in range(len(requests))]
+        answered: set[int] = set()
+
+        def answer(row: int, outcome: RowOutcome) -> None:
+            if on_row is not None and row not in answered:
+                answered.add(row)
+                on_row(row, outcome)
 
         def run(inner: ClusterClient) -> list[RowOutcome]:
             for row in rows:
                 row.rerun()
             relay = (lambda row, piece: rows[row](piece)) if on_text else None
-            return inner.turns(requests, relay, should_stop)
+            return inner.turns(requests, relay, should_stop, answer)
 
         outcomes = self._healing(run)
         for outcome in outcomes:

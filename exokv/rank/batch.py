@@ -7,7 +7,8 @@ rows' caches are merged (mlx-lm's left-padded `BatchKVCache`) and decoded one st
 at a time, a sampler per row; a row ends at its end-of-turn token, its max_tokens
 or an agreed stop (one gather of a bit per row each step), and its cache is taken
 out once its last token has run (as `generate_step` runs every token it gives).
-Last, in the batch's order: insert, release, cap — the one-at-a-time turn's end.
+Then, at that step, in the batch's order: insert, cap — the one-at-a-time turn's
+end — and the row's outcome goes out (`on_row`) while the other rows decode on.
 
 Every decision is made from the rows' tokens and the gathered numbers, in the
 batch's order, so the ranks' trees stay identical. Batching needs plain full
@@ -38,6 +39,7 @@ from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 RowText = Callable[[int, str], None]
 RowProgress = Callable[[int, int, int], None]
 RowStop = Callable[[int], bool]
+RowEnd = Callable[[int, RowOutcome], None]
 
 
 @dataclass
@@ -75,10 +77,12 @@ def run_batch(
     on_progress: RowProgress | None = None,
     should_stop: RowStop | None = None,
     on_step: Callable[[], None] | None = None,
+    on_row: RowEnd | None = None,
 ) -> list[RowOutcome]:
     """Each request's turn, decoded together where the engine allows; outcomes in order.
     on_step() is called after each decode step's text (rank 0 sends the step's pieces
-    as one message).
+    as one message); on_row(row, outcome) as soon as a row has ended and its tokens
+    are in the tree, so its caller need not wait for the batch's longest row.
 
     Every rank must call this with the same requests in the same order, and pass a
     `should_stop` (only rank 0's ever says yes: the stop is agreed by a collective).
@@ -110,10 +114,12 @@ def run_batch(
                 result = engine.turn(request, row_text(i), row_progress(i), row_stop(i))
             except PromptTooLong as err:  # every rank alike, before any collective
                 outcomes.append(_refused(err))
-                continue
-            outcomes.append(RowOutcome(result=result))
+            else:
+                outcomes.append(RowOutcome(result=result))
+            if on_row is not None:
+                on_row(i, outcomes[-1])
         return outcomes
-    return _Batch(engine, requests, on_text, on_progress, should_stop, on_step).run()
+    return _Batch(engine, requests, on_text, on_progress, should_stop, on_step, on_row).run()
 
 
 def _refused(err: PromptTooLong) -> RowOutcome:
@@ -129,9 +135,12 @@ class _Batch:
         on_progress: RowProgress | None,
         should_stop: RowStop | None,
         on_step: Callable[[], None] | None = None,
+        on_row: RowEnd | None = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_row = on_row
+        self.rows = 1  # rows decoded together (the access log's batch=)
         self.requests = list(requests)
         self.on_text = on_text
         self.on_progress = on_progress
@@ -141,29 +150,29 @@ class _Batch:
 
     def run(self) -> list[RowOutcome]:
         rows: list[_Row] = []
-        try:
-            for i, request in enumerate(self.requests):
-                row = self._begin(i, request)
-                if row is not None:
-                    rows.append(row)
-            decoding = [r for r in rows if not r.stopped_in_prefill]
-            for k, row in enumerate(decoding):
-                row.index_in_batch = k
-            if decoding:
-                self._decode(decoding)
-        except BaseException:
-            for row in rows:
-                self.engine.cache.release(row.hit)
-            raise
-        # Every row's cache is its own copy (nothing was lent): the paths are unlocked
-        # now, so each row's cap below may evict what the other rows fetched.
+        for i, request in enumerate(self.requests):
+            row = self._begin(i, request)
+            if row is not None:
+                rows.append(row)
+            elif self.on_row is not None:  # refused: its answer need not wait
+                self.on_row(i, self.outcomes[i])
+        decoding = [r for r in rows if not r.stopped_in_prefill]
+        self.rows = max(len(decoding), 1)
         for row in rows:
-            self.engine.cache.release(row.hit)
-        for row in rows:
-            self.outcomes[row.index] = RowOutcome(
-                result=self._end(row), batch=max(len(decoding), 1)
-            )
+            if row.stopped_in_prefill:  # its client left before its first token
+                self._finish(row)
+        for k, row in enumerate(decoding):
+            row.index_in_batch = k
+        if decoding:
+            self._decode(decoding)
         return self.outcomes
+
+    def _finish(self, row: _Row) -> None:
+        """A row that ended: its insert and cap now, at the same step on every rank (the
+        rows end where their tokens and the agreed stops say), and its outcome out."""
+        self.outcomes[row.index] = RowOutcome(result=self._end(row), batch=self.rows)
+        if self.on_row is not None:
+            self.on_row(row.index, self.outcomes[row.index])
 
     # -- before decode: each row alone, in the batch's order -----------------------
 
@@ -209,9 +218,11 @@ class _Batch:
                 progress,
                 lambda: self._asked(i),
             )
-        except BaseException:
+        finally:
+            # The row's cache is its own copy (nothing was lent): its path is unlocked
+            # now, so any row's cap may evict what the others fetched (a batch is never
+            # held over budget by its own rows), and a row's end need not wait for them.
             engine.cache.release(hit)
-            raise
         if row.stopped_in_prefill:
             row.finish = "interrupted"
             row.cache = hit.cache
@@ -263,6 +274,8 @@ class _Batch:
                 self._flush(row)
             if self.on_step is not None:
                 self.on_step()
+            for j in ending:  # in the batch's order, on every rank
+                self._finish(active[j])
             keep = [j for j in range(len(active)) if j not in ending]
             if not keep:
                 return
@@ -364,8 +377,8 @@ def answer_batch(
 ) -> None:
     """A `batch` message from the front end, run on this rank (every rank alike); rank 0
     (the one with a `link`, and a `flow` for the text) streams each row's text under the
-    row's id, then its result. `stopped` holds the ids of rows the front end asked to
-    stop (rank 0's only)."""
+    row's id, and each row's result as soon as the row ends. `stopped` holds the ids of
+    rows the front end asked to stop (rank 0's only)."""
     ids = [row["id"] for row in message["rows"]]
     requests = [TurnRequest.from_dict(row["request"]) for row in message["rows"]]
 
@@ -378,8 +391,20 @@ def answer_batch(
     def on_progress(i: int, done: int, total: int) -> None:
         link.send({"type": "progress", "id": ids[i], "done": done, "total": total})
 
+    def on_row(i: int, outcome: RowOutcome) -> None:
+        flow.flush()  # the row's last text comes before its result
+        result = outcome.result
+        link.send(
+            {
+                "type": "row",
+                "id": ids[i],
+                "outcome": asdict(outcome),
+                "tokens": engine.reply_tokens(result.reply) if result is not None else None,
+            }
+        )
+
     try:
-        outcomes = run_batch(
+        run_batch(
             engine,
             requests,
             on_text=on_text if flow is not None else None,
@@ -387,20 +412,7 @@ def answer_batch(
             # Every rank passes one (never true off rank 0): the stop is a collective.
             should_stop=lambda i: ids[i] in stopped,
             on_step=on_step if flow is not None else None,
+            on_row=on_row if flow is not None else None,
         )
-        if flow is not None:
-            flow.flush()  # the last steps' text comes before the rows' results
     finally:
         stopped.difference_update(ids)
-    if link is None:
-        return
-    for ident, outcome in zip(ids, outcomes, strict=True):
-        result = outcome.result
-        link.send(
-            {
-                "type": "row",
-                "id": ident,
-                "outcome": asdict(outcome),
-                "tokens": engine.reply_tokens(result.reply) if result is not None else None,
-            }
-        )

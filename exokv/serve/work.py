@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.errors import ExokvError, PromptTooLong
-from exokv.records import TurnRequest, TurnResult
+from exokv.records import RowOutcome, TurnRequest, TurnResult
 from exokv.serve.api import ApiError, StopText
 
 RETRY_AFTER_S = 1
@@ -217,20 +217,28 @@ class TurnQueue:
             job = jobs[i]
             return self._halt or job.cancelled.is_set() or job.stop_text.hit
 
-        try:
-            outcomes = self.client.turns(
-                [j.request for j in jobs], on_text=on_text, should_stop=should_stop
-            )
-        except Exception as err:  # noqa: BLE001 - the batch fails, the server stays up
-            for job in jobs:
-                self._failed(job, err)
-            return
-        for job, outcome in zip(jobs, outcomes, strict=True):
+        def on_row(i: int, outcome: RowOutcome) -> None:
+            # A row's answer as soon as it ended, not when the batch's longest row ends.
+            job = jobs[i]
+            if job.finished:
+                return
             job.batch = outcome.batch
             if outcome.refused is not None:
                 job.fail(_too_long(outcome.tokens, outcome.context))
             elif outcome.result is not None:
                 self._finish(job, outcome.result)
+
+        try:
+            outcomes = self.client.turns(
+                [j.request for j in jobs], on_text=on_text, should_stop=should_stop, on_row=on_row
+            )
+        except Exception as err:  # noqa: BLE001 - the batch fails, the server stays up
+            for job in jobs:
+                if not job.finished:
+                    self._failed(job, err)
+            return
+        for i, outcome in enumerate(outcomes):  # a client that does not call on_row
+            on_row(i, outcome)
 
     def _failed(self, job: Job, err: Exception) -> None:
         """A turn that raised: the request's error, and the server's end if the ranks are gone."""
