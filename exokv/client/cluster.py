@@ -50,9 +50,11 @@ from exokv.wire.launch import (
     SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
+    end_process_group,
     nudge_ranks,
     plan_launch,
     rank_command,
+    wait_for,
 )
 
 CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
@@ -320,21 +322,7 @@ class ClusterClient(Client):
         if proc is not None:
             # With a disk tier the ranks spill what RAM holds and persist it: more time.
             patience = 60.0 if (disk_budget_text(self.opts) or "0") != "0" else 5.0
-            _wait(proc, patience if graceful else 0.0)
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)  # the launcher and every local rank it started
-                except (ProcessLookupError, PermissionError):
-                    break
-                if _wait(proc, 3.0) and sig == signal.SIGTERM:
-                    # The launcher is gone; its ranks may still be exiting.
-                    time.sleep(0.2)
-            _wait(proc, 1.0)
-            if proc.stdin is not None:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
+            end_process_group(proc, patience if graceful else 0.0)
         if self._link is not None:
             self._link.close()
         if self._server is not None:
@@ -636,7 +624,7 @@ class ClusterClient(Client):
 
     def _diagnose(self, cause: str, settle: bool) -> str:
         proc = self._proc
-        if proc is not None and settle and _wait(proc, SETTLE_S):
+        if proc is not None and settle and wait_for(proc, SETTLE_S):
             for t in self._drains:
                 t.join(timeout=1.0)  # the launcher's last words reach the tails
         hosts = [h.ssh for h in self.plan.hosts]
@@ -757,11 +745,3 @@ def parse_split(text: str | None) -> list[int] | None:
     if any(s < 1 for s in split):
         raise UsageError(f"invalid --split {text!r}: every rank needs at least one layer")
     return split
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
