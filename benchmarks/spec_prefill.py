@@ -15,7 +15,8 @@ Each trial is a new paste of about --tokens tokens after the same short first tu
 
 Trials alternate plain and typed ahead (and, on one rank, each --chunks size, the
 tokens of one speculative step), so machine noise hits every mode alike; medians are
-reported with the load average before and after.
+reported with the load average before and after, and with each trial the seconds an
+idle probe process was not run meanwhile (benchmarks/stalls.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from resume import WORDS
+from stalls import StallProbe, stalled
 
 FIRST = "Hello there."
 
@@ -70,6 +72,7 @@ def main() -> None:
         model=args.model, ranks=args.ranks, starting_port=args.starting_port, restarts=0
     )
     client = make_client(opts)
+    probe = StallProbe()
     load = [os.getloadavg()[0]]
     first = [{"role": "user", "content": FIRST}]
     reply = client.turn(TurnRequest("bench", first, max_tokens=8)).reply
@@ -84,6 +87,7 @@ def main() -> None:
                 text = paste(trial, args.tokens)
                 request = TurnRequest("bench", [*history, {"role": "user", "content": text}], 1)
                 row: dict[str, Any] = {}
+                began = time.monotonic()
                 if chunk is not None:
                     typeahead.SPEC_CHUNK = chunk  # the engine in this process (1 rank)
                     tic = time.perf_counter()
@@ -97,11 +101,13 @@ def main() -> None:
                     typed_ahead=ahead,
                     prefilled=new,
                     tok_s=(ahead / row["draft_s"]) if chunk is not None else new / result.ttft_s,
+                    machine_stalled_s=stalled(probe.gaps(), began, time.monotonic()),
                 )
                 rows[mode].append(row)
                 print(f"  {mode}: {row}", file=sys.stderr)
     finally:
         client.close()
+        probe.close()
     load.append(os.getloadavg()[0])
     summary = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
     doc = {"args": vars(args), "load_before_after": load, "trials": rows, "median": summary}
@@ -115,7 +121,10 @@ def main() -> None:
     for m, s in summary.items():
         extra = f", then the turn: TTFT {s['ttft_s']:.3f} s" if "draft_s" in s else ""
         took = s.get("draft_s", s["ttft_s"])
-        print(f"  {m:28} {s['tok_s']:7.0f} tokens/s ({took:.2f} s){extra}")
+        print(
+            f"  {m:28} {s['tok_s']:7.0f} tokens/s ({took:.2f} s){extra}; "
+            f"machine stalled {s['machine_stalled_s']:.2f} s"
+        )
 
 
 if __name__ == "__main__":
