@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from exokv.client.cluster import ClusterClient
 
 SCRIPT = r"""
 import sys, threading, time
@@ -124,7 +128,7 @@ def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
         launcher.wait()
 
 
-def _remote_client(beats: dict[int, float], checked: float) -> object:
+def _remote_client(beats: dict[int, float], checked: float) -> ClusterClient:
     from types import SimpleNamespace
 
     from exokv.client.cluster import ClusterClient
