@@ -61,6 +61,9 @@ CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling ba
 HEARTBEAT_TIMEOUT = 10.0  # rank 0 beats every 2 s; this stays inside the 15 s promise
 SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
 _POLL_S = 0.25
+# Checks come _POLL_S apart; this much between two means this process was not run (a
+# loaded or paused machine): the beats sent meanwhile may not be read yet.
+_SELF_STALL_S = 2.0
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
@@ -456,6 +459,7 @@ class ClusterClient(Client):
         # From here on every rank must beat (each started beating before rank 0 could
         # connect): a rank that hangs while the model loads is named too.
         self._beats = {r: self._last_seen for r in range(self.ranks)}
+        self._checked = self._last_seen  # the last liveness check (_trouble)
         threading.Thread(target=self._read_link, daemon=True).start()
         while True:
             message = self._next()
@@ -555,6 +559,9 @@ class ClusterClient(Client):
         if self._proc is not None and self._proc.poll() is not None:
             return "the ranks stopped", True
         now = time.monotonic()
+        checked, self._checked = self._checked, now
+        if now - checked > _SELF_STALL_S:
+            return None, False  # judged at the next check, once the readers have run
         silent = [
             r
             for r, t in sorted(self._beats.items())
@@ -573,12 +580,13 @@ class ClusterClient(Client):
     def _running_here(self, rank: int) -> bool:
         """Whether a silent rank on this machine is a running process: busy, not dead.
 
-        A rank's heartbeats come from Python threads, so a call that holds the GIL
-        silences them: loading a tokenizer does for about a second, and on a loaded
-        machine one prefill's mx.eval did for over 10 s (two ranks of SmolLM2 with
-        nine other processes on two cores). Where the rank is a local process, its
-        state decides: stopped (SIGSTOP, a debugger) or gone is dead, anything else
-        is working. Remote ranks have only their heartbeat.
+        A loaded machine can leave a rank unscheduled for seconds, its beat threads
+        with it: on this project's two-core VM every process (a C program sleeping
+        5 ms at a time too) went unrun for up to 6.6 s several times a minute at load
+        10 to 20, and a rank's beat was seen silent for over 10 s (benchmarks/stalls.py;
+        nothing of exokv held the GIL: mx.eval releases it). Where the rank is a local
+        process, its state decides: stopped (SIGSTOP, a debugger) or gone is dead,
+        anything else is working. Remote ranks have only their heartbeat.
         """
         if not self.plan.local or self._proc is None:
             return False
