@@ -19,6 +19,10 @@ one after the other:
 Enter to first token is the time from writing Enter to the arrival of the reply's first
 characters on the terminal (as in benchmarks/resume.py). Replies must be the same with
 and without typing ahead (temperature 0; checked).
+
+An idle probe process (benchmarks/stalls.py) runs throughout: keys during which the
+machine did not run it either (for at least half the key's time) are counted apart,
+and keystroke to screen is also given without them; each mode's stalls are reported.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from resume import STATUS, WORDS, Trial
+from stalls import StallProbe, stalled, summary
 
 FIRST = "Hello there."
 ONE_LINE = "Now one more short line, please."
@@ -73,25 +78,51 @@ def _turn(trial: Trial, keys: bytes, mark: int) -> dict[str, Any]:  # mark: wher
     }
 
 
-def _type_slowly(trial: Trial, text: str, cps: float) -> list[float]:
-    """Type `text` a key at a time; each key's time to the next output on the terminal."""
-    latencies = []
+def _type_slowly(trial: Trial, text: str, cps: float) -> list[tuple[float, float]]:
+    """Type `text` a key at a time: (when each key went, in time.monotonic(); its time
+    to the next output on the terminal)."""
+    keys = []
     for ch in text:
         before = len(trial.raw)
         sent = time.perf_counter()
+        at = time.monotonic()
         os.write(trial.fd, ch.encode())
         while len(trial.raw) == before and time.perf_counter() - sent < 5.0:
             trial._read(0.002)
-        latencies.append(time.perf_counter() - sent)
+        keys.append((at, time.perf_counter() - sent))
         rest = 1.0 / cps - (time.perf_counter() - sent)
         if rest > 0:
             end = time.perf_counter() + rest
             while time.perf_counter() < end:  # keep reading: the terminal never backs up
                 trial._read(min(0.01, max(0.0, end - time.perf_counter())))
-    return latencies
+    return keys
 
 
-def run_mode(home: Path, args: argparse.Namespace, typeahead: bool) -> dict[str, Any]:
+def _percentiles(ms: list[float]) -> dict[str, float]:
+    ms = sorted(ms)
+    return {
+        "p50": statistics.median(ms),
+        "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+        "max": ms[-1],
+        "keys": len(ms),
+    }
+
+
+def keystrokes(keys: list[tuple[float, float]], gaps: list[tuple[float, float]]) -> dict[str, Any]:
+    """Keystroke to screen over all keys, and over the keys the machine ran (the idle
+    probe was not stalled for half the key's time or more)."""
+    ran = [lat for at, lat in keys if stalled(gaps, at, at + lat) < lat / 2]
+    return {
+        **_percentiles([lat * 1000 for _, lat in keys]),
+        "slowest": sorted(((lat * 1000, i) for i, (_, lat) in enumerate(keys)), reverse=True)[:5],
+        "machine_stalled_keys": len(keys) - len(ran),
+        "machine_running": _percentiles([lat * 1000 for lat in ran]) if ran else None,
+    }
+
+
+def run_mode(
+    home: Path, args: argparse.Namespace, typeahead: bool, probe: StallProbe
+) -> dict[str, Any]:
     from exokv.chat.render import visible
     from exokv.state import Store
 
@@ -102,6 +133,7 @@ def run_mode(home: Path, args: argparse.Namespace, typeahead: bool) -> dict[str,
         extra.append("--no-typeahead")
     trial = Trial(home, args.model, args.max_tokens, *extra)
     trial.wait_for(r"demo › ", timeout=900)
+    began = time.monotonic()
     turns = {}
     turns["first"] = _turn(trial, (FIRST + "\r").encode(), len(trial.raw))
     turns["one line"] = _turn(trial, (ONE_LINE + "\r").encode(), len(trial.raw))
@@ -116,6 +148,7 @@ def run_mode(home: Path, args: argparse.Namespace, typeahead: bool) -> dict[str,
     turns["typed"] = _turn(trial, b"\r", mark)
     # The same one-line turn again, now that the conversation is as long as the last two.
     turns["one line, long"] = _turn(trial, (ONE_LINE + "\r").encode(), len(trial.raw))
+    ended = time.monotonic()
     trial.quit()
     with Store.open(home) as store:
         replies = [m["content"] for m in store.load_messages("demo") if m["role"] == "assistant"]
@@ -125,16 +158,12 @@ def run_mode(home: Path, args: argparse.Namespace, typeahead: bool) -> dict[str,
         turn["enter_to_first_token_s"] = trial.arrival(first) - turn["enter"]
         turn["reply"] = reply
         del turn["enter"], turn["sent"]
-    ms = sorted(k * 1000 for k in keys)
+    gaps = probe.gaps()
     return {
         "turns": turns,
-        "keystroke_ms": {
-            "p50": statistics.median(ms),
-            "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-            "max": ms[-1],
-            "keys": len(ms),
-            "slowest": sorted(((k * 1000, i) for i, k in enumerate(keys)), reverse=True)[:5],
-        },
+        "keystroke_ms": keystrokes(keys, gaps),
+        "machine_stalls": summary(gaps, began, ended),
+        "load_after": os.getloadavg()[0],
     }
 
 
@@ -153,6 +182,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="exokv-typeahead-"))
     modes: dict[str, Any] = {}
+    probe = StallProbe()
     try:
         for typeahead in (True, False):
             name = "typeahead" if typeahead else "off"
@@ -161,9 +191,10 @@ def main() -> None:
             models = Path(os.environ.get("EXOKV_HOME", Path.home() / ".exokv")) / "models"
             if models.is_dir():
                 (home / "models").symlink_to(models)  # builtins are made once
-            modes[name] = run_mode(home, args, typeahead)
+            modes[name] = run_mode(home, args, typeahead, probe)
             print(f"  {name}: done", file=sys.stderr)
     finally:
+        probe.close()
         shutil.rmtree(work, ignore_errors=True)
     on, off = modes["typeahead"], modes["off"]
     for name in on["turns"]:
@@ -193,9 +224,16 @@ def main() -> None:
             print(f"{name}: typing ahead {t / base:.2f}x the {short!r} turn; without it "
                   f"{off['turns'][name]['enter_to_first_token_s'] / base:.2f}x")  # fmt: skip
     for mode, doc_ in modes.items():
-        k = doc_["keystroke_ms"]
+        k, m = doc_["keystroke_ms"], doc_["machine_stalls"]
         print(f"keystroke to screen, {mode}: p50 {k['p50']:.1f} ms, p99 {k['p99']:.1f} ms, "
               f"max {k['max']:.1f} ms over {k['keys']} keys")  # fmt: skip
+        if k["machine_running"]:
+            r, n = k["machine_running"], k["machine_stalled_keys"]
+            print(f"  without the {n} keys the machine stalled: p50 {r['p50']:.1f} ms, "
+                  f"p99 {r['p99']:.1f} ms, max {r['max']:.1f} ms")  # fmt: skip
+        print(f"  machine stalls (an idle process not run): {m['stalls_over_0.1s']} over 0.1 s, "
+              f"{m['stalls_over_1s']} over 1 s, longest {m['longest_s']:.2f} s, "
+              f"{m['lost_s']:.1f} s of {m['seconds']:.0f} s lost")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.chat_helpers import home_with_models
+
 MODEL = "builtin:tiny"
+
+
+def server_and_chat_homes(root: Path, models_dir: Path) -> tuple[Path, Path]:
+    """Two state dirs under `root` that share the built models: a server's and a chat's."""
+    return (
+        home_with_models(root / "server", models_dir, link=True),
+        home_with_models(root / "chat", models_dir, link=True),
+    )
 
 
 def free_port() -> int:

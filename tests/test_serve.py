@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.chat_helpers import cache_json, chat_json, home_with_models, run_exokv
-from tests.serve_helpers import MODEL, conversation_replies, raw, serving
+from tests.serve_helpers import MODEL, conversation_replies, raw, server_and_chat_homes, serving
 
 SYSTEM = "be brief"
 TURNS = ["hello there", "tell me more about gardens"]
@@ -20,11 +20,7 @@ TURNS = ["hello there", "tell me more about gardens"]
 
 @pytest.fixture(scope="module")
 def homes(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("serve")
-    return (
-        home_with_models(root / "server", models_dir, link=True),
-        home_with_models(root / "chat", models_dir, link=True),
-    )
+    return server_and_chat_homes(tmp_path_factory.mktemp("serve"), models_dir)
 
 
 @pytest.fixture(scope="module")

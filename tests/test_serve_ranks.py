@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.chat_helpers import chat_json, home_with_models
-from tests.serve_helpers import MODEL, raw, serving
+from tests.serve_helpers import MODEL, raw, server_and_chat_homes, serving
 
 SYSTEM = "be brief"
 TURNS = ["hello there", "tell me more about gardens"]
@@ -19,11 +19,7 @@ KEY = "two-ranks"
 
 @pytest.fixture(scope="module")
 def homes(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("serve-ranks")
-    return (
-        home_with_models(root / "server", models_dir, link=True),
-        home_with_models(root / "chat", models_dir, link=True),
-    )
+    return server_and_chat_homes(tmp_path_factory.mktemp("serve-ranks"), models_dir)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,15 @@ from typing import IO, Any
 from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
 from exokv.client.cluster import diagnose
 from exokv.errors import ExokvError
-from exokv.wire.launch import BEAT_MARK, LaunchPlan, nudge_ranks, plan_launch, rank_command
+from exokv.wire.launch import (
+    BEAT_MARK,
+    LaunchPlan,
+    end_process_group,
+    nudge_ranks,
+    plan_launch,
+    rank_command,
+    wait_for,
+)
 
 START_TIMEOUT = 90.0  # launcher start + distributed init, until every rank beats
 HEARTBEAT_TIMEOUT = 20.0  # ranks beat every 2 s, from a thread, even while MLX computes
@@ -195,7 +203,7 @@ class RankRun:
     def _fail(self, cause: str, settle: bool = True) -> None:
         proc = self.proc
         if proc is not None and settle:
-            _wait(proc, 4.0)
+            wait_for(proc, 4.0)
             for t in self.drains:
                 t.join(timeout=1.0)
         hosts = [h.ssh for h in self.plan.hosts]
@@ -208,32 +216,10 @@ class RankRun:
         proc = self.proc
         if proc is None:
             return
-        if proc.poll() is None:
-            _wait(proc, 0.0)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)  # the launcher and every local rank it started
-            except (ProcessLookupError, PermissionError):
-                break
-            if _wait(proc, 3.0) and sig == signal.SIGTERM:
-                time.sleep(0.2)  # the launcher is gone; its ranks may still be exiting
-        _wait(proc, 1.0)
-        if proc.stdin is not None:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
+        end_process_group(proc)
         for t in self.drains:
             t.join(timeout=1.0)
 
 
 def _terminated(signum: int, frame: Any) -> None:
     raise ExokvError("terminated: the ranks were stopped")
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return True

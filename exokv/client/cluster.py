@@ -50,9 +50,11 @@ from exokv.wire.launch import (
     SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
+    end_process_group,
     nudge_ranks,
     plan_launch,
     rank_command,
+    wait_for,
 )
 
 CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
@@ -61,6 +63,9 @@ SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which ra
 _POLL_S = 0.25
 # Tests only: seconds the front end takes over each texts message (a front end that lags).
 SLOW_TEXTS_ENV = "EXOKV_TEST_SLOW_TEXTS"
+# Checks come _POLL_S apart; this much between two means this process was not run (a
+# loaded or paused machine): the beats sent meanwhile may not be read yet.
+_SELF_STALL_S = 2.0
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
@@ -339,21 +344,7 @@ class ClusterClient(Client):
         if proc is not None:
             # With a disk tier the ranks spill what RAM holds and persist it: more time.
             patience = 60.0 if (disk_budget_text(self.opts) or "0") != "0" else 5.0
-            _wait(proc, patience if graceful else 0.0)
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)  # the launcher and every local rank it started
-                except (ProcessLookupError, PermissionError):
-                    break
-                if _wait(proc, 3.0) and sig == signal.SIGTERM:
-                    # The launcher is gone; its ranks may still be exiting.
-                    time.sleep(0.2)
-            _wait(proc, 1.0)
-            if proc.stdin is not None:
-                try:
-                    proc.stdin.close()
-                except OSError:
-                    pass
+            end_process_group(proc, patience if graceful else 0.0)
         if self._link is not None:
             self._link.close()
         if self._server is not None:
@@ -487,6 +478,7 @@ class ClusterClient(Client):
         # From here on every rank must beat (each started beating before rank 0 could
         # connect): a rank that hangs while the model loads is named too.
         self._beats = {r: self._last_seen for r in range(self.ranks)}
+        self._checked = self._last_seen  # the last liveness check (_trouble)
         threading.Thread(target=self._read_link, daemon=True).start()
         while True:
             message = self._next()
@@ -597,6 +589,9 @@ class ClusterClient(Client):
         if self._proc is not None and self._proc.poll() is not None:
             return "the ranks stopped", True
         now = time.monotonic()
+        checked, self._checked = self._checked, now
+        if now - checked > _SELF_STALL_S:
+            return None, False  # judged at the next check, once the readers have run
         silent = [
             r
             for r, t in sorted(self._beats.items())
@@ -615,12 +610,13 @@ class ClusterClient(Client):
     def _running_here(self, rank: int) -> bool:
         """Whether a silent rank on this machine is a running process: busy, not dead.
 
-        A rank's heartbeats come from Python threads, so a call that holds the GIL
-        silences them: loading a tokenizer does for about a second, and on a loaded
-        machine one prefill's mx.eval did for over 10 s (two ranks of SmolLM2 with
-        nine other processes on two cores). Where the rank is a local process, its
-        state decides: stopped (SIGSTOP, a debugger) or gone is dead, anything else
-        is working. Remote ranks have only their heartbeat.
+        A loaded machine can leave a rank unscheduled for seconds, its beat threads
+        with it: on this project's two-core VM every process (a C program sleeping
+        5 ms at a time too) went unrun for up to 6.6 s several times a minute at load
+        10 to 20, and a rank's beat was seen silent for over 10 s (benchmarks/stalls.py;
+        nothing of exokv held the GIL: mx.eval releases it). Where the rank is a local
+        process, its state decides: stopped (SIGSTOP, a debugger) or gone is dead,
+        anything else is working. Remote ranks have only their heartbeat.
         """
         if not self.plan.local or self._proc is None:
             return False
@@ -666,7 +662,7 @@ class ClusterClient(Client):
 
     def _diagnose(self, cause: str, settle: bool) -> str:
         proc = self._proc
-        if proc is not None and settle and _wait(proc, SETTLE_S):
+        if proc is not None and settle and wait_for(proc, SETTLE_S):
             for t in self._drains:
                 t.join(timeout=1.0)  # the launcher's last words reach the tails
         hosts = [h.ssh for h in self.plan.hosts]
@@ -787,11 +783,3 @@ def parse_split(text: str | None) -> list[int] | None:
     if any(s < 1 for s in split):
         raise UsageError(f"invalid --split {text!r}: every rank needs at least one layer")
     return split
-
-
-def _wait(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return True

@@ -14,9 +14,12 @@ Step = Callable[[str, list[dict[str, str]], str], int]  # Engine.speculate
 
 
 class DraftRunner:
-    def __init__(self, step: Step, lock: threading.Lock) -> None:
+    def __init__(
+        self, step: Step, lock: threading.Lock, at_exit: Callable[[], None] | None = None
+    ) -> None:
         self._step = step
         self.lock = lock  # the engine's: held by every step and every turn
+        self._at_exit = at_exit  # run by the worker as it ends (see close)
         self._wake = threading.Condition()
         self._pending: tuple[str, list[dict[str, str]], str] | None = None
         self._serial = 0  # drafts submitted (a waiter knows when its draft is over)
@@ -47,11 +50,27 @@ class DraftRunner:
         self.submit("", [], "")
 
     def close(self) -> None:
+        """No more drafts; returns once the worker has ended, having run `at_exit`.
+
+        A thread that ran the model must free MLX's thread-local state (its compile
+        cache holds Python objects) before it ends: freed later, as the thread ends,
+        it needs the GIL, and if the interpreter is exiting then the process aborts
+        ("terminate called without an active exception", exit 134)."""
         with self._wake:
             self._closed = True
+            worker = self._thread
         self.cancel()
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if self._at_exit is not None:
+                self._at_exit()
+
+    def _serve(self) -> None:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._pending is not None or self._closed)

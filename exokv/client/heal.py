@@ -74,9 +74,7 @@ class HealingClient:
             return inner.turn(request, shown if on_text else None, on_progress)
 
         result = self._healing(run)
-        tokens = self._inner.reply_tokens(result.reply)
-        if tokens:
-            self._keep(result.reply, tokens)
+        self._keep_reply_of(result)
         for why in self._restarted:  # shown with the turn and kept with its events
             result.events.insert(0, _restart_event(why, result.decision, result.ranks))
         self._restarted = []
@@ -107,11 +105,14 @@ class HealingClient:
 
         outcomes = self._healing(run)
         for outcome in outcomes:
-            result = outcome.result
-            tokens = self._inner.reply_tokens(result.reply) if result else None
-            if result and tokens:
-                self._keep(result.reply, tokens)
+            self._keep_reply_of(outcome.result)
         return outcomes
+
+    def _keep_reply_of(self, result: TurnResult | None) -> None:
+        # The ranks a later restart starts know nothing of this reply's exact tokens.
+        tokens = self._inner.reply_tokens(result.reply) if result else None
+        if result and tokens:
+            self._keep(result.reply, tokens)
 
     def stop(self) -> None:
         self._inner.stop()

@@ -13,6 +13,16 @@ from exokv.rank.kvsave import CacheFileReport
 from exokv.records import RowOutcome, TurnRequest, TurnResult
 
 
+def forget_thread() -> None:
+    """Free what MLX keeps for the calling thread (its streams and compile cache): a
+    thread that ran the model calls this before it ends (exokv.client.drafts)."""
+    import mlx.core as mx
+
+    clear = getattr(mx, "clear_streams", None)  # mlx 0.32 and later
+    if clear is not None:
+        clear()
+
+
 class LocalClient(Client):
     def __init__(self, model_name: str, options: EngineOptions) -> None:
         from exokv.model.resolve import load_model
@@ -22,7 +32,7 @@ class LocalClient(Client):
         self.ranks = 1
         self._stop = threading.Event()
         self._engine_lock = threading.Lock()  # drafts run in a thread of their own
-        self._drafts = DraftRunner(self.engine.speculate, self._engine_lock)
+        self._drafts = DraftRunner(self.engine.speculate, self._engine_lock, forget_thread)
 
     def turn(
         self,
