@@ -1,10 +1,13 @@
 """`exokv serve` against `mlx_lm.server`: the same model, the same workloads, one run.
 
     python benchmarks/serve_vs_mlx_lm.py --model builtin:base --repeats 3
+    python benchmarks/serve_vs_mlx_lm.py --model builtin:base --repeats 3 --ranks 2
 
-Both servers run on 1 rank on this machine, both up at once but measured in turn:
-trials alternate between them, so the noise of a shared machine falls on both alike.
-Each is driven by the real `openai` client:
+Both servers run on --ranks ranks on this machine (2: pipeline ranks, `exokv serve -n 2`
+against `mlx.launch -n 2 --backend ring ... mlx_lm.server --pipeline`, which loads the
+model with `sharded_load`), both up at once but measured in turn: trials alternate
+between them, so the noise of a shared machine falls on both alike. Each is driven by
+the real `openai` client:
 
 1. **Decode throughput**: 8 streams at once, each its own prompt, `--max-tokens`
    tokens at temperature 0. Aggregate tokens/s = all completion tokens / the wall
@@ -14,11 +17,15 @@ Each is driven by the real `openai` client:
    (the first content chunk of the stream) of every turn after the first. Median.
 3. **Cache bytes**: --clients clients x --turns turns (a shared system prompt, each
    its own history), 8 at a time; then the bytes each server's prompt cache holds.
-   exokv: the ranks' cache bytes (`exokv cache stats --json`, RAM + disk tier);
-   mlx_lm.server: its LRUPromptCache's `nbytes`, printed after each request by a
-   wrapper (this script, `--mlx-lm-probe`) that runs `mlx_lm.server.main()` as is.
-   mlx_lm.server keeps --clients x --turns caches (`--prompt-cache-size`) so both
-   keep every conversation; exokv runs without a budget limit.
+   exokv: each rank's cache bytes (`exokv cache stats --json`, RAM + disk tier);
+   mlx_lm.server: each rank's LRUPromptCache `nbytes` (a pipeline rank's cache holds
+   its own layers only, as an exokv rank's does), printed with the rank after every
+   change by a wrapper (this script, `--mlx-lm-probe`) that runs
+   `mlx_lm.server.main()` as is. mlx_lm.server keeps --clients x --turns caches
+   (`--prompt-cache-size`) so both keep every conversation; exokv runs without a
+   budget limit. Compared per rank and summed over the ranks.
+
+A server that does not start ends the script with one line and exit 1.
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ SYSTEM = (
 ) * 6
 
 
+START_TIMEOUT_S = 300
+PORT_BLOCK = 10  # ring ports per server: --starting-port + 10 x its place
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,27 +64,50 @@ def free_port() -> int:
 
 
 class Server:
-    """One server process, its stderr kept, stopped with SIGTERM."""
+    """One server process (with its ranks, in a process group of its own), its stderr
+    kept; stopped with SIGTERM, and whatever of its group is left then with SIGKILL."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: str) -> None:
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], ready: str, launched: bool = False
+    ) -> None:
         self.name = name
         self.port = free_port()
         argv = [a.replace("{port}", str(self.port)) for a in argv]
         self.proc = subprocess.Popen(
             argv,
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if launched else subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            start_new_session=True,  # mlx.launch's ranks are stopped with it
         )
         self.log: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + START_TIMEOUT_S
         while not any(ready in x for x in self.log):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{name} did not start: {self.log[-10:]}")
+            code = self.proc.poll()
+            if code is not None or time.monotonic() > deadline:
+                self.stop()
+                why = f"exit {code}" if code is not None else f"not ready in {START_TIMEOUT_S} s"
+                last = next((x for x in reversed(self.log) if x.strip()), "no output")
+                raise SystemExit(f"serve_vs_mlx_lm: {name} did not start ({why}): {last}")
             time.sleep(0.1)
         time.sleep(0.5)
+        if launched:
+            self._quiet_launcher()
+
+    def _quiet_launcher(self) -> None:
+        """mlx.launch's thread per rank polls that rank's stdin, always writable, in a busy
+        loop until a write to it fails: a core taken from the ranks. The probe's ranks
+        closed their stdin as they started, so a byte sent through now fails."""
+        assert self.proc.stdin is not None
+        for _ in range(2):
+            try:
+                self.proc.stdin.write(b"\n")
+                self.proc.stdin.flush()
+            except OSError:
+                return
+            time.sleep(0.2)
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -88,12 +122,17 @@ class Server:
         )
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # ranks the launcher left behind
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def stream_turn(server: Server, model: str, messages: list[dict], max_tokens: int) -> dict:
@@ -168,7 +207,8 @@ def many_clients(server: Server, model: str, clients: int, turns: int) -> None:
         list(pool.map(conversation, range(clients)))
 
 
-def exokv_cache_bytes(home: Path) -> int:
+def exokv_cache_bytes(home: Path) -> list[int]:
+    """Each rank's cache bytes (RAM and disk tier), rank 0 first."""
     out = subprocess.run(
         [sys.executable, "-m", "exokv", "cache", "stats", "--json"],
         env={**os.environ, "EXOKV_HOME": str(home)},
@@ -176,35 +216,47 @@ def exokv_cache_bytes(home: Path) -> int:
         text=True,
         check=True,
     ).stdout
-    ranks = json.loads(out)["ranks"]
-    return sum(r["bytes"] + r.get("disk_bytes", 0) for r in ranks)
+    ranks = sorted(json.loads(out)["ranks"], key=lambda r: r.get("rank", 0))
+    return [r["bytes"] + r.get("disk_bytes", 0) for r in ranks]
 
 
 PROBE_MARK = "mlx-lm-cache-bytes "
 
 
-def mlx_lm_cache_bytes(server: Server) -> int:
-    time.sleep(1.0)  # the last request's log line
-    found = [x for x in server.log if x.startswith(PROBE_MARK)]
-    return int(found[-1].split()[1]) if found else -1
+def mlx_lm_cache_bytes(server: Server, ranks: int) -> list[int]:
+    """Each rank's last reported prompt-cache bytes, rank 0 first (-1: none seen)."""
+    time.sleep(1.0)  # the last request's insert, on every rank
+    last = {}
+    for line in server.log:
+        if line.startswith(PROBE_MARK):
+            rank, size = line[len(PROBE_MARK) :].split()[:2]
+            last[int(rank)] = int(size)
+    return [last.get(r, -1) for r in range(ranks)]
 
 
 def mlx_lm_probe() -> None:
-    """Run mlx_lm.server as it is, printing its prompt cache's exact bytes after each
-    request (its own log line rounds them to 0.01 GB)."""
+    """Run mlx_lm.server as it is, printing its prompt cache's exact bytes and this
+    rank after every insert or trim (its own log line rounds them to 0.01 GB, comes
+    before the request's insert, and does not say the rank)."""
+    import mlx.core as mx
     import mlx_lm.server as server
+    from mlx_lm.models.cache import LRUPromptCache
 
-    logged = server.ResponseGenerator._log_cache_stats
+    group = mx.distributed.init()
+    rank = group.rank()
+    if group.size() > 1:  # see Server._quiet_launcher
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
 
-    def log(self: Any) -> None:
-        print(
-            f"{PROBE_MARK}{self.prompt_cache.nbytes} {len(self.prompt_cache)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        logged(self)
+    def reporting(change: Any) -> Any:
+        def changed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = change(self, *args, **kwargs)
+            print(f"{PROBE_MARK}{rank} {self.nbytes} {len(self)}", file=sys.stderr, flush=True)
+            return out
 
-    server.ResponseGenerator._log_cache_stats = log
+        return changed
+
+    LRUPromptCache.insert_cache = reporting(LRUPromptCache.insert_cache)
+    LRUPromptCache.trim_to = reporting(LRUPromptCache.trim_to)
     sys.argv = [sys.argv[0], *sys.argv[2:]]
     server.main()
 
@@ -227,14 +279,21 @@ def measure(servers: dict[str, tuple[Server, str]], args: argparse.Namespace) ->
     return out
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--mlx-lm-probe":
-        mlx_lm_probe()
-        return
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2 (argparse adds the usage)
+        self.exit(2, f"serve_vs_mlx_lm: {message}\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:base")
+    p.add_argument("--ranks", type=int, default=1, help="ranks of each server (2+: pipeline)")
+    p.add_argument(
+        "--starting-port",
+        type=int,
+        default=28000,
+        help="first ring port of the ranks (each server takes a block of 10 from here)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -246,49 +305,100 @@ def main() -> None:
         "--serial", action="store_true", help="also measure exokv serve --batch 1 (one at a time)"
     )
     p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for name in ("ranks", "repeats", "streams", "max_tokens", "clients", "turns", "batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    if args.conv_turns < 2:
+        p.error(f"--conv-turns {args.conv_turns}: at least 2 (the first turn is not returning)")
+    if args.ranks > PORT_BLOCK:
+        p.error(f"--ranks {args.ranks}: at most {PORT_BLOCK} on one machine")
+    last = args.starting_port + 3 * PORT_BLOCK - 1
+    if args.starting_port < 1024 or last > 65535:
+        p.error(f"--starting-port {args.starting_port}: use 1024-{65536 - 3 * PORT_BLOCK}")
+    return args
 
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--mlx-lm-probe":
+        mlx_lm_probe()
+        return
+    args = parse_args()
+
+    from exokv.errors import ExokvError
     from exokv.model.resolve import resolve_model
 
     home = Path(tempfile.mkdtemp(prefix="serve-bench-"))
-    source = Path(os.environ.get("EXOKV_HOME", home))
-    if (source / "models").exists() and source != home:
-        (home / "models").symlink_to(source / "models", target_is_directory=True)
-    env = {**os.environ, "EXOKV_HOME": str(home)}
-    os.environ["EXOKV_HOME"] = str(home)
-    path = resolve_model(args.model)  # generated once, loaded by both servers
-
-    results: dict[str, Any] = {"model": args.model, "args": vars(args)}
-    exokv_argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model]
-    exokv_argv += ["--port", "{port}", "--disk-budget", "0", "--queue", "256"]
-    serial_argv = [*exokv_argv, "--batch", "1"]
-    exokv_argv += ["--batch", str(args.batch)]
-    mlx_argv = [sys.executable, __file__, "--mlx-lm-probe", "--model", str(path)]
-    mlx_argv += ["--port", "{port}", "--log-level", "INFO"]
-    mlx_argv += ["--prompt-cache-size", str(args.clients * args.turns + 16)]
-    exokv = Server("exokv", exokv_argv, env, "serving ")
-    serial = None
+    serial_home = Path(tempfile.mkdtemp(prefix="serve-bench-serial-"))
     try:
-        mlx = Server("mlx_lm.server", mlx_argv, env, "Starting httpd")
+        source = Path(os.environ.get("EXOKV_HOME", home))
+        if (source / "models").exists() and source != home:
+            (home / "models").symlink_to(source / "models", target_is_directory=True)
+        os.environ["EXOKV_HOME"] = str(home)
+        try:
+            path = resolve_model(args.model)  # generated once, loaded by both servers
+        except ExokvError as err:
+            raise SystemExit(f"serve_vs_mlx_lm: {err}") from None
+        (serial_home / "models").symlink_to(home / "models", target_is_directory=True)
+        results = run(args, path, home, serial_home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(serial_home, ignore_errors=True)
+    report(results, args.json)
+
+
+def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> dict[str, Any]:
+    """Start the servers, measure them in turn, stop them; each server's ring ports are
+    a block of its own from --starting-port."""
+    from exokv.wire.launch import launcher
+
+    env = {**os.environ, "EXOKV_HOME": str(home)}
+    ranks = args.ranks
+    results: dict[str, Any] = {"model": args.model, "args": vars(args)}
+    results["load_average_before"] = os.getloadavg()
+
+    def exokv_argv(block: int, batch: int) -> list[str]:
+        argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model, "-n", str(ranks)]
+        argv += ["--port", "{port}", "--disk-budget", "0", "--queue", "256"]
+        if ranks > 1:
+            argv += ["--starting-port", str(args.starting_port + block * PORT_BLOCK)]
+        return [*argv, "--batch", str(batch)]
+
+    mlx_argv = [sys.executable, str(Path(__file__).resolve()), "--mlx-lm-probe"]
+    mlx_argv += ["--model", str(path), "--port", "{port}", "--log-level", "INFO"]
+    mlx_argv += ["--prompt-cache-size", str(args.clients * args.turns + 16)]
+    if ranks > 1:
+        launch = [launcher(), "-n", str(ranks), "--backend", "ring"]
+        launch += ["--starting-port", str(args.starting_port + PORT_BLOCK), "--"]
+        mlx_argv = [*launch, *mlx_argv, "--pipeline"]
+    started: list[Server] = []
+    try:
+        exokv = Server("exokv", exokv_argv(0, args.batch), env, "serving ")
+        started.append(exokv)
+        mlx = Server("mlx_lm.server", mlx_argv, env, "Starting httpd", launched=ranks > 1)
+        started.append(mlx)
         servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
         if args.serial:  # its own home: its cache is not the batched server's
-            serial_home = Path(tempfile.mkdtemp(prefix="serve-bench-serial-"))
-            (serial_home / "models").symlink_to(home / "models", target_is_directory=True)
             serial_env = {**env, "EXOKV_HOME": str(serial_home)}
-            serial = Server("exokv --batch 1", serial_argv, serial_env, "serving ")
+            serial = Server("exokv --batch 1", exokv_argv(2, 1), serial_env, "serving ")
+            started.append(serial)
             servers["exokv_serial"] = (serial, args.model)
         try:
             results.update(measure(servers, args))
-            results["exokv"]["cache_bytes"] = exokv_cache_bytes(home)
-            results["mlx_lm"]["cache_bytes"] = mlx_lm_cache_bytes(mlx)
-        finally:
-            mlx.stop()
-            if serial is not None:
-                serial.stop()
+            results["exokv"]["cache_bytes_per_rank"] = exokv_cache_bytes(home)
+            results["mlx_lm"]["cache_bytes_per_rank"] = mlx_lm_cache_bytes(mlx, ranks)
+        except Exception as err:  # a server that died mid-run: one line, exit 1
+            raise SystemExit(f"serve_vs_mlx_lm: the run failed: {err!r}") from None
+        for name in ("exokv", "mlx_lm"):
+            per_rank = results[name]["cache_bytes_per_rank"]
+            results[name]["cache_bytes"] = sum(per_rank) if min(per_rank) >= 0 else -1
+        if any(x for x in exokv.log if "batches are decoded on one rank only" in x):
+            results["exokv"]["batch_fell_back_to_1"] = True
     finally:
-        exokv.stop()
-        shutil.rmtree(home, ignore_errors=True)
-    report(results, args.json)
+        for server in reversed(started):
+            server.stop()
+    results["load_average_after"] = os.getloadavg()
+    return results
 
 
 def report(results: dict[str, Any], as_json: bool) -> None:
@@ -301,17 +411,26 @@ def report(results: dict[str, Any], as_json: bool) -> None:
                 statistics.median(r["decode_tps"]),
                 statistics.median(r["returning_ttft_s"]),
                 r["cache_bytes"],
+                r["cache_bytes_per_rank"],
             )
         )
     results["summary"] = {
-        name: {"decode_tps_median": tps, "returning_ttft_s_median": ttft, "cache_bytes": size}
-        for name, tps, ttft, size in rows
+        name: {
+            "decode_tps_median": tps,
+            "returning_ttft_s_median": ttft,
+            "cache_bytes": size,
+            "cache_bytes_per_rank": per_rank,
+        }
+        for name, tps, ttft, size, per_rank in rows
     }
     e, m = rows
     results["ratios"] = {
         "decode_tps_exokv_over_mlx_lm": e[1] / m[1],
         "returning_ttft_exokv_over_mlx_lm": e[2] / m[2],
         "cache_bytes_exokv_over_mlx_lm": e[3] / m[3] if m[3] > 0 else None,
+        "cache_bytes_per_rank_exokv_over_mlx_lm": [
+            x / y if y > 0 else None for x, y in zip(e[4], m[4], strict=True)
+        ],
     }
     if "exokv_serial" in results:  # one at a time, beside the batched server
         r = results["exokv_serial"]
@@ -321,16 +440,20 @@ def report(results: dict[str, Any], as_json: bool) -> None:
             "returning_ttft_s_median": ttft,
         }
         results["ratios"]["decode_tps_batched_over_serial"] = e[1] / tps
-        rows.append(("exokv_serial", tps, ttft, -1))
+        rows.append(("exokv_serial", tps, ttft, -1, []))
     if as_json:
         print(json.dumps(results, indent=2))
         return
+    ranks = results["args"]["ranks"]
+    print(f"{ranks} rank(s); load average before {results['load_average_before']}")
     print(
-        f"{'server':<13} {'decode tok/s, 8 streams':>24} {'returning TTFT':>16} {'cache bytes':>14}"
+        f"{'server':<13} {'decode tok/s, 8 streams':>24} {'returning TTFT':>16} "
+        f"{'cache bytes':>14}  per rank"
     )
-    for name, tps, ttft, size in rows:
+    for name, tps, ttft, size, per_rank in rows:
         shown = f"{size:,}" if size >= 0 else "-"
-        print(f"{name:<13} {tps:>24.1f} {ttft * 1000:>13.1f} ms {shown:>14}")
+        each = " ".join(f"{x:,}" for x in per_rank)
+        print(f"{name:<13} {tps:>24.1f} {ttft * 1000:>13.1f} ms {shown:>14}  {each}")
     print(json.dumps(results["ratios"]))
 
 
