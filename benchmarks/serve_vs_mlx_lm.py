@@ -82,6 +82,7 @@ class Server:
             start_new_session=True,  # mlx.launch's ranks are stopped with it
         )
         self.log: list[str] = []
+        self._client: Any = None
         threading.Thread(target=self._drain, daemon=True).start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not any(ready in x for x in self.log):
@@ -115,11 +116,19 @@ class Server:
             self.log.append(line.decode(errors="replace").rstrip())
 
     def client(self) -> Any:
-        from openai import OpenAI
+        """One OpenAI client per server, shared by the threads (its httpx pool is
+        thread-safe): making one per request costs the load generator tens of ms of
+        the cores the servers run on, and spreads the arrival of "concurrent" requests."""
+        if self._client is None:
+            from openai import OpenAI
 
-        return OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, timeout=600
-        )
+            self._client = OpenAI(
+                base_url=f"http://127.0.0.1:{self.port}/v1",
+                api_key="none",
+                max_retries=0,
+                timeout=600,
+            )
+        return self._client
 
     def stop(self) -> None:
         if self.proc.poll() is None:
