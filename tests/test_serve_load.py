@@ -80,9 +80,8 @@ def test_many_clients_at_once(
             )
         assert s.proc.poll() is None and raw(s.url + "/health")[2]["status"] == "ok"
         assert [[r for r, _ in run] for run in runs] == one_at_a_time
-        one_rank_only = [x for x in s.log if "batches are decoded on one rank only" in x]
-        assert len(one_rank_only) == (1 if ranks == 2 and batch > 1 else 0), s.log[:5]
-        assert not any("batch=" in x for x in s.access()) or ranks == 1
+        # With --batch 8 requests were decoded together, on one rank and on two.
+        assert any("batch=" in x for x in s.access()) == (batch > 1), s.access()
         # The clients that left mid-stream were stopped, not run to their 5000 tokens. A
         # 499 line is written once the ranks have ended that request, and reaches this
         # test through the server's stderr pipe: wait for all of them, not the first.

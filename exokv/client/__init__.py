@@ -50,6 +50,11 @@ class Client(Protocol):
         every rank within a decode step)."""
         ...
 
+    def stop_row(self, row: int) -> None:
+        """End row `row` of the batch in flight at its next decode step (any thread may
+        ask, the moment it learns the row's client left); should_stop(row) must say so too."""
+        ...
+
     @property
     def budgets(self) -> list[int | None]:
         """Each rank's cache budget in bytes (None: no budget)."""

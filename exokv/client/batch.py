@@ -2,16 +2,41 @@
 
 The rows travel in one message (the batch and its order are the front end's choice,
 broadcast by rank 0 to every rank); each row has its own request id, which its text
-pieces (one `texts` message per decode step, for every row), progress and `row`
-messages carry, and which a `stop` names to end that row alone.
+pieces (`texts` messages, every row's pieces since the last one: exokv.rank.textflow),
+progress and `row` messages carry, and which a `stop` names to end that row alone.
+A row's stop is sent the moment it is asked for (`BatchRows.stop`, from whichever
+thread learns the client left), not when the next message happens to be read.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
+from exokv.errors import ExokvError
 from exokv.records import RowOutcome, TurnRequest, TurnResult
+
+
+class BatchRows:
+    """The request ids of the batch in flight, and the stops sent for its rows (once each)."""
+
+    def __init__(self, client: Any, ids: list[int]) -> None:
+        self.client = client
+        self.ids = ids
+        self._stopped: set[int] = set()
+        self._lock = threading.Lock()
+
+    def stop(self, row: int) -> None:
+        """End row `row` at its next decode step on every rank (any thread may call it)."""
+        with self._lock:
+            if row in self._stopped or not 0 <= row < len(self.ids):
+                return
+            self._stopped.add(row)
+        try:
+            self.client._send({"type": "stop", "id": self.ids[row]}, fail=False)
+        except ExokvError:  # the ranks are gone: the batch's own loop says so
+            pass
 
 
 def cluster_turns(
@@ -23,48 +48,50 @@ def cluster_turns(
     """Run `requests` as one batch on `client`'s ranks (a ClusterClient); outcomes in order."""
     with client._in_flight():
         ids = [client._new_id() for _ in requests]
+        rows = BatchRows(client, ids)
         row_of = {ident: i for i, ident in enumerate(ids)}
         pairs = zip(ids, requests, strict=True)
-        rows = [{"id": ident, "request": request.to_dict()} for ident, request in pairs]
-        client._send({"type": "batch", "id": client._new_id(), "rows": rows})
-        outcomes: list[RowOutcome | None] = [None] * len(requests)
-        stops_sent: set[int] = set()
-        while any(o is None for o in outcomes):
-            _send_stops(client, ids, outcomes, stops_sent, should_stop)
-            message = client._next()
-            if message["type"] == "texts":  # one decode step's pieces, every row's
-                for ident, piece in message.get("pieces", []):
-                    if on_text is not None and ident in row_of:
-                        on_text(row_of[ident], str(piece))
-                continue
-            i = row_of.get(message.get("id"))
-            if i is None:  # about an earlier request whose caller gave up
-                continue
-            kind = message["type"]
-            if kind == "text" and on_text is not None:
-                on_text(i, str(message.get("text", "")))
-            elif kind == "row":
-                outcomes[i] = _outcome(message["outcome"])
-                result = outcomes[i].result
-                if result is not None and message.get("tokens"):
-                    client._keep_reply(result.reply, message["tokens"])
-        return [o for o in outcomes if o is not None]
+        batch = [{"id": ident, "request": request.to_dict()} for ident, request in pairs]
+        client._send({"type": "batch", "id": client._new_id(), "rows": batch})
+        client._rows = rows
+        try:
+            return _collect(client, rows, row_of, on_text, should_stop)
+        finally:
+            client._rows = None
 
 
-def _send_stops(
+def _collect(
     client: Any,
-    ids: list[int],
-    outcomes: list[RowOutcome | None],
-    sent: set[int],
+    rows: BatchRows,
+    row_of: dict[int, int],
+    on_text: Callable[[int, str], None] | None,
     should_stop: Callable[[int], bool] | None,
-) -> None:
-    """A `stop` for each row that should stop now and was not told yet (once per row)."""
-    if should_stop is None:
-        return
-    for i, ident in enumerate(ids):
-        if i not in sent and outcomes[i] is None and should_stop(i):
-            sent.add(i)
-            client._send({"type": "stop", "id": ident}, fail=False)
+) -> list[RowOutcome]:
+    """Read the batch's messages until every row's outcome came."""
+    outcomes: list[RowOutcome | None] = [None] * len(rows.ids)
+    while any(o is None for o in outcomes):
+        # A stop asked without a push (a stop string, the server closing) is sent here.
+        for i in range(len(outcomes)):
+            if outcomes[i] is None and should_stop is not None and should_stop(i):
+                rows.stop(i)
+        message = client._next()
+        if message["type"] == "texts":  # the rows' pieces since the last texts message
+            for ident, piece in message.get("pieces", []):
+                if on_text is not None and ident in row_of:
+                    on_text(row_of[ident], str(piece))
+            continue
+        i = row_of.get(message.get("id"))
+        if i is None:  # about an earlier request whose caller gave up
+            continue
+        kind = message["type"]
+        if kind == "text" and on_text is not None:
+            on_text(i, str(message.get("text", "")))
+        elif kind == "row":
+            outcomes[i] = _outcome(message["outcome"])
+            result = outcomes[i].result
+            if result is not None and message.get("tokens"):
+                client._keep_reply(result.reply, message["tokens"])
+    return [o for o in outcomes if o is not None]
 
 
 def _outcome(data: dict[str, Any]) -> RowOutcome:

@@ -59,6 +59,8 @@ CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling ba
 HEARTBEAT_TIMEOUT = 10.0  # rank 0 beats every 2 s; this stays inside the 15 s promise
 SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
 _POLL_S = 0.25
+# Tests only: seconds the front end takes over each texts message (a front end that lags).
+SLOW_TEXTS_ENV = "EXOKV_TEST_SLOW_TEXTS"
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
@@ -102,6 +104,8 @@ class ClusterClient(Client):
         self._rank_pids: dict[int, Any] = {}  # local rank -> its psutil.Process
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
+        self._rows: Any = None  # the batch in flight (exokv.client.batch.BatchRows)
+        self._slow_texts = float(os.environ.get(SLOW_TEXTS_ENV) or 0)
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
         self._drafts_over = threading.Condition()
@@ -210,6 +214,12 @@ class ClusterClient(Client):
         from exokv.client.batch import cluster_turns
 
         return cluster_turns(self, requests, on_text, should_stop)
+
+    def stop_row(self, row: int) -> None:
+        """End row `row` of the batch in flight at its next decode step, on every rank."""
+        rows = self._rows
+        if rows is not None:
+            rows.stop(row)
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token, on every rank.
@@ -551,6 +561,10 @@ class ClusterClient(Client):
             if kind == "error":
                 rank = message.get("rank", 0)
                 self._fail(f"rank {rank}: {message.get('message', 'failed')}")
+            if kind == "texts":  # handled now: rank 0 may send the next (exokv.rank.textflow)
+                if self._slow_texts:
+                    time.sleep(self._slow_texts)
+                self._seen(message)
             if kind not in ("idle", "heartbeat", "status"):
                 if ident is None or message.get("id") == ident:
                     return message
@@ -558,6 +572,12 @@ class ClusterClient(Client):
             cause, settle = self._trouble()
             if cause is not None:
                 self._fail(cause, settle=settle)
+
+    def _seen(self, message: dict[str, Any]) -> None:
+        try:
+            self._send({"type": "seen", "step": message.get("step")}, fail=False)
+        except ExokvError:  # the ranks are gone: the next read says so
+            pass
 
     def _trouble(self) -> tuple[str | None, bool]:
         """What is wrong with the ranks now, if anything, and whether the launcher will

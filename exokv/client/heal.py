@@ -108,6 +108,9 @@ class HealingClient:
     def stop(self) -> None:
         self._inner.stop()
 
+    def stop_row(self, row: int) -> None:
+        self._inner.stop_row(row)
+
     def draft(
         self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
     ) -> None:

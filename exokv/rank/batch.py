@@ -31,6 +31,7 @@ from mlx_lm.sample_utils import make_sampler
 from exokv.cache import memory
 from exokv.cache.prefix_cache import Hit
 from exokv.errors import PromptTooLong
+from exokv.rank.textflow import TextFlow
 from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 
 # Per-row callbacks: the row's index in the batch comes first.
@@ -358,23 +359,21 @@ class _Batch:
         )
 
 
-def answer_batch(engine: Any, message: dict[str, Any], link: Any, stopped: set[Any]) -> None:
+def answer_batch(
+    engine: Any, message: dict[str, Any], link: Any, stopped: set[Any], flow: TextFlow | None
+) -> None:
     """A `batch` message from the front end, run on this rank (every rank alike); rank 0
-    (the one with a `link`) streams each row's text under the row's id, then its result.
-    `stopped` holds the ids of rows the front end asked to stop (rank 0's only)."""
+    (the one with a `link`, and a `flow` for the text) streams each row's text under the
+    row's id, then its result. `stopped` holds the ids of rows the front end asked to
+    stop (rank 0's only)."""
     ids = [row["id"] for row in message["rows"]]
     requests = [TurnRequest.from_dict(row["request"]) for row in message["rows"]]
 
-    pieces: list[list[Any]] = []  # one decode step's text, sent as one message
-
     def on_text(i: int, piece: str) -> None:
-        if piece:
-            pieces.append([ids[i], piece])
+        flow.add(ids[i], piece)
 
     def on_step() -> None:
-        if pieces:
-            link.send({"type": "texts", "pieces": list(pieces)})
-            pieces.clear()
+        flow.step()
 
     def on_progress(i: int, done: int, total: int) -> None:
         link.send({"type": "progress", "id": ids[i], "done": done, "total": total})
@@ -383,14 +382,14 @@ def answer_batch(engine: Any, message: dict[str, Any], link: Any, stopped: set[A
         outcomes = run_batch(
             engine,
             requests,
-            on_text=on_text if link is not None else None,
+            on_text=on_text if flow is not None else None,
             on_progress=on_progress if link is not None else None,
             # Every rank passes one (never true off rank 0): the stop is a collective.
             should_stop=lambda i: ids[i] in stopped,
-            on_step=on_step if link is not None else None,
+            on_step=on_step if flow is not None else None,
         )
-        if link is not None:
-            on_step()  # what a row alone (one at a time) said
+        if flow is not None:
+            flow.flush()  # the last steps' text comes before the rows' results
     finally:
         stopped.difference_update(ids)
     if link is None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from exokv.errors import ExokvError
+from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
 from exokv.records import TurnRequest
 from exokv.wire import channel
@@ -301,6 +302,8 @@ class Rank:
         self.stopped_rows: set[int] = set()  # rows of a batch the front end stopped
         self._stop_lock = threading.Lock()
         self.drafts = DraftFeed(on_done=self._draft_over)  # rank 0: typed-ahead drafts
+        # Rank 0: a batch's text, at the front end's pace (its `seen` messages).
+        self.flow = TextFlow(link.send) if link is not None else None
         self.log_path: Path | None = None
         if os.environ.get("EXOKV_RANK_LOG", "") not in ("", "0"):
             from exokv.config import exokv_home
@@ -389,7 +392,7 @@ class Rank:
             if kind == "batch":  # several requests decoded together (exokv.rank.batch)
                 from exokv.rank.batch import answer_batch
 
-                answer_batch(engine, message, self.link, self.stopped_rows)
+                answer_batch(engine, message, self.link, self.stopped_rows, self.flow)
                 continue
             if kind != "turn":
                 if kind == "shutdown":
@@ -489,6 +492,8 @@ class Rank:
             if message is None:
                 # The front end is gone: end any reply and leave the loop on every rank.
                 self.stop.set()
+                if self.flow is not None:
+                    self.flow.gone()
                 self.inbox.put({"type": "shutdown"})
                 return
             kind = message["type"]
@@ -498,6 +503,8 @@ class Rank:
                     self._stop_for = message.get("id")
                     if self._stop_for == self.current:
                         self.stop.set()
+            elif kind == "seen" and self.flow is not None:
+                self.flow.seen(int(message.get("step") or 0))
             elif kind in ("turn", "batch", "remember", "save", "held", "shutdown", "draft"):
                 self.inbox.put(message)
 

@@ -114,22 +114,12 @@ def run_serve(opts: ServeOptions) -> int:
             if server is not None:
                 server.should_exit = True
 
-        batch = opts.batch
-        if batch > 1 and client.ranks > 1:
-            # On several ranks a stop for one row of a batch can reach rank 0 after the
-            # row has run on (the front end reads the steps' messages behind the ranks),
-            # so a client that left is not stopped within a step: one at a time there.
-            _say(
-                f"warning: --batch {batch} on {client.ranks} ranks: batches are decoded on "
-                "one rank only for now; requests run one at a time"
-            )
-            batch = 1
         queue = TurnQueue(
             client,
             opts.queue,
             record=_Recorder(hooks),
             on_failure=on_failure,
-            batch=batch,
+            batch=opts.batch,
         )
         shown, names = model_names(opts.model)
         service = Service(

@@ -118,11 +118,14 @@ class TurnQueue:
             ) from None
 
     def cancel(self, job: Job) -> None:
-        """The client of `job` went away: skip it, or stop its reply on every rank."""
+        """The client of `job` went away: skip it, or stop its reply on every rank now
+        (not at the next message from the ranks, which a busy front end reads late)."""
         job.cancelled.set()
         with self._lock:
             if self._current is job:
                 self._stop(job)
+            elif job in self._rows:
+                self._stop_row(self._rows.index(job))
 
     def close(self, timeout: float) -> None:
         """Take no more jobs; wait up to `timeout` for the queued and running ones, then
@@ -142,6 +145,8 @@ class TurnQueue:
             self._halt = True  # a batch's rows see it at their next decode step
             if self._current is not None:
                 self._stop(self._current)
+            for row in range(len(self._rows)):
+                self._stop_row(row)
         self._jobs.put(None)
         self._thread.join()
 
@@ -151,6 +156,11 @@ class TurnQueue:
         if not job.stop_asked:
             job.stop_asked = True
             self.client.stop()
+
+    def _stop_row(self, row: int) -> None:
+        stop_row = getattr(self.client, "stop_row", None)  # a wrapper may not pass it on
+        if stop_row is not None:
+            stop_row(row)
 
     def _work(self) -> None:
         while True:
