@@ -216,8 +216,8 @@ def many_clients(server: Server, model: str, clients: int, turns: int) -> None:
         list(pool.map(conversation, range(clients)))
 
 
-def exokv_cache_bytes(home: Path) -> list[int]:
-    """Each rank's cache bytes (RAM and disk tier), rank 0 first."""
+def exokv_cache_bytes(home: Path) -> list[dict[str, int]]:
+    """Each rank's cache bytes (RAM and disk tier) and entries, rank 0 first."""
     out = subprocess.run(
         [sys.executable, "-m", "exokv", "cache", "stats", "--json"],
         env={**os.environ, "EXOKV_HOME": str(home)},
@@ -226,40 +226,48 @@ def exokv_cache_bytes(home: Path) -> list[int]:
         check=True,
     ).stdout
     ranks = sorted(json.loads(out)["ranks"], key=lambda r: r.get("rank", 0))
-    return [r["bytes"] + r.get("disk_bytes", 0) for r in ranks]
+    return [
+        {"bytes": r["bytes"] + r.get("disk_bytes", 0), "entries": r.get("entries", -1)}
+        for r in ranks
+    ]
 
 
-PROBE_MARK = "mlx-lm-cache-bytes "
+PROBE_DIR = "SERVE_BENCH_PROBE_DIR"  # where each mlx_lm.server rank writes its figures
 
 
-def mlx_lm_cache_bytes(server: Server, ranks: int) -> list[int]:
-    """Each rank's last reported prompt-cache bytes, rank 0 first (-1: none seen)."""
+def mlx_lm_cache_bytes(probe_dir: Path, ranks: int) -> list[dict[str, int]]:
+    """Each rank's last reported prompt-cache bytes and sequences, rank 0 first (-1:
+    none reported)."""
     time.sleep(1.0)  # the last request's insert, on every rank
-    last = {}
-    for line in server.log:
-        if line.startswith(PROBE_MARK):
-            rank, size = line[len(PROBE_MARK) :].split()[:2]
-            last[int(rank)] = int(size)
-    return [last.get(r, -1) for r in range(ranks)]
+    out = []
+    for rank in range(ranks):
+        try:
+            out.append(json.loads((probe_dir / f"rank{rank}.json").read_text()))
+        except FileNotFoundError:
+            out.append({"bytes": -1, "entries": -1})
+    return out
 
 
 def mlx_lm_probe() -> None:
-    """Run mlx_lm.server as it is, printing its prompt cache's exact bytes and this
-    rank after every insert or trim (its own log line rounds them to 0.01 GB, comes
-    before the request's insert, and does not say the rank)."""
+    """Run mlx_lm.server as it is; after every insert into or trim of its prompt cache,
+    this rank writes the cache's exact bytes and sequences to a file of its own (its
+    log line rounds them to 0.01 GB, comes before the request's insert and does not
+    say the rank; and mlx.launch interleaves the ranks' stderr mid-line)."""
     import mlx.core as mx
     import mlx_lm.server as server
     from mlx_lm.models.cache import LRUPromptCache
 
     group = mx.distributed.init()
-    rank = group.rank()
     if group.size() > 1:  # see Server._quiet_launcher
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    target = Path(os.environ[PROBE_DIR]) / f"rank{group.rank()}.json"
+    scratch = target.with_suffix(".tmp")
 
     def reporting(change: Any) -> Any:
         def changed(self: Any, *args: Any, **kwargs: Any) -> Any:
             out = change(self, *args, **kwargs)
-            print(f"{PROBE_MARK}{rank} {self.nbytes} {len(self)}", file=sys.stderr, flush=True)
+            scratch.write_text(json.dumps({"bytes": self.nbytes, "entries": len(self)}))
+            scratch.replace(target)
             return out
 
         return changed
@@ -270,9 +278,12 @@ def mlx_lm_probe() -> None:
     server.main()
 
 
-def measure(servers: dict[str, tuple[Server, str]], args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    servers: dict[str, tuple[Server, str]], args: argparse.Namespace, cache_bytes: Any
+) -> dict[str, Any]:
     """Trials alternate between the servers (both are up; the idle one waits), so the
-    noise of a shared machine falls on both alike."""
+    noise of a shared machine falls on both alike. Then the many-clients workload, with
+    each server's cache read before and after it (`cache_bytes(name)`)."""
     out: dict[str, Any] = {name: {"decode_tps": [], "returning_ttft_s": []} for name in servers}
     for server, model in servers.values():
         stream_turn(server, model, [{"role": "user", "content": "warm up"}], 8)
@@ -283,9 +294,26 @@ def measure(servers: dict[str, tuple[Server, str]], args: argparse.Namespace) ->
         for name, (server, model) in servers.items():
             out[name]["returning_ttft_s"] += returning(server, model, args.conv_turns, trial)
     for name, (server, model) in servers.items():
-        if name != "exokv_serial":  # its cache holds what the batched one's does
-            many_clients(server, model, args.clients, args.turns)
+        if name == "exokv_serial":  # its cache holds what the batched one's does
+            continue
+        out[name]["cache_before_clients"] = cache_bytes(name)
+        many_clients(server, model, args.clients, args.turns)
+        out[name]["cache_after_clients"] = cache_bytes(name)
     return out
+
+
+def cache_figures(r: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per rank after the whole run, and what the many-clients workload added
+    (after - before; -1 where a rank reported nothing)."""
+    after = [x["bytes"] for x in r["cache_after_clients"]]
+    before = [x["bytes"] for x in r["cache_before_clients"]]
+    added = [a - b if min(a, b) >= 0 else -1 for a, b in zip(after, before, strict=True)]
+    return {
+        "cache_bytes_per_rank": after,
+        "cache_bytes": sum(after) if min(after) >= 0 else -1,
+        "clients_cache_bytes_per_rank": added,
+        "clients_cache_bytes": sum(added) if min(added) >= 0 else -1,
+    }
 
 
 class _Parser(argparse.ArgumentParser):
@@ -384,7 +412,10 @@ def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> 
     try:
         exokv = Server("exokv", exokv_argv(0, args.batch), env, "serving ")
         started.append(exokv)
-        mlx = Server("mlx_lm.server", mlx_argv, env, "Starting httpd", launched=ranks > 1)
+        probe_dir = home / "mlx-lm-probe"
+        probe_dir.mkdir()
+        mlx_env = {**env, PROBE_DIR: str(probe_dir)}
+        mlx = Server("mlx_lm.server", mlx_argv, mlx_env, "Starting httpd", launched=ranks > 1)
         started.append(mlx)
         servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
         if args.serial:  # its own home: its cache is not the batched server's
@@ -392,15 +423,18 @@ def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> 
             serial = Server("exokv --batch 1", exokv_argv(2, 1), serial_env, "serving ")
             started.append(serial)
             servers["exokv_serial"] = (serial, args.model)
+
+        def cache_bytes(name: str) -> list[dict[str, int]]:
+            if name == "exokv":
+                return exokv_cache_bytes(home)
+            return mlx_lm_cache_bytes(probe_dir, ranks)
+
         try:
-            results.update(measure(servers, args))
-            results["exokv"]["cache_bytes_per_rank"] = exokv_cache_bytes(home)
-            results["mlx_lm"]["cache_bytes_per_rank"] = mlx_lm_cache_bytes(mlx, ranks)
+            results.update(measure(servers, args, cache_bytes))
         except Exception as err:  # a server that died mid-run: one line, exit 1
             raise SystemExit(f"serve_vs_mlx_lm: the run failed: {err!r}") from None
         for name in ("exokv", "mlx_lm"):
-            per_rank = results[name]["cache_bytes_per_rank"]
-            results[name]["cache_bytes"] = sum(per_rank) if min(per_rank) >= 0 else -1
+            results[name].update(cache_figures(results[name]))
         if any(x for x in exokv.log if "batches are decoded on one rank only" in x):
             results["exokv"]["batch_fell_back_to_1"] = True
     finally:
@@ -410,59 +444,57 @@ def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> 
     return results
 
 
+CACHE_KEYS = ("clients_cache_bytes", "clients_cache_bytes_per_rank", "cache_bytes")
+
+
 def report(results: dict[str, Any], as_json: bool) -> None:
-    rows = []
-    for key in ("exokv", "mlx_lm"):
-        r = results[key]
-        rows.append(
-            (
-                key,
-                statistics.median(r["decode_tps"]),
-                statistics.median(r["returning_ttft_s"]),
-                r["cache_bytes"],
-                r["cache_bytes_per_rank"],
-            )
-        )
-    results["summary"] = {
-        name: {
-            "decode_tps_median": tps,
-            "returning_ttft_s_median": ttft,
-            "cache_bytes": size,
-            "cache_bytes_per_rank": per_rank,
+    summary: dict[str, dict[str, Any]] = {}
+    for name in ("exokv", "mlx_lm", "exokv_serial"):
+        if name not in results:
+            continue
+        r = results[name]
+        summary[name] = {
+            "decode_tps_median": statistics.median(r["decode_tps"]),
+            "returning_ttft_s_median": statistics.median(r["returning_ttft_s"]),
+            **{k: r[k] for k in CACHE_KEYS if k in r},
         }
-        for name, tps, ttft, size, per_rank in rows
-    }
-    e, m = rows
+    results["summary"] = summary
+    e, m = summary["exokv"], summary["mlx_lm"]
+
+    def over(key: str) -> float | None:
+        return e[key] / m[key] if m[key] > 0 and e[key] >= 0 else None
+
     results["ratios"] = {
-        "decode_tps_exokv_over_mlx_lm": e[1] / m[1],
-        "returning_ttft_exokv_over_mlx_lm": e[2] / m[2],
-        "cache_bytes_exokv_over_mlx_lm": e[3] / m[3] if m[3] > 0 else None,
-        "cache_bytes_per_rank_exokv_over_mlx_lm": [
-            x / y if y > 0 else None for x, y in zip(e[4], m[4], strict=True)
+        "decode_tps_exokv_over_mlx_lm": over("decode_tps_median"),
+        "returning_ttft_exokv_over_mlx_lm": over("returning_ttft_s_median"),
+        "clients_cache_bytes_exokv_over_mlx_lm": over("clients_cache_bytes"),
+        "clients_cache_bytes_per_rank_exokv_over_mlx_lm": [
+            x / y if y > 0 and x >= 0 else None
+            for x, y in zip(
+                e["clients_cache_bytes_per_rank"], m["clients_cache_bytes_per_rank"], strict=True
+            )
         ],
+        "cache_bytes_after_run_exokv_over_mlx_lm": over("cache_bytes"),
     }
-    if "exokv_serial" in results:  # one at a time, beside the batched server
-        r = results["exokv_serial"]
-        tps, ttft = statistics.median(r["decode_tps"]), statistics.median(r["returning_ttft_s"])
-        results["summary"]["exokv_serial"] = {
-            "decode_tps_median": tps,
-            "returning_ttft_s_median": ttft,
-        }
-        results["ratios"]["decode_tps_batched_over_serial"] = e[1] / tps
-        rows.append(("exokv_serial", tps, ttft, -1, []))
+    if "exokv_serial" in summary:  # one at a time, beside the batched server
+        results["ratios"]["decode_tps_batched_over_serial"] = (
+            e["decode_tps_median"] / summary["exokv_serial"]["decode_tps_median"]
+        )
     if as_json:
         print(json.dumps(results, indent=2))
         return
     ranks = results["args"]["ranks"]
     print(f"{ranks} rank(s); load average before {results['load_average_before']}")
     print(
-        f"{'server':<13} {'decode tok/s, 8 streams':>24} {'returning TTFT':>16} "
-        f"{'cache bytes':>14}  per rank"
+        f"{'server':<13} {'decode tok/s':>13} {'returning TTFT':>15} "
+        f"{'cache bytes, clients':>21}  per rank"
     )
-    for name, tps, ttft, size, per_rank in rows:
+    for name, row in summary.items():
+        size = row.get("clients_cache_bytes", -1)
         shown = f"{size:,}" if size >= 0 else "-"
-        each = " ".join(f"{x:,}" for x in per_rank)
-        print(f"{name:<13} {tps:>24.1f} {ttft * 1000:>13.1f} ms {shown:>14}  {each}")
+        each = " ".join(f"{x:,}" for x in row.get("clients_cache_bytes_per_rank", []))
+        tps, ttft = row["decode_tps_median"], row["returning_ttft_s_median"]
+        print(f"{name:<13} {tps:>13.1f} {ttft * 1000:>12.1f} ms {shown:>21}  {each}")
     print(json.dumps(results["ratios"]))
 
 

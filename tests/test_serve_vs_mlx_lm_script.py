@@ -100,3 +100,24 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has ended; its parent (killed too) never reaped it
+
+
+def test_cache_figures_are_what_the_clients_added_per_rank() -> None:
+    run = {
+        "cache_before_clients": [{"bytes": 100, "entries": 3}, {"bytes": 90, "entries": 3}],
+        "cache_after_clients": [{"bytes": 400, "entries": 9}, {"bytes": 330, "entries": 9}],
+    }
+    figures = bench.cache_figures(run)
+    assert figures["clients_cache_bytes_per_rank"] == [300, 240]
+    assert figures["clients_cache_bytes"] == 540
+    assert figures["cache_bytes_per_rank"] == [400, 330]
+    assert figures["cache_bytes"] == 730
+
+
+def test_a_rank_that_reported_nothing_gives_no_total(tmp_path: Path) -> None:
+    (tmp_path / "rank0.json").write_text('{"bytes": 400, "entries": 9}')
+    after = bench.mlx_lm_cache_bytes(tmp_path, 2)
+    assert after == [{"bytes": 400, "entries": 9}, {"bytes": -1, "entries": -1}]
+    figures = bench.cache_figures({"cache_before_clients": after, "cache_after_clients": after})
+    assert figures["cache_bytes"] == -1 and figures["clients_cache_bytes"] == -1
+    assert figures["clients_cache_bytes_per_rank"] == [0, -1]
