@@ -16,14 +16,15 @@ the real `openai` client:
    turn (each call resends the whole history, as clients do); time to first token
    (the first content chunk of the stream) of every turn after the first. Median.
 3. **Cache bytes**: --clients clients x --turns turns (a shared system prompt, each
-   its own history), 8 at a time; then the bytes each server's prompt cache holds.
+   its own history), 8 at a time; each server's prompt-cache bytes before and after
+   it, per rank: the workload's figure is what it added (after - before).
    exokv: each rank's cache bytes (`exokv cache stats --json`, RAM + disk tier);
    mlx_lm.server: each rank's LRUPromptCache `nbytes` (a pipeline rank's cache holds
-   its own layers only, as an exokv rank's does), printed with the rank after every
-   change by a wrapper (this script, `--mlx-lm-probe`) that runs
-   `mlx_lm.server.main()` as is. mlx_lm.server keeps --clients x --turns caches
-   (`--prompt-cache-size`) so both keep every conversation; exokv runs without a
-   budget limit. Compared per rank and summed over the ranks.
+   its own layers only, as an exokv rank's does), written by each rank to a file
+   after every change by a wrapper (this script, `--mlx-lm-probe`) that runs
+   `mlx_lm.server.main()` as is. mlx_lm.server's `--prompt-cache-size` is every
+   sequence the run sends (`mlx_lm_cache_size`) so it evicts nothing, as exokv,
+   which runs without a budget limit, does not.
 
 A server that does not start ends the script with one line and exit 1.
 """
@@ -302,6 +303,14 @@ def measure(
     return out
 
 
+def mlx_lm_cache_size(args: argparse.Namespace) -> int:
+    """Sequences mlx_lm.server may keep: one per request of the run (it keeps a cache per
+    finished request, and a later turn's does not replace the earlier turn's), with room
+    to spare, so that none is evicted."""
+    requests = 1 + args.repeats * (args.streams + args.conv_turns) + args.clients * args.turns
+    return requests + 16
+
+
 def cache_figures(r: dict[str, Any]) -> dict[str, Any]:
     """Bytes per rank after the whole run, and what the many-clients workload added
     (after - before; -1 where a rank reported nothing)."""
@@ -403,7 +412,7 @@ def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> 
 
     mlx_argv = [sys.executable, str(Path(__file__).resolve()), "--mlx-lm-probe"]
     mlx_argv += ["--model", str(path), "--port", "{port}", "--log-level", "INFO"]
-    mlx_argv += ["--prompt-cache-size", str(args.clients * args.turns + 16)]
+    mlx_argv += ["--prompt-cache-size", str(mlx_lm_cache_size(args))]
     if ranks > 1:
         launch = [launcher(), "-n", str(ranks), "--backend", "ring"]
         launch += ["--starting-port", str(args.starting_port + PORT_BLOCK), "--"]

@@ -121,3 +121,9 @@ def test_a_rank_that_reported_nothing_gives_no_total(tmp_path: Path) -> None:
     figures = bench.cache_figures({"cache_before_clients": after, "cache_after_clients": after})
     assert figures["cache_bytes"] == -1 and figures["clients_cache_bytes"] == -1
     assert figures["clients_cache_bytes_per_rank"] == [0, -1]
+
+
+def test_mlx_lm_keeps_a_sequence_for_every_request_of_the_run() -> None:
+    args = bench.parse_args(["--repeats", "9", "--clients", "64", "--turns", "4"])
+    # warm-up 1 + 9 x (8 streams + 4 conversation turns) + 64 x 4 = 365 requests
+    assert bench.mlx_lm_cache_size(args) == 365 + 16
