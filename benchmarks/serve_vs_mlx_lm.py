@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -303,6 +304,18 @@ def measure(
     return out
 
 
+def requests_by_batch(log: list[str]) -> dict[int, int]:
+    """How many requests exokv decoded in a batch of each size (its access log's
+    `batch=N`; no `batch=` is 1)."""
+    sizes: dict[int, int] = {}
+    for line in log:
+        if " POST /v1/chat/completions " in line:
+            found = re.search(r" batch=(\d+)", line)
+            size = int(found.group(1)) if found else 1
+            sizes[size] = sizes.get(size, 0) + 1
+    return dict(sorted(sizes.items()))
+
+
 def mlx_lm_cache_size(args: argparse.Namespace) -> int:
     """Sequences mlx_lm.server may keep: one per request of the run (it keeps a cache per
     finished request, and a later turn's does not replace the earlier turn's), with room
@@ -446,6 +459,9 @@ def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> 
             results[name].update(cache_figures(results[name]))
         if any(x for x in exokv.log if "batches are decoded on one rank only" in x):
             results["exokv"]["batch_fell_back_to_1"] = True
+        for name, (server, _) in servers.items():
+            if name.startswith("exokv"):
+                results[name]["requests_by_batch"] = requests_by_batch(server.log)
     finally:
         for server in reversed(started):
             server.stop()

@@ -127,3 +127,14 @@ def test_mlx_lm_keeps_a_sequence_for_every_request_of_the_run() -> None:
     args = bench.parse_args(["--repeats", "9", "--clients", "64", "--turns", "4"])
     # warm-up 1 + 9 x (8 streams + 4 conversation turns) + 64 x 4 = 365 requests
     assert bench.mlx_lm_cache_size(args) == 365 + 16
+
+
+def test_requests_are_counted_by_the_batch_they_were_decoded_in() -> None:
+    post = "2026-12-01T08:45:35 127.0.0.1:53328 POST /v1/chat/completions 200 prompt=17"
+    log = [
+        f"{post} cached=16 completion=5 finish=length ttft=0.006s time=0.112s stream",
+        f"{post} cached=0 completion=9 finish=length ttft=0.1s time=0.3s stream batch=7",
+        f"{post} cached=0 completion=9 finish=length ttft=0.1s time=0.3s stream batch=7",
+        "exokv: serving builtin:base on 1 rank at http://127.0.0.1:8000/v1 (Ctrl-C to stop)",
+    ]
+    assert bench.requests_by_batch(log) == {1: 1, 7: 2}
