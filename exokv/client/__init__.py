@@ -50,6 +50,10 @@ class Client(Protocol):
         every rank within a decode step)."""
         ...
 
+    def stop_now(self) -> None:
+        """As `stop`, sent from the calling thread before it returns (not a signal handler)."""
+        ...
+
     def stop_row(self, row: int) -> None:
         """End row `row` of the batch in flight at its next decode step (any thread may
         ask, the moment it learns the row's client left); should_stop(row) must say so too."""

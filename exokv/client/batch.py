@@ -83,10 +83,7 @@ def _collect(
         i = row_of.get(message.get("id"))
         if i is None:  # about an earlier request whose caller gave up
             continue
-        kind = message["type"]
-        if kind == "text" and on_text is not None:
-            on_text(i, str(message.get("text", "")))
-        elif kind == "row":
+        if message["type"] == "row":
             outcomes[i] = _outcome(message["outcome"])
             result = outcomes[i].result
             if result is not None and message.get("tokens"):

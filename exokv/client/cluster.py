@@ -179,8 +179,10 @@ class ClusterClient(Client):
             try:
                 message = self._next(ident)
                 kind = message["type"]
-                if kind == "text" and on_text is not None:
-                    on_text(str(message.get("text", "")))
+                if kind == "texts" and on_text is not None:  # exokv.rank.textflow
+                    for owner, piece in message.get("pieces", []):
+                        if owner == ident:
+                            on_text(str(piece))
                 elif kind == "progress" and on_progress is not None:
                     on_progress(int(message["done"]), int(message["total"]))
                 elif kind == "refused":  # e.g. a prompt over the model's context
@@ -229,16 +231,22 @@ class ClusterClient(Client):
         """
 
         ident = self._turn
-        if ident is None:
-            return
+        if ident is not None:
+            threading.Thread(target=self._send_stop, args=(ident,), daemon=True).start()
 
-        def send() -> None:
-            try:
-                self._send({"type": "stop", "id": ident}, fail=False)
-            except ExokvError:
-                pass
+    def stop_now(self) -> None:
+        """As `stop`, sent from this thread before returning; never from a signal handler.
+        A server's event loop calls this: starting a thread there was seen to hold the loop
+        up for 10 s while the front end's other threads were busy (the new thread did not
+        get the GIL), and the reply ran on to its max_tokens meanwhile."""
+        if self._turn is not None:
+            self._send_stop(self._turn)
 
-        threading.Thread(target=send, daemon=True).start()
+    def _send_stop(self, ident: int) -> None:
+        try:
+            self._send({"type": "stop", "id": ident}, fail=False)
+        except ExokvError:
+            pass
 
     def draft(
         self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
@@ -566,7 +574,8 @@ class ClusterClient(Client):
                     time.sleep(self._slow_texts)
                 self._seen(message)
             if kind not in ("idle", "heartbeat", "status"):
-                if ident is None or message.get("id") == ident:
+                # texts name their request in each piece (exokv.rank.textflow)
+                if ident is None or message.get("id") == ident or kind == "texts":
                     return message
                 continue
             cause, settle = self._trouble()

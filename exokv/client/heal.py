@@ -108,6 +108,9 @@ class HealingClient:
     def stop(self) -> None:
         self._inner.stop()
 
+    def stop_now(self) -> None:
+        self._inner.stop_now()
+
     def stop_row(self, row: int) -> None:
         self._inner.stop_row(row)
 

@@ -56,6 +56,9 @@ class LocalClient(Client):
         """Ask the reply being generated to end at the next token (Ctrl-C)."""
         self._stop.set()
 
+    def stop_now(self) -> None:
+        self._stop.set()
+
     def stop_row(self, row: int) -> None:
         """Nothing to send: run_batch asks should_stop(row) in this process every step."""
 

@@ -418,6 +418,8 @@ class Rank:
             # (its error on stderr, named by the front end), so this collective fails on
             # the others instead of rank 0 reporting a reply that rank did not finish.
             group.any(False)
+            if self.flow is not None:
+                self.flow.flush()  # the reply's last text comes before its result
             if self.link is not None:
                 tokens = engine.reply_tokens(result.reply)
                 self.link.send(
@@ -531,8 +533,11 @@ class Rank:
                 return
 
     def _send_text(self, text: str) -> None:
-        if text and self.link is not None:
-            self.link.send({"type": "text", "id": self.current, "text": text})
+        # At the front end's pace, as a batch's (exokv.rank.textflow): a front end flooded
+        # with a message per token falls seconds behind, and so do the stops it sends.
+        if text and self.flow is not None:
+            self.flow.add(self.current, text)
+            self.flow.step()
 
     def _send_progress(self, done: int, total: int) -> None:
         if self.link is not None:

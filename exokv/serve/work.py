@@ -155,7 +155,8 @@ class TurnQueue:
     def _stop(self, job: Job) -> None:
         if not job.stop_asked:
             job.stop_asked = True
-            self.client.stop()
+            stop_now = getattr(self.client, "stop_now", None)  # a wrapper may not pass it on
+            (stop_now or self.client.stop)()
 
     def _stop_row(self, row: int) -> None:
         stop_row = getattr(self.client, "stop_row", None)  # a wrapper may not pass it on
