@@ -226,7 +226,7 @@ def serve(
     ),
     queue: int = typer.Option(64, "--queue", help="requests that may wait; more get 503"),
     batch: int = typer.Option(
-        1, "--batch", help="requests decoded together at most (1: one at a time)"
+        8, "--batch", help="requests decoded together at most (1: one at a time)"
     ),
     drain_timeout: float = typer.Option(
         30.0, "--drain-timeout", help="seconds in-flight requests get on SIGTERM/Ctrl-C"

@@ -75,7 +75,7 @@ def leave_mid_stream(api, pieces: int = 3) -> int:
 @pytest.fixture(scope="module")
 def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> list[str]:
     home = home_with_models(tmp_path_factory.mktemp("batch-ref") / "h", models_dir, link=True)
-    with serving(home) as s:  # --batch 1: today's one request at a time
+    with serving(home, "--batch", "1") as s:  # one request at a time
         api = s.client()
         return [ask(api, c) for c in range(len(MAX_TOKENS))]
 
