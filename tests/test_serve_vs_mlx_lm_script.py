@@ -1,0 +1,140 @@
+"""benchmarks/serve_vs_mlx_lm.py's own failures: bad options and a server that does not
+start end the script with one line and an exit code, and leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import serve_vs_mlx_lm as bench
+
+SCRIPT = Path(bench.__file__)
+
+
+def run_script(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "EXOKV_HOME": str(home)},
+    )
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--ranks", "0"], "--ranks 0: at least 1"),
+        (["--ranks", "11"], "--ranks 11: at most 10"),
+        (["--starting-port", "80"], "--starting-port 80: use 1024-65506"),
+        (["--starting-port", "65510"], "--starting-port 65510: use 1024-65506"),
+        (["--conv-turns", "1"], "--conv-turns 1: at least 2"),
+        (["--repeats", "0"], "--repeats 0: at least 1"),
+        (["--ranks", "two"], "invalid int value: 'two'"),
+    ],
+)
+def test_a_bad_option_is_one_line_and_exit_2(args: list[str], said: str, tmp_path: Path) -> None:
+    proc = run_script(*args, home=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("serve_vs_mlx_lm: ") and said in lines[0]
+
+
+def test_options_for_two_pipeline_ranks() -> None:
+    args = bench.parse_args(["--ranks", "2", "--starting-port", "28500", "--repeats", "5"])
+    assert (args.ranks, args.starting_port, args.repeats) == (2, 28500, 5)
+    assert bench.parse_args([]).starting_port == 28000
+
+
+def test_an_unknown_model_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    proc = run_script("--model", "builtin:no-such-model", home=tmp_path)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("serve_vs_mlx_lm: ") and "no-such-model" in lines[0]
+
+
+def test_a_server_that_exits_is_named_with_its_last_line() -> None:
+    argv = [sys.executable, "-c", "import sys; sys.exit('model not found: x')"]
+    with pytest.raises(SystemExit) as ended:
+        bench.Server("mlx_lm.server", argv, dict(os.environ), "Starting httpd")
+    said = str(ended.value.code)
+    assert "\n" not in said
+    assert said == "serve_vs_mlx_lm: mlx_lm.server did not start (exit 1): model not found: x"
+
+
+def test_a_server_never_ready_is_stopped_with_what_it_started(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ranks a launcher started are in the server's process group: stopped with it."""
+    child_pid = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid)); "
+        "print('loading', file=sys.stderr, flush=True); time.sleep(600)"
+    )
+    monkeypatch.setattr(bench, "START_TIMEOUT_S", 3)
+    with pytest.raises(SystemExit) as ended:
+        bench.Server("exokv", [sys.executable, "-c", code], dict(os.environ), "serving ")
+    assert (
+        str(ended.value.code) == "serve_vs_mlx_lm: exokv did not start (not ready in 3 s): loading"
+    )
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; its parent (killed too) never reaped it
+
+
+def test_cache_figures_are_what_the_clients_added_per_rank() -> None:
+    run = {
+        "cache_before_clients": [{"bytes": 100, "entries": 3}, {"bytes": 90, "entries": 3}],
+        "cache_after_clients": [{"bytes": 400, "entries": 9}, {"bytes": 330, "entries": 9}],
+    }
+    figures = bench.cache_figures(run)
+    assert figures["clients_cache_bytes_per_rank"] == [300, 240]
+    assert figures["clients_cache_bytes"] == 540
+    assert figures["cache_bytes_per_rank"] == [400, 330]
+    assert figures["cache_bytes"] == 730
+
+
+def test_a_rank_that_reported_nothing_gives_no_total(tmp_path: Path) -> None:
+    (tmp_path / "rank0.json").write_text('{"bytes": 400, "entries": 9}')
+    after = bench.mlx_lm_cache_bytes(tmp_path, 2)
+    assert after == [{"bytes": 400, "entries": 9}, {"bytes": -1, "entries": -1}]
+    figures = bench.cache_figures({"cache_before_clients": after, "cache_after_clients": after})
+    assert figures["cache_bytes"] == -1 and figures["clients_cache_bytes"] == -1
+    assert figures["clients_cache_bytes_per_rank"] == [0, -1]
+
+
+def test_mlx_lm_keeps_a_sequence_for_every_request_of_the_run() -> None:
+    args = bench.parse_args(["--repeats", "9", "--clients", "64", "--turns", "4"])
+    # warm-up 1 + 9 x (8 streams + 4 conversation turns) + 64 x 4 = 365 requests
+    assert bench.mlx_lm_cache_size(args) == 365 + 16
+
+
+def test_requests_are_counted_by_the_batch_they_were_decoded_in() -> None:
+    post = "2026-12-01T08:45:35 127.0.0.1:53328 POST /v1/chat/completions 200 prompt=17"
+    log = [
+        f"{post} cached=16 completion=5 finish=length ttft=0.006s time=0.112s stream",
+        f"{post} cached=0 completion=9 finish=length ttft=0.1s time=0.3s stream batch=7",
+        f"{post} cached=0 completion=9 finish=length ttft=0.1s time=0.3s stream batch=7",
+        "exokv: serving builtin:base on 1 rank at http://127.0.0.1:8000/v1 (Ctrl-C to stop)",
+    ]
+    assert bench.requests_by_batch(log) == {1: 1, 7: 2}
