@@ -4,7 +4,8 @@ For each request in the batch's order (chosen by the front end, the same on ever
 rank): render -> fetch its cached prefix (not lent: two rows may share a path) ->
 the turn's one collective (`coord.begin`) -> prefill its new tokens alone. Then the
 rows' caches are merged (mlx-lm's left-padded `BatchKVCache`) and decoded one step
-at a time, a sampler per row; a row ends at its end-of-turn token, its max_tokens
+at a time (one sampler call for the batch, the next step queued before Python
+handles this one's tokens); a row ends at its end-of-turn token, its max_tokens
 or an agreed stop (one gather of a bit per row each step), and its cache is taken
 out once its last token has run (as `generate_step` runs every token it gives).
 Then, at that step, in the batch's order: insert, cap — the one-at-a-time turn's
@@ -126,6 +127,33 @@ def _refused(err: PromptTooLong) -> RowOutcome:
     return RowOutcome(refused=str(err), tokens=err.tokens, context=err.context)
 
 
+BatchSampler = Callable[[mx.array, list[_Row]], mx.array]
+
+
+def _batch_sampler(requests: Sequence[TurnRequest]) -> BatchSampler:
+    """The next token of each active row from its log-probabilities: one sampler call
+    for the whole batch when every row samples alike (the common case, and the
+    cheapest step), else one call per row with its own temperature and top_p."""
+    settings = {(r.temp, r.top_p) for r in requests}
+    if len(settings) == 1:
+        shared = make_sampler(temp=requests[0].temp, top_p=requests[0].top_p)
+
+        def together(logprobs: mx.array, active: list[_Row]) -> mx.array:
+            with mx.stream(generation_stream):
+                return shared(logprobs)
+
+        return together
+    samplers = [make_sampler(temp=r.temp, top_p=r.top_p) for r in requests]
+
+    def each(logprobs: mx.array, active: list[_Row]) -> mx.array:
+        with mx.stream(generation_stream):
+            return mx.concatenate(
+                [samplers[r.index_in_batch](logprobs[j : j + 1]) for j, r in enumerate(active)]
+            )
+
+    return each
+
+
 class _Batch:
     def __init__(
         self,
@@ -238,22 +266,25 @@ class _Batch:
         for row in rows:
             row.detok = engine.tokenizer.detokenizer  # a fresh copy per row
             row.detok.reset()
-        samplers = [make_sampler(temp=r.request.temp, top_p=r.request.top_p) for r in rows]
+        sample = _batch_sampler([r.request for r in rows])
         with mx.stream(generation_stream):
             n_layers = len(rows[0].hit.cache)
             batch = [BatchKVCache.merge([r.hit.cache[k] for r in rows]) for k in range(n_layers)]
         for r in rows:
             r.hit.cache = None  # merged: the row's own copy is no longer needed
         active = list(rows)  # the rows in `batch`, in its order
-        logprobs = self._step(batch, [r.tokens[-1] for r in active])
+        picked = sample(self._step(batch, mx.array([r.tokens[-1] for r in active])), active)
+        mx.async_eval(picked)
         while True:
-            with mx.stream(generation_stream):
-                picked = mx.concatenate(
-                    [samplers[r.index_in_batch](logprobs[j : j + 1]) for j, r in enumerate(active)]
-                )
-            mx.eval(picked)
+            # The next step is queued before Python handles this one's tokens (as
+            # generate_step does), so the model runs meanwhile. Every rank queues it
+            # before its stop gather, on the same stream: the collectives keep one order.
+            # Running a row's token before its stop is known is what the row's end
+            # needs anyway: its cache, taken out below, holds every token it was given.
+            following = sample(self._step(batch, picked), active)
+            mx.async_eval(following)
+            tokens = picked.tolist()
             now = time.perf_counter()
-            tokens = [int(t) for t in picked.tolist()]
             for r, token in zip(active, tokens, strict=True):
                 self._take(r, token, now)
             if self.on_step is not None:
@@ -261,9 +292,7 @@ class _Batch:
             for r, stop in zip(active, self._agreed_stops(active), strict=True):
                 if stop and r.finish == "length":
                     r.finish = "interrupted"
-            # Every token a row was given is run before its cache is taken out, as
-            # `generate_step` runs each token it yields: the cache holds the whole reply.
-            logprobs = self._step(batch, tokens)
+            picked = following
             ending = [j for j, r in enumerate(active) if self._ended(r)]
             if not ending:
                 continue
@@ -282,15 +311,14 @@ class _Batch:
             for c in batch:
                 c.filter(mx.array(keep))
             active = [active[j] for j in keep]
-            logprobs = logprobs[mx.array(keep)]
+            picked = picked[mx.array(keep)]  # the ended rows' next tokens are dropped
 
-    def _step(self, batch: list[Any], tokens: list[int]) -> mx.array:
-        """Run one token per row; each row's log-probabilities of the next (as generate_step)."""
+    def _step(self, batch: list[Any], tokens: mx.array) -> mx.array:
+        """One token per row run (queued, not evaluated); each row's log-probabilities of
+        the next (as generate_step)."""
         with mx.stream(generation_stream):
-            logits = self.engine.model(mx.array(tokens)[:, None], cache=batch)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        mx.eval(logprobs)
-        return logprobs
+            logits = self.engine.model(tokens[:, None], cache=batch)[:, -1, :]
+            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _take(self, r: _Row, token: int, now: float) -> None:
         if not r.generated:
