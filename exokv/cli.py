@@ -228,6 +228,9 @@ def serve(
     batch: int = typer.Option(
         8, "--batch", help="requests decoded together at most (1: one at a time)"
     ),
+    batch_wait: float = typer.Option(
+        10.0, "--batch-wait", help="ms a batch's first request waits for others (0: none)"
+    ),
     drain_timeout: float = typer.Option(
         30.0, "--drain-timeout", help="seconds in-flight requests get on SIGTERM/Ctrl-C"
     ),
@@ -252,6 +255,7 @@ def serve(
         api_key=api_key,
         queue=queue,
         batch=batch,
+        batch_wait_ms=batch_wait,
         drain_s=drain_timeout,
         max_body=parse_size(max_body),
         **_shared(locals()),

@@ -302,6 +302,7 @@ def test_sigterm_or_ctrl_c_drains_the_reply_in_flight_and_keeps_the_cache(
     [
         (["--port", "70000"], "--port"),
         (["--queue", "0"], "--queue"),
+        (["--batch-wait", "-1"], "--batch-wait"),
         (["--max-body", "lots"], "invalid size"),
         (["--parallel", "sideways"], "--parallel"),
     ],

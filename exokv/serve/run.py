@@ -21,6 +21,8 @@ DEFAULT_PORT = 8000
 # Exact at temperature 0 and faster than one at a time, on one rank and several
 # (docs/serve-batching.md has the figures).
 DEFAULT_BATCH = 8
+# How long a batch's first request waits for others sent with it (docs/serve-batching.md).
+DEFAULT_BATCH_WAIT_MS = 10.0
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ServeOptions(ChatOptions):
     drain_s: float = 30.0  # on SIGTERM/Ctrl-C, how long in-flight requests may take
     max_body: int = api.Limits.body_bytes
     batch: int = DEFAULT_BATCH  # requests decoded together at most (1: one at a time)
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # a batch's first request waits for more
 
 
 def check(opts: ServeOptions) -> list[str]:
@@ -43,6 +46,8 @@ def check(opts: ServeOptions) -> list[str]:
         raise UsageError(f"--queue {opts.queue}: at least 1")
     if opts.batch < 1:
         raise UsageError(f"--batch {opts.batch}: at least 1 (1: one request at a time)")
+    if not 0 <= opts.batch_wait_ms <= 1000:
+        raise UsageError(f"--batch-wait {opts.batch_wait_ms}: 0-1000 ms (0: no wait)")
     if opts.drain_s < 0:
         raise UsageError(f"--drain-timeout {opts.drain_s}: 0 or more seconds")
     if opts.api_key is not None and not opts.api_key.strip():
@@ -123,6 +128,7 @@ def run_serve(opts: ServeOptions) -> int:
             record=_Recorder(hooks),
             on_failure=on_failure,
             batch=opts.batch,
+            gather_s=opts.batch_wait_ms / 1000,
         )
         shown, names = model_names(opts.model)
         service = Service(

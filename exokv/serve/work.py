@@ -4,7 +4,8 @@ Requests wait in a bounded queue (a full one is a 503 with Retry-After) and one
 worker thread feeds them to the client: with `batch` 1, one at a time through the
 same `client.turn` the chat calls; above, every waiting job (up to `batch`) at once
 through `client.turns`, which decodes them together (exokv.rank.batch), and a lone
-job still through `client.turn`. A job seeded for sampling runs alone (a seed is
+job still through `client.turn`; a batch's first job waits a few ms
+(`gather_s`) for the requests sent with it. A job seeded for sampling runs alone (a seed is
 reproducible only so). Each job's text and its end travel back to the event
 loop on an asyncio queue. A job whose client went away is skipped if it still waits,
 or stopped with the client's own stop (the chat's Ctrl-C path: every rank ends the
@@ -82,9 +83,11 @@ class TurnQueue:
         record: Callable[[Job], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
         batch: int = 1,
+        gather_s: float = 0.0,
     ) -> None:
         self.client = client
         self.batch = max(1, batch)
+        self.gather_s = max(0.0, gather_s)  # how long a batch's first job waits for more
         self._rows: list[Job] = []  # the batch being decoded, if any
         self._halt = False  # close(): every row of the batch stops
         self.record = record  # called in the worker after each turn that ran
@@ -169,9 +172,12 @@ class TurnQueue:
             if job is None:
                 return
             jobs, last = [job], False
+            # Requests sent together arrive a few ms apart: the first waits up to
+            # `gather_s` for the others, or it would run alone and they after it.
+            deadline = time.monotonic() + (self.gather_s if self.batch > 1 else 0.0)
             while len(jobs) < self.batch:  # the others waiting now join it
                 try:
-                    more = self._jobs.get_nowait()
+                    more = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
                 if more is None:

@@ -1,0 +1,108 @@
+"""The serve queue's worker (exokv.serve.work.TurnQueue) with a client that only records
+which requests it was given together: no model, no ranks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.serve.work import Job, TurnQueue
+
+
+def _result(request: TurnRequest) -> TurnResult:
+    return TurnResult(
+        session=request.session,
+        reply="ok",
+        prompt_tokens=1,
+        cached_tokens=0,
+        prefilled_tokens=1,
+        generated_tokens=1,
+        ttft_s=0.0,
+        decode_tps=0.0,
+        overhead_s=0.0,
+        ranks=1,
+    )
+
+
+class RecordingClient:
+    """Answers at once; `calls` lists the sessions of each turn or batch it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def turn(self, request: TurnRequest, **_: object) -> TurnResult:
+        self.calls.append([request.session])
+        return _result(request)
+
+    def turns(self, requests: list[TurnRequest], **_: object) -> list[RowOutcome]:
+        self.calls.append([r.session for r in requests])
+        return [RowOutcome(result=_result(r), batch=len(requests)) for r in requests]
+
+
+def _submit_apart(queue: TurnQueue, names: list[str], gap_s: float) -> list[Job]:
+    loop = asyncio.new_event_loop()  # never run: the jobs' events just queue up on it
+    jobs = []
+    for name in names:
+        job = Job(TurnRequest(session=name, messages=[]), [], loop)
+        jobs.append(job)
+        queue.submit(job)
+        time.sleep(gap_s)
+    return jobs
+
+
+def _finished(jobs: list[Job]) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(j.finished for j in jobs):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_requests_sent_a_few_ms_apart_are_decoded_together() -> None:
+    client = RecordingClient()
+    queue = TurnQueue(client, size=8, batch=8, gather_s=1.0)
+    try:
+        jobs = _submit_apart(queue, ["a", "b", "c"], gap_s=0.02)
+        assert _finished(jobs)
+    finally:
+        queue.close(timeout=5)
+    assert client.calls == [["a", "b", "c"]]
+    assert [j.batch for j in jobs] == [3, 3, 3]
+
+
+def test_a_full_batch_does_not_wait_out_the_window() -> None:
+    client = RecordingClient()
+    queue = TurnQueue(client, size=8, batch=2, gather_s=30.0)
+    try:
+        jobs = _submit_apart(queue, ["a", "b"], gap_s=0.0)
+        assert _finished(jobs)  # within 10 s, not the 30 s window
+    finally:
+        queue.close(timeout=5)
+    assert client.calls == [["a", "b"]]
+
+
+def test_without_a_window_the_first_request_runs_alone() -> None:
+    client = RecordingClient()
+    started = threading.Event()
+    release = threading.Event()
+
+    def turn(request: TurnRequest, **_: object) -> TurnResult:
+        client.calls.append([request.session])
+        started.set()
+        release.wait(10)  # the others arrive while it runs
+        return _result(request)
+
+    client.turn = turn  # type: ignore[method-assign]
+    queue = TurnQueue(client, size=8, batch=8, gather_s=0.0)
+    try:
+        jobs = _submit_apart(queue, ["a"], gap_s=0.0)
+        assert started.wait(10)
+        jobs += _submit_apart(queue, ["b", "c"], gap_s=0.0)
+        release.set()
+        assert _finished(jobs)
+    finally:
+        queue.close(timeout=5)
+    assert client.calls == [["a"], ["b", "c"]]
