@@ -117,3 +117,19 @@ def test_a_row_is_answered_when_it_ends_while_the_others_decode_on(tiny) -> None
         assert len(seen[1]) < len(outcomes[1].result.reply), (i, seen)
     alone = engine(tiny)
     assert [o.result.reply for o in outcomes] == [alone.turn(r).reply for r in reqs]
+
+
+def test_rows_that_sample_differently_keep_their_own_sampler(tiny) -> None:
+    # A sampling row among greedy ones: each row gets its own sampler call, by its place
+    # in the batch even after shorter rows have left it; the greedy rows stay exact.
+    reqs = requests([14, 4, 18, 7])
+    reqs[0].temp, reqs[0].top_p = 0.9, 0.8
+    reqs[2].temp = 0.0
+    expected = [engine(tiny).turn(r) for r in reqs]
+    outcomes = run_batch(engine(tiny), reqs)
+    assert [o.batch for o in outcomes] == [4] * 4
+    for i in (1, 2, 3):
+        assert outcomes[i].result.reply == expected[i].reply
+        assert outcomes[i].result.generated_tokens == expected[i].generated_tokens
+    sampled = outcomes[0].result
+    assert 1 <= sampled.generated_tokens <= 14 and sampled.finish_reason in ("stop", "length")
