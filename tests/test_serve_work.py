@@ -106,3 +106,17 @@ def test_without_a_window_the_first_request_runs_alone() -> None:
     finally:
         queue.close(timeout=5)
     assert client.calls == [["a"], ["b", "c"]]
+
+
+def test_the_worker_frees_its_thread_state_before_close_returns() -> None:
+    # A one-rank server's worker runs the model: MLX's state for that thread must be
+    # freed by the thread itself, before it ends (an exit racing it aborted the server).
+    client = RecordingClient()
+    released: list[str] = []
+    client.release_thread = lambda: released.append(threading.current_thread().name)  # type: ignore[attr-defined]
+    queue = TurnQueue(client, size=8, batch=1)
+    jobs = _submit_apart(queue, ["a"], gap_s=0.0)
+    assert _finished(jobs)
+    assert released == []
+    queue.close(timeout=5)
+    assert released == ["exokv-serve-turns"]

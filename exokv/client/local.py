@@ -103,6 +103,10 @@ class LocalClient(Client):
         with self._engine_lock:
             return kvsave.on_disk(self.engine, session, messages)
 
+    def release_thread(self) -> None:
+        """A thread of the caller's that ran turns is about to end (a server's worker)."""
+        forget_thread()
+
     def close(self) -> None:
         self._drafts.close()
         with self._engine_lock:

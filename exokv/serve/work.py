@@ -167,6 +167,16 @@ class TurnQueue:
             stop_row(row)
 
     def _work(self) -> None:
+        try:
+            self._run_jobs()
+        finally:
+            # A one-rank server runs the model in this thread: MLX's state for it must
+            # be freed before the thread ends, or exiting can abort (see client.local).
+            release = getattr(self.client, "release_thread", None)
+            if release is not None:
+                release()
+
+    def _run_jobs(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
