@@ -44,7 +44,7 @@ function __exokv_path
                 set skip 1
             case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
                 set skip 1
-            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--drain-timeout" "exokv serve:--max-body"
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -166,6 +166,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l port -x -d 'port to listen on'
 complete -c exokv -n '__exokv_at exokv serve' -l api-key -x -d 'require '\''Authorization: Bearer KEY'\'' (or set EXOKV_API_KEY)'
 complete -c exokv -n '__exokv_at exokv serve' -l queue -x -d 'requests that may wait; more get 503'
 complete -c exokv -n '__exokv_at exokv serve' -l batch -x -d 'requests decoded together at most (1: one at a time)'
+complete -c exokv -n '__exokv_at exokv serve' -l batch-wait -x -d 'ms a batch'\''s first request waits for others (0: none)'
 complete -c exokv -n '__exokv_at exokv serve' -l drain-timeout -x -d 'seconds in-flight requests get on SIGTERM/Ctrl-C'
 complete -c exokv -n '__exokv_at exokv serve' -l max-body -x -d 'largest request body (413 above)'
 complete -c exokv -n '__exokv_at exokv serve' -l help -d 'Show this message and exit'
