@@ -6,8 +6,10 @@
 Both servers run on --ranks ranks on this machine (2: pipeline ranks, `exokv serve -n 2`
 against `mlx.launch -n 2 --backend ring ... mlx_lm.server --pipeline`, which loads the
 model with `sharded_load`), both up at once but measured in turn: trials alternate
-between them, so the noise of a shared machine falls on both alike. Each is driven by
-the real `openai` client:
+between them, so the noise of a shared machine falls on both alike. On 2 ranks
+mlx_lm.server's rank 1 busy-waits a core while idle: its process group is stopped
+(SIGSTOP) while another server is measured and continued for its own trials. Each is
+driven by the real `openai` client:
 
 1. **Decode throughput**: 8 streams at once, each its own prompt, `--max-tokens`
    tokens at temperature 0. Aggregate tokens/s = all completion tokens / the wall
@@ -85,6 +87,10 @@ class Server:
         )
         self.log: list[str] = []
         self._client: Any = None
+        self.paused = False
+        # Paused while another server is measured: mlx_lm.server's pipeline ranks
+        # other than 0 busy-wait a whole core while idle (measured here).
+        self.pause_when_idle = False
         threading.Thread(target=self._drain, daemon=True).start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not any(ready in x for x in self.log):
@@ -132,7 +138,21 @@ class Server:
             )
         return self._client
 
+    def pause(self) -> None:
+        """Stop the whole process group from running (SIGSTOP): see `measure`."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
+
     def stop(self) -> None:
+        try:
+            self.resume()
+        except ProcessLookupError:
+            pass
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -287,17 +307,28 @@ def measure(
     noise of a shared machine falls on both alike. Then the many-clients workload, with
     each server's cache read before and after it (`cache_bytes(name)`)."""
     out: dict[str, Any] = {name: {"decode_tps": [], "returning_ttft_s": []} for name in servers}
+
+    def only(server: Server) -> Server:
+        """`server`, running; any server that spins while idle, paused (the cores are
+        the one being measured's, as on machines of its own)."""
+        for other, _ in servers.values():
+            if other is not server and other.pause_when_idle and not other.paused:
+                other.pause()
+        server.resume()
+        return server
+
     for server, model in servers.values():
-        stream_turn(server, model, [{"role": "user", "content": "warm up"}], 8)
+        stream_turn(only(server), model, [{"role": "user", "content": "warm up"}], 8)
     for trial in range(args.repeats):
         for name, (server, model) in servers.items():
-            tps = throughput(server, model, args.streams, args.max_tokens, trial)
+            tps = throughput(only(server), model, args.streams, args.max_tokens, trial)
             out[name]["decode_tps"].append(tps)
         for name, (server, model) in servers.items():
-            out[name]["returning_ttft_s"] += returning(server, model, args.conv_turns, trial)
+            out[name]["returning_ttft_s"] += returning(only(server), model, args.conv_turns, trial)
     for name, (server, model) in servers.items():
         if name == "exokv_serial":  # its cache holds what the batched one's does
             continue
+        only(server)
         out[name]["cache_before_clients"] = cache_bytes(name)
         many_clients(server, model, args.clients, args.turns)
         out[name]["cache_after_clients"] = cache_bytes(name)
@@ -439,6 +470,7 @@ def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> 
         mlx_env = {**env, PROBE_DIR: str(probe_dir)}
         mlx = Server("mlx_lm.server", mlx_argv, mlx_env, "Starting httpd", launched=ranks > 1)
         started.append(mlx)
+        mlx.pause_when_idle = ranks > 1
         servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
         if args.serial:  # its own home: its cache is not the batched server's
             serial_env = {**env, "EXOKV_HOME": str(serial_home)}

@@ -138,3 +138,42 @@ def test_requests_are_counted_by_the_batch_they_were_decoded_in() -> None:
         "exokv: serving builtin:base on 1 rank at http://127.0.0.1:8000/v1 (Ctrl-C to stop)",
     ]
     assert bench.requests_by_batch(log) == {1: 1, 7: 2}
+
+
+class _FakeServer:
+    """Records pause/resume instead of signalling a process group."""
+
+    def __init__(self, name: str, pause_when_idle: bool) -> None:
+        self.name = name
+        self.pause_when_idle = pause_when_idle
+        self.paused = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+
+def test_a_server_that_spins_while_idle_is_paused_during_the_others_trials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exokv, mlx = _FakeServer("exokv", False), _FakeServer("mlx_lm", True)
+    seen: list[tuple[str, bool, bool]] = []  # (measured, measured paused, mlx paused)
+
+    def record(server: _FakeServer, *_: object) -> float:
+        seen.append((server.name, server.paused, mlx.paused))
+        return 1.0
+
+    monkeypatch.setattr(bench, "stream_turn", record)
+    monkeypatch.setattr(bench, "throughput", record)
+    monkeypatch.setattr(bench, "returning", lambda *a: [record(*a)])
+    monkeypatch.setattr(bench, "many_clients", record)
+    args = bench.argparse.Namespace(
+        repeats=2, streams=8, max_tokens=8, conv_turns=2, clients=2, turns=1
+    )
+    servers = {"exokv": (exokv, "m"), "mlx_lm": (mlx, "m")}
+    bench.measure(servers, args, lambda name: [])  # type: ignore[arg-type]
+    assert all(not measured_paused for _, measured_paused, _ in seen)
+    assert {mlx_paused for name, _, mlx_paused in seen if name == "exokv"} == {True}
+    assert [name for name, _, _ in seen].count("mlx_lm") >= 4
