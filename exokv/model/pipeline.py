@@ -34,6 +34,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from exokv.errors import ExokvError
 
+# Tokens a pipeline stage runs before handing the hidden state on (see micro_chunks).
+# Measured on builtin:base, 2 ranks on one 2-core machine, a 2,048-token prefill:
+# 512-token pieces 925-953 tokens/s, 128: 1277-1373, 64: 1357-1476, 32: no faster.
+MICRO_CHUNK = 64
+
 
 def inner_model(model: Any) -> Any | None:
     """The module that holds the decoder layers (``model.model``), or None."""
@@ -47,6 +52,33 @@ def pipeline_kind(model: Any) -> str | None:
     if inner is None:
         return None
     return "mlx-lm" if hasattr(inner, "pipeline") else "generic"
+
+
+def stages(model: Any) -> int:
+    """How many ranks ``model``'s layers are split across by ``apply_pipeline`` (1: none)."""
+    return getattr(model, "pipeline_stages", 1)
+
+
+def micro_chunks(start: int, end: int, stages: int) -> list[tuple[int, int]]:
+    """[start, end) cut into the pieces a prefill evaluates one by one.
+
+    On one rank (or tensor ranks, which all work on every piece) the range is one
+    piece. Across pipeline stages a piece is evaluated on a rank as soon as it has
+    the previous one's hidden state, and a rank sends its result on before it
+    starts the next piece: so while the last stage runs piece k, the first one
+    already runs piece k+1 and every stage is busy, except while the first pieces
+    fill the pipeline. Pieces of MICRO_CHUNK tokens keep that bubble (stages - 1
+    pieces) small against the pieces of a prefill step.
+    """
+    size = end - start if stages <= 1 else MICRO_CHUNK
+    return [(i, min(i + size, end)) for i in range(start, end, max(size, 1))]
+
+
+def cut_freely(cache: list[Any]) -> bool:
+    """Whether a prefill into ``cache`` may be cut into pieces without changing a reply:
+    not with a rotating cache that keeps its first tokens (``--max-kv-size``), which
+    mlx-lm's chunked prefill lets the first token of each chunk see (docs/cache.md)."""
+    return not any(isinstance(c, RotatingKVCache) and c.keep > 0 for c in cache)
 
 
 def even_split(layers: int, ranks: int) -> list[int]:
@@ -68,6 +100,7 @@ def apply_pipeline(model: Any, group: mx.distributed.Group, split: list[int]) ->
         raise ValueError("the model has no list of layers to split")
     rank, size = group.rank(), group.size()
     start, end = local_range(split, rank)
+    model.pipeline_stages = size  # read by stages(): prefill overlaps the ranks' work
     dtypes = hidden_dtypes(model)  # before slicing: every layer takes part
     if rank < size - 1:  # this rank receives its first hidden state
         _receive_as(inner, dtypes[start])

@@ -26,6 +26,7 @@ from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD
 from exokv.errors import PromptTooLong
+from exokv.model import pipeline
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.rank import typeahead
@@ -438,16 +439,20 @@ def prefill(
     """Run the model over `tokens` into `cache`, PREFILL_STEP at a time.
 
     before_chunk(tokens done) returning True stops it (returns True); after_chunk
-    gets the tokens done so far. The engine and the bench share this code path.
+    gets the tokens done so far. Across pipeline ranks a step runs as smaller pieces
+    with no collective between them, so the ranks work on different pieces at once
+    (exokv.model.pipeline.micro_chunks). The engine and the bench share this code path.
     """
+    stages = pipeline.stages(model) if pipeline.cut_freely(cache) else 1
     for i in range(0, len(tokens), PREFILL_STEP):
         if before_chunk is not None and before_chunk(i):
             return True
-        chunk = mx.array(tokens[i : i + PREFILL_STEP])[None]
-        model(chunk, cache=cache)
-        mx.eval([c.state for c in cache])
+        end = min(i + PREFILL_STEP, len(tokens))
+        for start, stop in pipeline.micro_chunks(i, end, stages):
+            model(mx.array(tokens[start:stop])[None], cache=cache)
+            mx.eval([c.state for c in cache])
         if after_chunk is not None:
-            after_chunk(i + chunk.shape[1])
+            after_chunk(end)
     return False
 
 

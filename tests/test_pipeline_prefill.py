@@ -1,0 +1,103 @@
+"""Prefill across pipeline ranks runs in pieces, so the ranks work at once (issue 22).
+
+Each rank evaluates a piece and sends its hidden state on before it starts the next,
+so the first stage runs piece k+1 while the last runs piece k. Only the way a step is
+cut changes: the stop checks stay one per PREFILL_STEP, and the cache holds what one
+piece per step gives. The speed is measured by benchmarks/spec_prefill.py --ranks 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+from exokv.model import pipeline
+from exokv.rank.engine import PREFILL_STEP, prefill
+
+
+def test_one_stage_runs_the_range_as_one_piece() -> None:
+    assert pipeline.micro_chunks(5, 300, 1) == [(5, 300)]
+    assert pipeline.micro_chunks(7, 7, 2) == []
+
+
+def test_pipeline_stages_cut_the_range_into_small_pieces() -> None:
+    pieces = pipeline.micro_chunks(10, 10 + 3 * pipeline.MICRO_CHUNK + 5, 2)
+    assert len(pieces) == 4
+    assert pieces[0][0] == 10 and pieces[-1][1] == 10 + 3 * pipeline.MICRO_CHUNK + 5
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False))
+    assert max(b - a for a, b in pieces) == pipeline.MICRO_CHUNK
+
+
+class Recording:
+    """A model that records the tokens of each call; its cache states are arrays."""
+
+    def __init__(self, stages: int) -> None:
+        self.pipeline_stages = stages
+        self.calls: list[int] = []
+
+    def __call__(self, tokens: mx.array, cache: Any = None) -> None:
+        self.calls.append(tokens.shape[1])
+
+
+class State:
+    state = mx.zeros((1,))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_stop_checks_stay_one_per_step_whatever_the_pieces(stages: int) -> None:
+    model = Recording(stages)
+    checked: list[int] = []
+    done: list[int] = []
+    n = PREFILL_STEP + 100
+    prefill(model, [State()], list(range(n)), lambda i: checked.append(i) is not None, done.append)
+    assert checked == [0, PREFILL_STEP]
+    assert done == [PREFILL_STEP, n]
+    assert sum(model.calls) == n
+    if stages == 1:
+        assert model.calls == [PREFILL_STEP, 100]
+    else:
+        assert max(model.calls) == pipeline.MICRO_CHUNK
+        assert len(model.calls) > 2
+
+
+def test_a_stop_before_the_second_step_runs_none_of_it() -> None:
+    model = Recording(2)
+    stopped = prefill(model, [State()], list(range(PREFILL_STEP + 50)), lambda i: i > 0)
+    assert stopped is True
+    assert sum(model.calls) == PREFILL_STEP
+
+
+def test_pieces_leave_the_cache_and_logits_one_step_leaves(tiny_qwen: Any) -> None:
+    tokens = [(i * 37) % 290 + 5 for i in range(PREFILL_STEP + 77)]
+
+    def run(stages: int) -> tuple[list[mx.array], mx.array]:
+        tiny_qwen.pipeline_stages = stages  # cuts the prefill as a pipeline's rank would
+        try:
+            cache = make_prompt_cache(tiny_qwen)
+            prefill(tiny_qwen, cache, tokens)
+            logits = tiny_qwen(mx.array([[7]]), cache=cache)
+            return [c.state[0] for c in cache], logits
+        finally:
+            del tiny_qwen.pipeline_stages
+
+    whole_keys, whole_logits = run(1)
+    piece_keys, piece_logits = run(2)
+    for a, b in zip(whole_keys, piece_keys, strict=True):
+        assert a.shape == b.shape
+        assert mx.allclose(a, b, atol=1e-4).item()
+    assert mx.allclose(whole_logits, piece_logits, atol=1e-4).item()
+    assert mx.argmax(whole_logits).item() == mx.argmax(piece_logits).item()
+
+
+def test_a_rotating_cache_that_keeps_tokens_is_not_cut() -> None:
+    # --max-kv-size: each chunk's first token sees the kept tokens, so pieces would
+    # change the replies; a sliding window (keep 0) is cut like any cache.
+    model = Recording(2)
+    kept = RotatingKVCache(max_size=48, keep=4)
+    assert not pipeline.cut_freely([State(), kept])
+    assert pipeline.cut_freely([State(), RotatingKVCache(max_size=48)])
+    prefill(model, [kept], list(range(PREFILL_STEP + 9)))
+    assert model.calls == [PREFILL_STEP, 9]
