@@ -50,8 +50,8 @@ def rank_main(args: argparse.Namespace) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from exokv.model import pipeline
-    from exokv.model.resolve import resolve_model
     from exokv.model.loading import load_checkpoint
+    from exokv.model.resolve import resolve_model
     from exokv.rank import engine
 
     group = mx.distributed.init(backend="ring") if args.ranks > 1 else None
