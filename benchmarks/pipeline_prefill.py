@@ -49,13 +49,17 @@ def rank_main(args: argparse.Namespace) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from exokv.errors import ExokvError
     from exokv.model import pipeline
     from exokv.model.loading import load_checkpoint
     from exokv.model.resolve import resolve_model
     from exokv.rank import engine
 
     group = mx.distributed.init(backend="ring") if args.ranks > 1 else None
-    model, _ = load_checkpoint(Path(resolve_model(args.model)), group)
+    try:
+        model, _ = load_checkpoint(Path(resolve_model(args.model)), group)
+    except ExokvError as e:
+        raise SystemExit(f"pipeline_prefill: {e}") from None
 
     def agree(_: int) -> bool:  # the engine's stop check between steps: one collective
         if group is not None:
@@ -95,19 +99,30 @@ def run_ranks(args: argparse.Namespace, ranks: int) -> dict[str, list[float]]:
             argv += ["--repeats", str(args.repeats), "--pieces", args.pieces]
             out = subprocess.PIPE if rank == 0 else subprocess.DEVNULL
             procs.append(
-                subprocess.Popen(argv, env=dict(env), stdout=out, stdin=subprocess.DEVNULL)
+                subprocess.Popen(
+                    argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=out, stderr=out, text=True
+                )
             )
         try:
-            stdout, _ = procs[0].communicate(timeout=args.timeout)
-            for p in procs[1:]:
-                p.wait(timeout=60)
+            stdout, stderr = procs[0].communicate(timeout=args.timeout)
+            if procs[0].returncode == 0:
+                for p in procs[1:]:
+                    p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"pipeline_prefill: {ranks} rank(s) did not finish in time") from None
         finally:
-            for p in procs:
+            for p in procs:  # a rank that failed leaves the others waiting on the ring
                 if p.poll() is None:
                     p.kill()
+                    p.wait()
     if procs[0].returncode != 0:
-        raise SystemExit(f"pipeline_prefill: rank 0 of {ranks} exited {procs[0].returncode}")
-    return json.loads(stdout.decode().strip().splitlines()[-1])
+        said = [line for line in stderr.splitlines() if line.startswith("pipeline_prefill: ")]
+        raise SystemExit(
+            said[-1]
+            if said
+            else f"pipeline_prefill: rank 0 of {ranks} exited {procs[0].returncode}"
+        )
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
