@@ -8,11 +8,15 @@ piece per step gives. The speed is measured by benchmarks/spec_prefill.py --rank
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
+from chat_helpers import home_with_models
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from test_cluster import replies, run_script
+from zoo_helpers import LONG_MESSAGE
 
 from exokv.model import pipeline
 from exokv.rank.engine import PREFILL_STEP, prefill
@@ -101,3 +105,20 @@ def test_a_rotating_cache_that_keeps_tokens_is_not_cut() -> None:
     assert pipeline.cut_freely([State(), RotatingKVCache(max_size=48)])
     prefill(model, [kept], list(range(PREFILL_STEP + 9)))
     assert model.calls == [PREFILL_STEP, 9]
+
+
+@pytest.mark.timeout(200)
+def test_three_pipeline_ranks_in_pieces_give_one_ranks_replies(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    # The middle rank receives each piece, runs its layer and sends it on while the
+    # first rank runs the next: a prompt of several pieces, then a cached turn.
+    lines = [LONG_MESSAGE + " " + LONG_MESSAGE, "And after that?", LONG_MESSAGE]
+    one = run_script(home_with_models(tmp_path / "one", models_dir, True), lines)
+    home = home_with_models(tmp_path / "three", models_dir, True)
+    three = run_script(home, lines, "-n", "3", "--starting-port", "26480")
+    assert replies(three) == replies(one)
+    assert len(set(replies(one))) > 1
+    assert three[0]["prompt_tokens"] > 2 * pipeline.MICRO_CHUNK
+    assert all(t["ranks"] == 3 for t in three)
+    assert three[1]["cached_tokens"] > 0
