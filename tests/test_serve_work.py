@@ -40,6 +40,15 @@ class RecordingClient:
         self.calls.append([r.session for r in requests])
         return [RowOutcome(result=_result(r), batch=len(requests)) for r in requests]
 
+    def stop_now(self) -> None:
+        pass
+
+    def stop_row(self, row: int) -> None:
+        pass
+
+    def release_thread(self) -> None:
+        pass
+
 
 def _submit_apart(queue: TurnQueue, names: list[str], gap_s: float) -> list[Job]:
     loop = asyncio.new_event_loop()  # never run: the jobs' events just queue up on it
@@ -113,7 +122,7 @@ def test_the_worker_frees_its_thread_state_before_close_returns() -> None:
     # freed by the thread itself, before it ends (an exit racing it aborted the server).
     client = RecordingClient()
     released: list[str] = []
-    client.release_thread = lambda: released.append(threading.current_thread().name)  # type: ignore[attr-defined]
+    client.release_thread = lambda: released.append(threading.current_thread().name)  # type: ignore[method-assign]
     queue = TurnQueue(client, size=8, batch=1)
     jobs = _submit_apart(queue, ["a"], gap_s=0.0)
     assert _finished(jobs)

@@ -55,6 +55,11 @@ class Client(Protocol):
         """As `stop`, sent from the calling thread before it returns (not a signal handler)."""
         ...
 
+    def release_thread(self) -> None:
+        """The calling thread, which ran turns, is about to end (a server's worker): free
+        what the model keeps for it here (one rank only; ranks elsewhere keep their own)."""
+        ...
+
     def stop_row(self, row: int) -> None:
         """End row `row` of the batch in flight at its next decode step (any thread may
         ask, the moment it learns the row's client left); should_stop(row) must say so too."""

@@ -248,6 +248,9 @@ class ClusterClient(Client):
         if self._turn is not None:
             self._send_stop(self._turn)
 
+    def release_thread(self) -> None:
+        """Nothing to free: the model runs in the ranks, not in this process."""
+
     def _send_stop(self, ident: int) -> None:
         try:
             self._send({"type": "stop", "id": ident}, fail=False)

@@ -123,6 +123,9 @@ class HealingClient:
     def stop_row(self, row: int) -> None:
         self._inner.stop_row(row)
 
+    def release_thread(self) -> None:
+        self._inner.release_thread()
+
     def draft(
         self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
     ) -> None:

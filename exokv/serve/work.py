@@ -128,7 +128,7 @@ class TurnQueue:
             if self._current is job:
                 self._stop(job)
             elif job in self._rows:
-                self._stop_row(self._rows.index(job))
+                self.client.stop_row(self._rows.index(job))
 
     def close(self, timeout: float) -> None:
         """Take no more jobs; wait up to `timeout` for the queued and running ones, then
@@ -149,7 +149,7 @@ class TurnQueue:
             if self._current is not None:
                 self._stop(self._current)
             for row in range(len(self._rows)):
-                self._stop_row(row)
+                self.client.stop_row(row)
         self._jobs.put(None)
         self._thread.join()
 
@@ -158,13 +158,7 @@ class TurnQueue:
     def _stop(self, job: Job) -> None:
         if not job.stop_asked:
             job.stop_asked = True
-            stop_now = getattr(self.client, "stop_now", None)  # a wrapper may not pass it on
-            (stop_now or self.client.stop)()
-
-    def _stop_row(self, row: int) -> None:
-        stop_row = getattr(self.client, "stop_row", None)  # a wrapper may not pass it on
-        if stop_row is not None:
-            stop_row(row)
+            self.client.stop_now()
 
     def _work(self) -> None:
         try:
@@ -172,9 +166,7 @@ class TurnQueue:
         finally:
             # A one-rank server runs the model in this thread: MLX's state for it must
             # be freed before the thread ends, or exiting can abort (see client.local).
-            release = getattr(self.client, "release_thread", None)
-            if release is not None:
-                release()
+            self.client.release_thread()
 
     def _run_jobs(self) -> None:
         while True:
