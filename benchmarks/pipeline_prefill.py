@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,17 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from exokv.wire.launch import free_ports
+
 HERE = Path(__file__).resolve()
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -90,7 +81,8 @@ def run_ranks(args: argparse.Namespace, ranks: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as tmp:
         if ranks > 1:
             hostfile = Path(tmp) / "hosts.json"
-            hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(ranks)]))
+            first = free_ports(ranks)  # exokv's own pick for its ranks
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{first + r}"] for r in range(ranks)]))
             env["MLX_HOSTFILE"] = str(hostfile)
         for rank in range(ranks):
             env["MLX_RANK"] = str(rank)
