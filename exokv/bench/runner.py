@@ -297,7 +297,7 @@ def _unquantized_kv(model: Any) -> dict[str, Any]:
     Every rank calls it alike (a pipeline forward is itself collective)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from exokv.cache import layers
+    from exokv.cache import kinds
 
     made: list[list[Any]] = []
 
@@ -307,11 +307,11 @@ def _unquantized_kv(model: Any) -> dict[str, Any]:
 
     def run(cache: list[Any]) -> None:
         model(mx.array([[0]]), cache=cache)
-        mx.eval([layers.arrays(c.state) for c in cache])
+        mx.eval([kinds.arrays(c.state) for c in cache])
 
-    rates = layers.measure_rates(make, run)
-    per_token = sum(rate for c, rate in rates.items() if c != layers.STATE)
-    found = [a.dtype for c in made[0] for a in layers.arrays(c.state)]
+    rates = kinds.measure_rates(make, run)
+    per_token = sum(rate for c, rate in rates.items() if c != kinds.STATE)
+    found = [a.dtype for c in made[0] for a in kinds.arrays(c.state)]
     dtype = found[0] if found else mx.float32
     return {
         "bytes_per_token": per_token,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from exokv.cache.layers import KV, STATE, StorageClass
+from exokv.cache.kinds import KV, STATE, StorageClass
 from exokv.cache.memory import MemorySample
 from exokv.cache.policy import Entry, Eviction, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache

@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.cache import layers, memory
+from exokv.cache import kinds, memory
 from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
@@ -82,7 +82,7 @@ class Engine:
             mx.random.seed(self.options.seed)
         # Run on every rank alike (a pipeline forward is itself collective).
         try:
-            rates = layers.measure_rates(self._new_cache, self._run_one_token)
+            rates = kinds.measure_rates(self._new_cache, self._run_one_token)
         except ValueError as err:
             if not self.options.kv_bits:
                 raise
@@ -93,7 +93,7 @@ class Engine:
             raise UsageError(kv_group_misfit(model, o.kv_bits, o.kv_group_size, str(err))) from None
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
-        self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)
+        self.bytes_per_token = sum(r for c, r in rates.items() if c != kinds.STATE)
         ram = memory.sample(self.group.rank).ram_total // max(self.options.ranks_here, 1)
         model_bytes = sum(v.nbytes for _, v in _flat_params(model))
         self.budget = (
@@ -229,7 +229,7 @@ class Engine:
                     overhead += time.perf_counter() - tic
             if stopped:
                 # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
-                ran = layers.offset(hit.cache) or ran
+                ran = kinds.offset(hit.cache) or ran
                 generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
             else:
                 generated, reply, finish, ttft, tps = self._decode(
@@ -418,7 +418,7 @@ class Engine:
 
     def _run_one_token(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)
-        mx.eval([layers.arrays(c.state) for c in cache])
+        mx.eval([kinds.arrays(c.state) for c in cache])
 
     # -- reporting --------------------------------------------------------------
 
