@@ -79,7 +79,7 @@ class RankStats:
     ram_total: int
     rss: int
     mlx_active: int
-    disk_bytes: int = 0  # in the disk tier (exokv.cache.tier); 0 without one
+    disk_bytes: int = 0  # in the disk tier (exokv.cache.disk_tier); 0 without one
     disk_budget: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

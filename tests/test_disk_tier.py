@@ -237,7 +237,7 @@ def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path)
     ],
 )
 def test_the_disk_tier_is_on_unless_the_chat_keeps_nothing(given, budgets, no_cache, want):
-    from exokv.cache.tiers import disk_budget_text, shown_disk_budget
+    from exokv.cache.tier_options import disk_budget_text, shown_disk_budget
     from exokv.chat.run import ChatOptions
 
     opts = ChatOptions("builtin:tiny", disk_budget=given, cache_budget=budgets or None)

@@ -71,7 +71,7 @@ BUDGET_ACCOUNTING = {
     ),
     "exokv+disk": (
         "stored prefix bytes in RAM after each turn, as exokv; what leaves RAM is spilled to "
-        "a disk tier (exokv.cache.tier) and loaded back on a hit instead of prefilled"
+        "a disk tier (exokv.cache.disk_tier) and loaded back on a hit instead of prefilled"
     ),
 }
 

@@ -36,7 +36,7 @@ class Payload:
     state: bool = False
     states: list[Any] = field(default_factory=list)  # per state leaf, when `state`
     nbytes: int = 0
-    tier: str = "ram"  # "disk": the arrays are in this rank's disk tier (exokv.cache.tier)
+    tier: str = "ram"  # "disk": the arrays are in this rank's disk tier (exokv.cache.disk_tier)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class PrefixCache:
         self.tree = RadixTree(size_of=_payload_size, resident=_in_ram)
         self.totals: dict[StorageClass, int] = dict.fromkeys(self.classes, 0)
         self._bytes = 0
-        self.tier: Any = None  # exokv.cache.tier.DiskTier, when there is a disk tier
+        self.tier: Any = None  # exokv.cache.disk_tier.DiskTier, when there is a disk tier
 
     def new_cache(self) -> list[Any]:
         return self._make_cache()
@@ -310,7 +310,7 @@ class PrefixCache:
         node.payload = None
         return freed
 
-    # -- the disk tier (exokv.cache.tier) moves payloads between RAM and disk ------------
+    # -- the disk tier (exokv.cache.disk_tier) moves payloads between RAM and disk ------------
 
     def detach(self, node: Node) -> None:
         """`node`'s arrays leave RAM (the tier has them); its record stays in the tree."""

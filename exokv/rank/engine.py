@@ -53,7 +53,7 @@ class EngineOptions:
     max_kv_size: int | None = None
     seed: int | None = None
     ranks_here: int = 1  # ranks sharing this machine: the default budget is a share of its RAM
-    # The disk tier (exokv.cache.tier): this rank's directory and byte budget; off without both.
+    # The disk tier (exokv.cache.disk_tier): this rank's directory and budget; off without both.
     disk_dir: str | None = None
     disk_budget: int | None = None
     kv_bits: int | None = None  # quantized KV cache (mlx-lm's QuantizedKVCache): 4 or 8
@@ -86,7 +86,7 @@ class Engine:
         except ValueError as err:
             if not self.options.kv_bits:
                 raise
-            from exokv.cache.tiers import kv_group_misfit
+            from exokv.cache.tier_options import kv_group_misfit
             from exokv.errors import UsageError
 
             o = self.options
@@ -114,7 +114,7 @@ class Engine:
         from pathlib import Path
 
         from exokv.cache.disk import DiskStore
-        from exokv.cache.tier import DiskTier
+        from exokv.cache.disk_tier import DiskTier
         from exokv.state.locks import LockHeld
 
         store, why = None, ""

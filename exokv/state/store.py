@@ -39,7 +39,7 @@ def db_path(home: Path | None = None) -> Path:
 
 
 def caches_dir(home: Path | None = None) -> Path:
-    """Where the disk tier keeps KV (exokv.cache.tiers); `exokv cache clear` empties it."""
+    """Where the disk tier keeps KV (exokv.cache.tier_options); `exokv cache clear` empties it."""
     return (home if home is not None else exokv_home()) / "kv"
 
 
