@@ -43,7 +43,7 @@ class CacheEvent:
     """One change to the cache, identical on every rank by construction.
 
     kind: add | hit | update | evict | clear, and with a disk tier spill (RAM to disk),
-    load (disk to RAM) and drop (off the disk); typing ahead adds draft (a speculative
+    load (disk to RAM) and drop (off the disk); typing ahead adds draft (a typeahead
     prefill step: `tokens` run) and draft-used (`tokens` of a turn's hit it gave).
     ``bytes`` has one value per rank.
     ``pressures`` is every rank's memory pressure when the decision was taken.

@@ -104,7 +104,7 @@ class Engine:
         self.coord = Coordinator(
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
-        self.draft_events: list[CacheEvent] = []  # speculative steps', reported by the next turn
+        self.draft_events: list[CacheEvent] = []  # typeahead steps', reported by the next turn
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
@@ -272,8 +272,8 @@ class Engine:
             typed_ahead_tokens=typed_ahead,
         )
 
-    def speculate(self, session: str, messages: Sequence[dict[str, str]], draft: str) -> int:
-        """One step of prefill ahead of Enter (exokv.rank.typeahead): at most SPEC_CHUNK
+    def typeahead_step(self, session: str, messages: Sequence[dict[str, str]], draft: str) -> int:
+        """One step of prefill ahead of Enter (exokv.rank.typeahead): at most STEP_TOKENS
         more tokens of the conversation with the draft's stable part, stored in the tree
         as draft entries. Every rank runs the same steps; a step's one collective is its
         plan's gather, and after it every rank is within its budget, as after a turn.
@@ -288,9 +288,9 @@ class Engine:
         self.decision += 1
         events: list[CacheEvent] = []
         drafted = typeahead.draft_ids(self.cache.tree, tokens)
-        expect = min(len(tokens), meets + typeahead.SPEC_CHUNK)
+        expect = min(len(tokens), meets + typeahead.STEP_TOKENS)
         hit = self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
-        stop = min(len(tokens), hit.length + typeahead.SPEC_CHUNK)
+        stop = min(len(tokens), hit.length + typeahead.STEP_TOKENS)
         try:
             copied = 0 if hit.lent else hit.length
             room = -(-stop // KVCache.step) * KVCache.step - stop

@@ -374,7 +374,9 @@ class Rank:
                 engine.remember_replies([(r, t) for r, t in message["pairs"]])
                 continue
             if kind == "draft":  # a step of prefill ahead of Enter (exokv.rank.typeahead)
-                left = engine.speculate(message["session"], message["messages"], message["draft"])
+                left = engine.typeahead_step(
+                    message["session"], message["messages"], message["draft"]
+                )
                 if self.rank == 0:
                     self.drafts.stepped(left)
                 if self.log_path is not None:
