@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.config import exokv_home
-from exokv.errors import ExokvError, UsageError
+from exokv.errors import ExokvError, UsageError, one_line
 from exokv.model import builtin, smollm2, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
@@ -188,11 +188,6 @@ def _converted(name: str, ensure: Callable[[], Path], where: Path) -> Path:
 _refused: dict[str, ExokvError] = {}
 
 
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) loaded by mlx-lm, all weights checked; failures are one line.
 
@@ -206,7 +201,7 @@ def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
     except ExokvError:
         raise
     except Exception as e:
-        raise ExokvError(f"could not load model '{name}' from {path}: {_one_line(e)}"[:400]) from e
+        raise ExokvError(f"could not load model '{name}' from {path}: {one_line(e)}"[:400]) from e
 
 
 def _files_digest(path: Path) -> str:
