@@ -270,7 +270,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
 
     from rich.console import Console
 
-    from exokv.model.resolve import list_models, models_table
+    from exokv.model.catalogue import list_models, models_table
 
     found = list_models()
     if json_out:
