@@ -8,6 +8,12 @@ No model runs: the tree part is pure Python (payloads are byte counts), the rend
 part uses builtin:tiny's tokenizer and template. Prints medians in milliseconds;
 --json prints one JSON document instead.
 
+--store: the state database's per-turn write (`Store.record_turn`, what a chat turn
+commits) with `PRAGMA synchronous = NORMAL` and with FULL (what exokv runs), two
+databases side by side, turns interleaved; and a disk-tier file write (synced, then
+renamed) without and with the fsync of its directory. Run it where EXOKV_HOME is on
+the disk you mean to measure (a tmpfs makes every fsync free).
+
 The trees are shaped like the issue's measurement: conversations of --depth nodes
 (a turn is one 50-token node, so the default 640 is a 32k-token conversation), as
 many as make the tree's size. One turn of one conversation is: match its prompt,
@@ -487,6 +493,98 @@ def bench_common_prefix(tokens: int, repeat: int) -> dict[str, Any]:
     }
 
 
+# -- durability -------------------------------------------------------------------------
+
+
+def bench_store(turns: int, seed: int) -> dict[str, Any]:
+    """Store.record_turn under synchronous NORMAL and FULL, interleaved turn by turn, in
+    two databases under EXOKV_HOME; then a disk-tier file's write and rename without and
+    with the directory's sync, interleaved. Medians in ms."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from exokv.cache import durable
+    from exokv.config import exokv_home
+    from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
+    from exokv.state import connection
+    from exokv.state.store import Store
+
+    base = exokv_home()
+    base.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    stores = {}
+    for mode in ("NORMAL", "FULL"):
+        connection.SYNCHRONOUS = mode  # read when a database is opened
+        stores[mode] = Store.open(Path(tempfile.mkdtemp(prefix=f"sync-{mode}-", dir=base)))
+    connection.SYNCHRONOUS = "FULL"
+    runs = {
+        mode: store.start_run("builtin:tiny", 2, [None, None]) for mode, store in stores.items()
+    }
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
+    times: dict[str, list[float]] = {mode: [] for mode in stores}
+    for t in range(turns + 1):
+        messages.append({"role": "user", "content": f"question {t} " + "word " * 40})
+        messages.append({"role": "assistant", "content": "reply " * 60, "tokens": list(range(60))})
+        events = [
+            CacheEvent(kind, t, t * 2 + i, 50, [50_000, 50_000], session="s")
+            for i, kind in enumerate(("hit", "add", "evict"))
+        ]
+        entries = [
+            EntryInfo(t * 2 + i, t * 2 - 1, "s", 50, 50 * (t + 1), [50_000, 50_000], 1, t)
+            for i in range(2)
+        ]
+        stats = [RankStats(r, 1 << 24, 2 * t, None, 0.3, 1 << 34, 1 << 30, 1 << 24) for r in (0, 1)]
+        result = TurnResult(
+            "s",
+            "reply",
+            4000,
+            3900,
+            100,
+            60,
+            0.05,
+            40.0,
+            0.001,
+            2,
+            events=events,
+            rank_stats=stats,
+            entries=entries,
+        )
+        order = list(stores)
+        rng.shuffle(order)  # neither mode always second
+        for mode in order:
+            start = time.perf_counter()
+            stores[mode].record_turn(runs[mode], "s", messages, result, "builtin:tiny")
+            if t:  # the first turn creates the session
+                times[mode].append((time.perf_counter() - start) * 1000)
+    for store in stores.values():
+        store.close()
+    row: dict[str, Any] = {"turns": turns}
+    for mode, ms in times.items():
+        row[f"record_turn_{mode.lower()}_ms"] = statistics.median(ms)
+        row[f"record_turn_{mode.lower()}_p90_ms"] = sorted(ms)[int(0.9 * (len(ms) - 1))]
+
+    folder = Path(tempfile.mkdtemp(prefix="sync-files-", dir=base))
+    data = os.urandom(256 << 10)  # a node's file: 256 KB
+    files: dict[str, list[float]] = {"rename": [], "rename_dir_sync": []}
+    for i in range(turns):
+        for kind in files:
+            tmp, final = folder / f"{kind}-{i}.tmp", folder / f"{kind}-{i}.kv"
+            start = time.perf_counter()
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                durable.sync_file(f.fileno())
+            if kind == "rename":
+                os.replace(tmp, final)
+            else:
+                durable.replace(tmp, final)
+            files[kind].append((time.perf_counter() - start) * 1000)
+    row["file_write_ms"] = statistics.median(files["rename"])
+    row["file_write_dir_sync_ms"] = statistics.median(files["rename_dir_sync"])
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000", help="tree sizes in nodes")
@@ -510,6 +608,12 @@ def main() -> None:
         help="with --engine: a disk tier with room, with write-through and the journal and"
         " without them, side by side",
     )
+    ap.add_argument(
+        "--store",
+        action="store_true",
+        help="also: the store's per-turn commit with synchronous NORMAL and FULL, side by side",
+    )
+    ap.add_argument("--store-turns", type=int, default=200, help="turns for --store")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -525,6 +629,8 @@ def main() -> None:
         doc["engine"] = bench_engine(
             sizes, args.depth, args.repeat, args.seed, args.disk or args.journal, args.journal
         )
+    if args.store:
+        doc["store"] = bench_store(args.store_turns, args.seed)
     if args.json:
         print(json.dumps(doc, indent=2))
         return
@@ -578,6 +684,18 @@ def print_tables(doc: dict[str, Any]) -> None:
                 f"{row['nodes']} | {row['overhead_ms']:.2f} | {row['ttft_ms']:.1f} | "
                 f"{row['turn_ms']:.1f}{more}"
             )
+    if "store" in doc:
+        st = doc["store"]
+        print(
+            f"\nStore.record_turn over {st['turns']} turns, interleaved, median (p90) ms: "
+            f"synchronous NORMAL {st['record_turn_normal_ms']:.2f} "
+            f"({st['record_turn_normal_p90_ms']:.2f}), "
+            f"FULL {st['record_turn_full_ms']:.2f} ({st['record_turn_full_p90_ms']:.2f})"
+        )
+        print(
+            f"a 256 KB disk-tier file, synced and renamed, median ms: {st['file_write_ms']:.2f}, "
+            f"with the directory's sync {st['file_write_dir_sync_ms']:.2f}"
+        )
 
 
 def _fmt(x: Any) -> str:

@@ -14,7 +14,7 @@ Each trial is a new paste of about --tokens tokens after the same short first tu
   that follows is timed too (what is left for Enter).
 
 Trials alternate plain and typed ahead (and, on one rank, each --chunks size, the
-tokens of one speculative step), so machine noise hits every mode alike; medians are
+tokens of one typeahead step), so machine noise hits every mode alike; medians are
 reported with the load average before and after, and with each trial the seconds an
 idle probe process was not run meanwhile (benchmarks/stalls.py).
 """
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chunks", default="", help="speculative step sizes to compare (1 rank)")
+    ap.add_argument("--chunks", default="", help="typeahead step sizes to compare (1 rank)")
     ap.add_argument("--starting-port", type=int, default=29200)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -60,8 +60,8 @@ def main() -> None:
     from exokv.rank import typeahead
     from exokv.records import TurnRequest
 
-    chunks = [int(c) for c in args.chunks.split(",") if c] or [typeahead.SPEC_CHUNK]
-    if args.ranks > 1 and chunks != [typeahead.SPEC_CHUNK]:
+    chunks = [int(c) for c in args.chunks.split(",") if c] or [typeahead.STEP_TOKENS]
+    if args.ranks > 1 and chunks != [typeahead.STEP_TOKENS]:
         raise SystemExit("--chunks: one rank only (the ranks' step size is theirs)")
     home = Path(tempfile.mkdtemp(prefix="exokv-specprefill-"))
     models = Path(os.environ.get("EXOKV_HOME", Path.home() / ".exokv")) / "models"
@@ -89,7 +89,7 @@ def main() -> None:
                 row: dict[str, Any] = {}
                 began = time.monotonic()
                 if chunk is not None:
-                    typeahead.SPEC_CHUNK = chunk  # the engine in this process (1 rank)
+                    typeahead.STEP_TOKENS = chunk  # the engine in this process (1 rank)
                     tic = time.perf_counter()
                     client.draft("bench", history, text, wait=True)
                     row["draft_s"] = time.perf_counter() - tic

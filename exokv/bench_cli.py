@@ -74,7 +74,7 @@ def bench(
             raise UsageError(f"--cache-budget: {err}") from None
         if budget <= 0:
             raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
-    from exokv.cache.tiers import validate_tier_options
+    from exokv.cache.tier_options import validate_tier_options
 
     validate_tier_options(None, kv_bits, kv_group_size)
     if parallel not in ("pipeline", "tensor"):

@@ -270,7 +270,7 @@ def models(json_out: bool = typer.Option(False, "--json", help="one JSON documen
 
     from rich.console import Console
 
-    from exokv.model.resolve import list_models, models_table
+    from exokv.model.catalogue import list_models, models_table
 
     found = list_models()
     if json_out:
@@ -308,10 +308,10 @@ def _mount_subcommands() -> None:
     if _mounted:
         return
     _mounted = True
-    from exokv import inspect as inspect_cmds
+    from exokv import cache_cli
     from exokv.sessions_cli import sessions_app
 
-    app.add_typer(inspect_cmds.cache_app, name="cache")
+    app.add_typer(cache_cli.cache_app, name="cache")
     app.add_typer(sessions_app, name="sessions")
     from exokv.bench_cli import bench
 

@@ -27,3 +27,13 @@ class PromptTooLong(ExokvError):
         super().__init__(message)
         self.tokens = tokens  # the prompt's
         self.context = context  # the model's
+
+
+def one_line(error: BaseException, *, named: bool = True) -> str:
+    """`error` as one line of text for an ExokvError's message: its whitespace collapsed
+    (a library's multi-line message would break the one-line contract), prefixed by its
+    type's name unless `named` is False; the type's name alone when it says nothing."""
+    text = " ".join(str(error).split())
+    if not text:
+        return type(error).__name__
+    return f"{type(error).__name__}: {text}" if named else text

@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.serve",  # a second front end of the same client; it uses the chat's wiring
             "exokv.bench",
             "exokv.bench_cli",
-            "exokv.inspect",
+            "exokv.cache_cli",
             "exokv.sessions_cli",
             "exokv.completion",
         ),

@@ -43,7 +43,7 @@ class CacheEvent:
     """One change to the cache, identical on every rank by construction.
 
     kind: add | hit | update | evict | clear, and with a disk tier spill (RAM to disk),
-    load (disk to RAM) and drop (off the disk); typing ahead adds draft (a speculative
+    load (disk to RAM) and drop (off the disk); typing ahead adds draft (a typeahead
     prefill step: `tokens` run) and draft-used (`tokens` of a turn's hit it gave).
     ``bytes`` has one value per rank.
     ``pressures`` is every rank's memory pressure when the decision was taken.
@@ -79,7 +79,7 @@ class RankStats:
     ram_total: int
     rss: int
     mlx_active: int
-    disk_bytes: int = 0  # in the disk tier (exokv.cache.tier); 0 without one
+    disk_bytes: int = 0  # in the disk tier (exokv.cache.disk_tier); 0 without one
     disk_budget: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

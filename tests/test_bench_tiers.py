@@ -13,7 +13,7 @@ from test_bench import _bench
 
 from exokv.bench import STRATEGIES
 from exokv.bench.report import print_tables
-from exokv.cache.tiers import GROUP_SIZES, kv_group_misfit
+from exokv.cache.tier_options import GROUP_SIZES, kv_group_misfit
 
 ARGS = ["--model", "builtin:tiny", "--turns", "2", "--context", "120", "--reply-tokens", "8"]
 

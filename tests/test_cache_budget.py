@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from exokv.cache import layers
+from exokv.cache import kinds
 from exokv.rank.engine import Engine, EngineOptions, decode, prefill
 from exokv.records import TurnRequest
 from tests.test_cache_kinds import KINDS, model_for, stored_bytes
@@ -193,7 +193,7 @@ def test_shared_prefix_is_held_once_in_memory(kind, tokenizer):
     rates = engine.coord.rates
     distinct = sum(len(n.key) for n in engine.cache.tree.nodes())
     states = 1 + 2 * len(script)
-    ideal = distinct * engine.bytes_per_token + states * rates.get(layers.STATE, 0)
+    ideal = distinct * engine.bytes_per_token + states * rates.get(kinds.STATE, 0)
     assert held <= 1.3 * ideal, (held, ideal)
     assert engine.cache.total_bytes <= held
     assert all(r.cached_tokens > 0 for r in results[2:])

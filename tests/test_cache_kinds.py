@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from exokv.cache import layers, spans
-from exokv.cache.layers import KV, STATE
+from exokv.cache import kinds, spans
+from exokv.cache.kinds import KV, STATE
 from exokv.cache.prefix_cache import PrefixCache
 from tests.conftest import build_tiny_qwen
 from tests.families import VOCAB, build
@@ -53,7 +53,7 @@ def toks(n: int, seed: int) -> list[int]:
 
 def run(model, cache, tokens) -> mx.array:
     out = model(mx.array([tokens]), cache=cache)[0]
-    mx.eval(out, [layers.arrays(c.state) for c in cache])
+    mx.eval(out, [kinds.arrays(c.state) for c in cache])
     return out
 
 
@@ -66,20 +66,20 @@ def cold(model, make_cache, tokens):
 
 def leaf_arrays(cache, leaf) -> list[np.ndarray]:
     """What a layer holds that decides what comes next, in a comparable form."""
-    c = layers.get(cache, leaf)
+    c = kinds.get(cache, leaf)
     if leaf.cls == KV:
         if c.keys is None:
             return []
         return [np.array(a[:, :, : c.offset, :]) for a in (c.keys, c.values)]
     if leaf.cls == STATE:
-        return [np.array(a) for a in layers.arrays(c.state)]
-    kv, held = layers.window_positions(c)
+        return [np.array(a) for a in kinds.arrays(c.state)]
+    kv, held = kinds.window_positions(c)
     if kv is None:
         return []
     need = spans.window_needs(int(c.offset), *leaf.cls[1:])
     out = []
     for a, b in need:
-        out += [np.array(x) for x in layers.window_slice(kv, held, a, b)]
+        out += [np.array(x) for x in kinds.window_slice(kv, held, a, b)]
     return out
 
 
@@ -97,7 +97,7 @@ def stored_bytes(pc: PrefixCache) -> int:
     total = 0
     for n in pc.tree.nodes():
         p = n.payload
-        total += layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
+        total += kinds.nbytes([p.kv, p.windows, [kinds.arrays(s.state) for s in p.states]])
     return total
 
 
@@ -158,7 +158,7 @@ def test_window_layers_keep_only_what_a_node_end_can_need():
     assert node.payload.spans[w] == [(44, 60)]  # the last window only
     counts = pc.counts(node)
     assert counts == {KV: 60, w: 16}
-    rates = layers.measure_rates(make_cache, lambda c: run(model, c, [1]))
+    rates = kinds.measure_rates(make_cache, lambda c: run(model, c, [1]))
     assert pc.total_bytes == stored_bytes(pc) == 60 * rates[KV] + 16 * rates[w]
 
 

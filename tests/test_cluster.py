@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
-from chat_helpers import home_with_models
+from chat_helpers import Chat, home_with_models
 
 from exokv.chat.run import ChatOptions
 from exokv.client.cluster import ClusterClient, diagnose, parse_split
@@ -52,68 +52,6 @@ SESSIONS_SCRIPT = [
 
 
 # -- helpers -------------------------------------------------------------------------
-
-
-class Chat:
-    """`exokv chat --json` in a subprocess, fed one line at a time."""
-
-    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        full_env = {**os.environ, "EXOKV_HOME": str(home), **(env or {})}
-        full_env.pop("EXOKV_DEBUG", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--json"]
-            + ["--max-tokens", "8", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=full_env,
-        )
-        self.seen: dict[int, psutil.Process] = {}
-
-    def send(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write((line + "\n").encode())
-        self.proc.stdin.flush()
-        out = self.proc.stdout.readline()
-        assert out, self.finish()[1]
-        self.note_descendants()
-        return json.loads(out)
-
-    def note_descendants(self) -> None:
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            self.seen.setdefault(p.pid, p)
-
-    def rank(self, r: int) -> psutil.Process:
-        for p in self.seen.values():
-            if p.is_running() and p.environ().get("MLX_RANK") == str(r):
-                return p
-        raise AssertionError(f"no rank {r} among {list(self.seen)}")
-
-    def finish(self, timeout: float = 60) -> tuple[int, str]:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        finally:
-            self.proc.kill()
-        assert self.proc.stderr is not None
-        return self.proc.returncode, self.proc.stderr.read().decode()
-
-    def leftovers(self) -> list[int]:
-        """Processes this chat started that are still alive (there must be none)."""
-        deadline = time.monotonic() + 10
-        while True:
-            alive = [
-                pid
-                for pid, p in self.seen.items()
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            ]
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(0.1)
 
 
 def run_script(home: Path, lines: list[str], *args: str, **kw: Any) -> list[dict[str, Any]]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chat_helpers import home_with_models
-from test_cluster import Chat, run_script
+from chat_helpers import Chat, home_with_models
+from test_cluster import run_script
 from test_disk_tier_chat import switch_script
 
 from exokv.cache import journal

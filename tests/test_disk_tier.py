@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from exokv.cache import layers
+from exokv.cache import kinds
 from exokv.cache.disk import decode, encode
 from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
@@ -145,7 +145,7 @@ def test_kv_bits_stores_fewer_bytes_per_token(bits, tokenizer, tmp_path):  # noq
     results = play(quant, chats(2, 2))
     assert results[-1].cached_tokens > 0 and all(r.reply for r in results)
     assert any(type(c).__name__ == "QuantizedKVCache" for c in quant._new_cache())
-    assert layers.offset(quant._new_cache()) == 0
+    assert kinds.offset(quant._new_cache()) == 0
 
 
 def test_an_unreadable_persisted_tree_starts_cold_and_says_why(tokenizer, tmp_path):  # noqa: F811
@@ -237,7 +237,7 @@ def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path)
     ],
 )
 def test_the_disk_tier_is_on_unless_the_chat_keeps_nothing(given, budgets, no_cache, want):
-    from exokv.cache.tiers import disk_budget_text, shown_disk_budget
+    from exokv.cache.tier_options import disk_budget_text, shown_disk_budget
     from exokv.chat.run import ChatOptions
 
     opts = ChatOptions("builtin:tiny", disk_budget=given, cache_budget=budgets or None)

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from chat_helpers import home_with_models
-from test_cluster import Chat, run_script
+from chat_helpers import Chat, home_with_models
+from test_cluster import run_script
 
 LINES = ["Hello there", "Tell me about cats", "And dogs?"]
 LONG = ("--max-tokens", "300")  # a reply long enough to be killed in the middle of

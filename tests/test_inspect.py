@@ -14,7 +14,7 @@ import pytest
 from chat_helpers import cache_json, exokv_text
 from typer.testing import CliRunner
 
-from exokv import inspect as inspect_cmds
+from exokv import cache_cli
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import Store, caches_dir, db_path, register_chat
 
@@ -288,8 +288,8 @@ def test_clear_asks_on_a_terminal(
 ) -> None:
     populate(tmp_path)
     monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
-    monkeypatch.setattr(inspect_cmds, "_stdin_is_interactive", lambda: True)
-    result = CliRunner().invoke(inspect_cmds.cache_app, ["clear"], input=answer)
+    monkeypatch.setattr(cache_cli, "_stdin_is_interactive", lambda: True)
+    result = CliRunner().invoke(cache_cli.cache_app, ["clear"], input=answer)
     assert "Delete the cache statistics" in result.output
     assert (result.exit_code == 0) is cleared
     assert (cache_json(tmp_path, "stats")["runs"] == []) is cleared

@@ -14,13 +14,8 @@ import pytest
 import exokv
 from exokv.errors import ExokvError, UsageError
 from exokv.model import builtin, zoo
-from exokv.model.resolve import (
-    BUILTIN_NAMES,
-    list_models,
-    load_model,
-    model_id,
-    resolve_model,
-)
+from exokv.model.catalogue import list_models
+from exokv.model.resolve import BUILTIN_NAMES, load_model, model_id, resolve_model
 
 PROMPTS = (
     "Hello! How are you today?",

@@ -170,7 +170,8 @@ def test_a_rank_killed_on_the_other_host_is_replaced(
 ) -> None:
     """SIGKILL of the rank on the second host between turns: one line, the ranks are
     started again over ssh, and the next turn is warm with the uninterrupted reply."""
-    from test_cluster import Chat, run_script
+    from chat_helpers import Chat
+    from test_cluster import run_script
 
     reference = run_script(home_with_models(tmp_path / "ref", models_dir), SCRIPT)
     home = home_with_models(tmp_path / "h", models_dir)

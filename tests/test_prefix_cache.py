@@ -18,7 +18,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from exokv.cache.layers import KV
+from exokv.cache.kinds import KV
 from exokv.cache.prefix_cache import PrefixCache, cache_length
 
 ATOL = 1e-4

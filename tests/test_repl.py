@@ -8,25 +8,20 @@ input and a fake client, for the keys and the rendering details.
 
 from __future__ import annotations
 
-import fcntl
 import io
 import json
 import os
-import pty
 import re
-import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chat_helpers import home_with_models
+from chat_helpers import ANSI, Terminal, home_with_models
 from prompt_toolkit.application import create_app_session
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
@@ -39,9 +34,6 @@ from exokv.records import TurnRequest, TurnResult
 
 pytestmark = pytest.mark.timeout(120)
 
-ANSI = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]|\r"
-)
 STATUS = re.compile(
     r"([\d,]+) prompt · ([\d,]+) cached \((\d+)%\) · ([\d,]+) prefilled · ([\d,]+) generated"
     r"[^\n]*"
@@ -78,84 +70,6 @@ def script_chat(home: Path, lines: list[str], *args: str) -> list[dict[str, Any]
 
 
 # -- a terminal ----------------------------------------------------------------------------
-
-
-def _take_terminal() -> None:  # runs in the child, after setsid: the pty becomes its tty
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-
-class Terminal:
-    """A pseudo-terminal running one command; `expect` reads its screen output as text."""
-
-    def __init__(
-        self,
-        args: list[str],
-        env: dict[str, str],
-        rows: int = 50,
-        cols: int = 200,
-        stdout: Any = None,
-    ):
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-        self.proc = subprocess.Popen(
-            args,
-            stdin=slave,
-            stdout=slave if stdout is None else stdout,
-            stderr=slave,
-            env={**env, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"},
-            start_new_session=True,
-            preexec_fn=_take_terminal,
-            close_fds=True,
-        )
-        os.close(slave)
-        self.fd = master
-        self.raw = b""
-        self.pos = 0
-
-    def _read(self, timeout: float) -> bool:
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if not ready:
-            return True
-        try:
-            data = os.read(self.fd, 65536)
-        except OSError:  # the child closed the terminal
-            return False
-        self.raw += data
-        return bool(data)
-
-    @property
-    def text(self) -> str:
-        return ANSI.sub("", self.raw.decode("utf-8", "replace"))
-
-    def expect(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
-        """The next match of `pattern` after the previous one."""
-        rx = re.compile(pattern)
-        end = time.monotonic() + timeout
-        while True:
-            found = rx.search(self.text, self.pos)
-            if found:
-                self.pos = found.end()
-                return found
-            left = end - time.monotonic()
-            alive = self._read(min(max(left, 0), 0.05))
-            if left <= 0 or (not alive and self.proc.poll() is not None):
-                tail = self.text[self.pos :][-2000:]
-                raise AssertionError(f"no {pattern!r} on the terminal; it shows:\n{tail}")
-
-    def type(self, text: str) -> None:
-        os.write(self.fd, text.encode())
-
-    def close(self, timeout: float = 30.0) -> int:
-        end = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < end:
-            self._read(0.05)
-        while self._read(0.02) and select.select([self.fd], [], [], 0)[0]:
-            pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        code = self.proc.wait(timeout=5)
-        os.close(self.fd)
-        return code
 
 
 def chat_terminal(home: Path, *args: str) -> Terminal:

@@ -7,24 +7,20 @@ put the test's working folder on the front end's own import path) on builtin:tin
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import pty
 import re
-import select
 import signal
 import struct
 import subprocess
 import sys
-import termios
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from chat_helpers import home_with_models
+from chat_helpers import Chat, Terminal, home_with_models
 
 EXOKV = str(Path(sys.executable).with_name("exokv"))
 IDLE_WINDOW_S = 20.0
@@ -38,51 +34,17 @@ def exokv_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-class Chat:
-    """`exokv chat -n 2 --json` fed one line at a time; stdin stays open between lines."""
-
-    def __init__(self, home: Path, port: int, cwd: Path | None = None, **env: str) -> None:
-        # --restarts 0: a rank that dies ends the chat (tests/test_heal.py: it heals)
-        self.proc = subprocess.Popen(
-            [EXOKV, "chat", "-m", "builtin:tiny", "-n", "2", "--json", "--max-tokens", "6"]
-            + ["--starting-port", str(port), "--restarts", "0"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=exokv_env(home, **env),
-            cwd=cwd,
-        )
-
-    def send(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write((line + "\n").encode())
-        self.proc.stdin.flush()
-        out = self.proc.stdout.readline()
-        assert out, self.stderr()
-        return json.loads(out)
-
-    def tree(self) -> list[psutil.Process]:
-        front = psutil.Process(self.proc.pid)
-        return [front, *front.children(recursive=True)]
-
-    def rank(self, r: int) -> psutil.Process:
-        for p in self.tree():
-            try:
-                if p.environ().get("MLX_RANK") == str(r):
-                    return p
-            except psutil.Error:
-                continue
-        raise AssertionError(f"no rank {r}")
-
-    def stderr(self, timeout: float = 0) -> str:
-        """Its standard error, once it has ended (killed if still running after `timeout`)."""
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.proc.wait(10)
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read().decode()
+def two_ranks(home: Path, port: int, cwd: Path | None = None, **env: str) -> Chat:
+    """`exokv chat -n 2 --json` through the installed command, fed one line at a time."""
+    # --restarts 0: a rank that dies ends the chat (tests/test_heal.py: it heals)
+    return Chat(
+        home,
+        *("-n", "2", "--starting-port", str(port), "--restarts", "0"),
+        env=env,
+        cwd=cwd,
+        program=[EXOKV],
+        max_tokens=6,
+    )
 
 
 def _cpu(p: psutil.Process) -> float | None:
@@ -108,7 +70,7 @@ def test_ranks_ignore_the_working_folder_and_leave_no_temp_files(
     temp = tmp_path / "temp"
     temp.mkdir()
     home = home_with_models(tmp_path / "h", models_dir)
-    chat = Chat(home, 28100, cwd=work, TMPDIR=str(temp))
+    chat = two_ranks(home, 28100, cwd=work, TMPDIR=str(temp))
     assert chat.send("Hello there")["turn"] == 1
     assert chat.proc.stdin is not None
     chat.proc.stdin.close()
@@ -121,7 +83,7 @@ def test_ranks_ignore_the_working_folder_and_leave_no_temp_files(
 
 @pytest.mark.timeout(150)
 def test_an_idle_two_rank_chat_leaves_the_cores_alone(tmp_path: Path, models_dir: Path) -> None:
-    chat = Chat(home_with_models(tmp_path / "h", models_dir), 28110)
+    chat = two_ranks(home_with_models(tmp_path / "h", models_dir), 28110)
     try:
         assert chat.send("Hello there")["turn"] == 1
         time.sleep(2)  # the turn's own work is over
@@ -187,7 +149,7 @@ def test_a_rank_lost_while_idle_ends_a_script_chat(
     tmp_path: Path, models_dir: Path, how: str, port: int, says: str
 ) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
-    chat = Chat(home, port)
+    chat = two_ranks(home, port)
     assert chat.send("Hello there")["turn"] == 1
     assert chat.send("/new second")["ok"]
     assert chat.send("Why is the sky blue")["turn"] == 1
@@ -214,55 +176,18 @@ def test_a_rank_lost_while_idle_ends_a_script_chat(
         assert len([n for n in store.session_names() if n != "second"]) == 1
 
 
-class Terminal:
-    """The chat on a pseudo-terminal, so it runs the REPL."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        master, slave = pty.openpty()
-        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
-        self.proc = subprocess.Popen(
-            args,
-            stdin=slave,
-            stdout=slave,
-            stderr=slave,
-            env={**env, "TERM": "xterm-256color", "PROMPT_TOOLKIT_NO_CPR": "1"},
-            start_new_session=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
-        )
-        os.close(slave)
-        self.fd = master
-        self.raw = b""
-
-    def read_until(self, pattern: str, timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if re.search(pattern, self.text):
-                return True
-            ready, _, _ = select.select([self.fd], [], [], 0.1)
-            if ready:
-                try:
-                    self.raw += os.read(self.fd, 65536)
-                except OSError:
-                    return bool(re.search(pattern, self.text))
-        return False
-
-    @property
-    def text(self) -> str:
-        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.raw.decode("utf-8", "replace"))
-
-
 @pytest.mark.timeout(120)
 def test_the_repl_ends_when_a_rank_dies_at_the_prompt(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
     args = [EXOKV, "chat", "-m", "builtin:tiny", "-n", "2", "--max-tokens", "6", "--restarts", "0"]
     term = Terminal([*args, "--session", "s", "--starting-port", "28150"], exokv_env(home))
     try:
-        assert term.read_until(r"s › ", 90), term.text
+        term.expect(r"s › ", 90)
         os.write(term.fd, b"Hello there\r")
         deadline = time.monotonic() + 60
         while _stored_messages(home, "s") < 2:  # the turn is over once it is stored
             assert time.monotonic() < deadline, term.text
-            term.read_until("never", 0.2)
+            term.read(0.2)
         front = psutil.Process(term.proc.pid)
         rank1 = next(p for p in front.children(recursive=True) if _is_rank(p, 1))
         # SIGTERM, which the launcher also sends every rank once one has gone: the
@@ -270,7 +195,7 @@ def test_the_repl_ends_when_a_rank_dies_at_the_prompt(tmp_path: Path, models_dir
         rank1.send_signal(signal.SIGTERM)
         tic = time.monotonic()
         says = "rank 1 was terminated (SIGTERM)"
-        assert term.read_until(re.escape(says), DETECT_BOUND_S), term.text
+        term.expect(re.escape(says), DETECT_BOUND_S)
         try:
             os.write(term.fd, b"/quit\r")  # too late: the chat has ended with the error
         except OSError:

@@ -5,7 +5,7 @@ its path and its evictions, not the tree."""
 
 from __future__ import annotations
 
-from exokv.cache.tier import is_disk
+from exokv.cache.disk_tier import is_disk
 from exokv.rank.engine import Engine, EngineOptions
 from tests.test_cache_budget import chats, play, tokenizer  # noqa: F401
 from tests.test_cache_kinds import KINDS, model_for

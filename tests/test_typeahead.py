@@ -119,7 +119,7 @@ def _engine_driver(engine: Any) -> Driver:
     def draft(session: str, messages: list[dict[str, str]], text: str) -> None:
         if not text:
             return
-        while engine.speculate(session, messages, text) > 0:
+        while engine.typeahead_step(session, messages, text) > 0:
             engine.cache.tree.check()
             assert engine.cache.total_bytes <= engine.budget  # after every step too
 
@@ -160,7 +160,7 @@ def test_a_draft_over_the_budget_stops_and_the_budget_holds(tiny: Any) -> None:
 
     engine = Engine(*tiny, options=EngineOptions(budget=100 * 1024))
     steps = 0
-    while engine.speculate("a", [], LONG + " x") > 0:
+    while engine.typeahead_step("a", [], LONG + " x") > 0:
         steps += 1
         assert steps < 10, "a draft the budget cannot hold is stepped forever"
     assert engine.cache.total_bytes <= engine.budget
@@ -229,10 +229,10 @@ def test_through_two_ranks_with_identical_events(
 def test_the_draft_worker_frees_its_thread_state_before_close_returns() -> None:
     """close() returns once the worker has run `at_exit` in its own thread and ended:
     a thread that ran the model must free MLX's per-thread state before the process
-    exits (exokv.client.drafts)."""
+    exits (exokv.client.typeahead)."""
     import threading
 
-    from exokv.client.drafts import DraftRunner
+    from exokv.client.typeahead import DraftRunner
 
     stepped, freed = threading.Event(), []
     runner = DraftRunner(

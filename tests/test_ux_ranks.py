@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chat_helpers import home_with_models
-from test_repl import Terminal, exokv_env, prompt
+from chat_helpers import Terminal, home_with_models
+from test_repl import exokv_env, prompt
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,7 +14,8 @@ from zoo_helpers import FAMILIES, zoo_models
 
 from exokv.errors import ExokvError
 from exokv.model import pipeline, zoo
-from exokv.model.resolve import load_model, models_table
+from exokv.model.catalogue import models_table
+from exokv.model.resolve import load_model
 from exokv.rank.main import in_step
 
 # What each family is, from mlx-lm's own classes: cache kind, pipeline, tensor.

@@ -6,6 +6,7 @@
   the same code path on one loaded model.
 - ``runner``: interleaves the strategies turn by turn, repeats, checks that every
   strategy gives the same reply, measures the limit and takes medians.
+- ``targets``: grades a run against the issues' targets.
 - ``report``: the progress bar, the tables, the JSON document and the plot.
 """
 

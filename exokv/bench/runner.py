@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from exokv.bench import QUANTIZED, STRATEGIES, scenarios
+from exokv.bench import QUANTIZED, STRATEGIES, scenarios, targets
 from exokv.bench.strategies import (
     BUDGETED,
     Cold,
@@ -71,7 +71,7 @@ BUDGET_ACCOUNTING = {
     ),
     "exokv+disk": (
         "stored prefix bytes in RAM after each turn, as exokv; what leaves RAM is spilled to "
-        "a disk tier (exokv.cache.tier) and loaded back on a hit instead of prefilled"
+        "a disk tier (exokv.cache.disk_tier) and loaded back on a hit instead of prefilled"
     ),
 }
 
@@ -161,7 +161,7 @@ def run(
         "mismatches": mismatches,
         "scenarios": results,
     }
-    doc["targets"] = targets(doc)
+    doc["targets"] = targets.grade(doc)
     return doc
 
 
@@ -297,7 +297,7 @@ def _unquantized_kv(model: Any) -> dict[str, Any]:
     Every rank calls it alike (a pipeline forward is itself collective)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from exokv.cache import layers
+    from exokv.cache import kinds
 
     made: list[list[Any]] = []
 
@@ -307,11 +307,11 @@ def _unquantized_kv(model: Any) -> dict[str, Any]:
 
     def run(cache: list[Any]) -> None:
         model(mx.array([[0]]), cache=cache)
-        mx.eval([layers.arrays(c.state) for c in cache])
+        mx.eval([kinds.arrays(c.state) for c in cache])
 
-    rates = layers.measure_rates(make, run)
-    per_token = sum(rate for c, rate in rates.items() if c != layers.STATE)
-    found = [a.dtype for c in made[0] for a in layers.arrays(c.state)]
+    rates = kinds.measure_rates(make, run)
+    per_token = sum(rate for c, rate in rates.items() if c != kinds.STATE)
+    found = [a.dtype for c in made[0] for a in kinds.arrays(c.state)]
     dtype = found[0] if found else mx.float32
     return {
         "bytes_per_token": per_token,
@@ -483,169 +483,6 @@ def _against_working_set(summary: dict[str, Any], budget: int) -> None:
     summary["working_set"] = WORKING_SET
     summary["budget_bytes"] = budget
     summary["budget_fraction_of_working_set"] = [budget / ideal if ideal else 0.0]
-
-
-# -- the issue's targets --------------------------------------------------------------
-
-
-def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of the issue, measured: value, threshold, met, and the detail."""
-    scen = doc["scenarios"]
-    out: list[dict[str, Any]] = []
-
-    ratios = []
-    for name, s in scen.items():
-        for t in s["turns"]:
-            e = t["strategies"]["exokv"]
-            if e["cached_tokens"] > 0 and t["limit_ttft_s"] > 0:
-                ratios.append((e["ttft_s"] / t["limit_ttft_s"], name, t["turn"]))
-    if ratios:
-        worst = max(ratios)
-        over = [r for r in ratios if r[0] > 1.05]
-        out.append(
-            _target(
-                "ttft_vs_limit",
-                "every cached turn's TTFT within 5% of the limit",
-                worst[0],
-                1.05,
-                f"worst {worst[0]:.3f}x ({worst[1]} turn {worst[2]}); median "
-                f"{_median([r[0] for r in ratios]):.3f}x; {len(over)} of {len(ratios)} "
-                "cached turns over 1.05x",
-            )
-        )
-    if "linear" in scen:
-        lin = scen["linear"]
-        got = lin["strategies"]["exokv"]["cached_fraction"]
-        ideal = lin["limit"]["ideal_cached_fraction"]
-        limit = lin["limit"]["cached_fraction"]
-        out.append(
-            _target(
-                "linear_cached_fraction",
-                "cached fraction on linear within 0.02 of the limit (the whole earlier "
-                "conversation, replies included)",
-                ideal - got,
-                0.02,
-                f"exokv {got:.3f}, ideal {ideal:.3f}, reachable {limit:.3f} (a reply that "
-                f"retokenizes differently caps every prefix cache at the reachable one); "
-                f"gap to reachable {limit - got:.3f}",
-            )
-        )
-        cold = lin["strategies"]["cold"]["total_ttft_s"]
-        ex = lin["strategies"]["exokv"]["total_ttft_s"]
-        out.append(
-            _target(
-                "linear_vs_cold",
-                "exokv total TTFT <= 0.25 x cold on linear",
-                ex / cold if cold else 0.0,
-                0.25,
-                f"exokv {ex:.2f}s, cold {cold:.2f}s, limit {lin['limit']['total_ttft_s']:.2f}s "
-                f"({doc['turns']} turns to {lin['max_prompt_tokens']} tokens)",
-            )
-        )
-    for name, s in scen.items():
-        lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
-        ex = s["strategies"]["exokv"]["total_ttft_s"]
-        out.append(
-            _target(
-                f"{name}_vs_mlx_lm_lru",
-                f"exokv total TTFT <= 0.8 x mlx-lm-lru on {name}",
-                ex / lru if lru else 0.0,
-                0.8,
-                f"exokv {ex:.2f}s, mlx-lm-lru {lru:.2f}s, limit {s['limit']['total_ttft_s']:.2f}s; "
-                f"cached fraction exokv {s['strategies']['exokv']['cached_fraction']:.3f}, "
-                f"mlx-lm-lru {s['strategies']['mlx-lm-lru']['cached_fraction']:.3f}",
-            )
-        )
-    if "shared-prefix" in scen:
-        s = scen["shared-prefix"]
-        ideal = s["ideal_cache_bytes"][0]
-        got = s["strategies"]["exokv"]["peak_cache_bytes"][0]
-        lru = s["strategies"]["mlx-lm-lru"]["peak_cache_bytes"][0]
-        out.append(
-            _target(
-                "shared_prefix_bytes",
-                "shared-prefix: exokv peak cache bytes <= 1.3 x (shared prompt + distinct "
-                "suffixes)",
-                got / ideal if ideal else 0.0,
-                1.3,
-                f"exokv {_mb(got)}, ideal {_mb(ideal)} ({s['distinct_tokens']} distinct tokens), "
-                f"mlx-lm-lru {_mb(lru)} ({lru / ideal if ideal else 0:.2f}x)",
-            )
-        )
-    out += _disk_targets(doc)
-    worst_overhead = (0.0, "", 0)
-    for name, s in scen.items():
-        for t in s["turns"]:
-            e = t["strategies"]["exokv"]
-            if e["ttft_s"] > 0:
-                worst_overhead = max(
-                    worst_overhead, (e["overhead_s"] / e["ttft_s"], name, t["turn"])
-                )
-    out.append(
-        _target(
-            "overhead",
-            "cache overhead <= 5% of TTFT on every turn",
-            worst_overhead[0],
-            0.05,
-            f"worst {100 * worst_overhead[0]:.1f}% ({worst_overhead[1]} turn {worst_overhead[2]})",
-        )
-    )
-    return out
-
-
-def _disk_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 13's targets: exokv+disk against the limit under a budget, and after a restart."""
-    out = []
-    for name in ("switch", "shared-prefix"):
-        s = doc["scenarios"].get(name)
-        if s is None or doc.get("cache_budget") is None:
-            continue
-        limit = s["limit"]["total_ttft_s"]
-        disk = s["strategies"]["exokv+disk"]["total_ttft_s"]
-        lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
-        exo = s["strategies"]["exokv"]["total_ttft_s"]
-        out.append(
-            _target(
-                f"{name}_disk_vs_limit",
-                f"{name} under --cache-budget: exokv+disk total TTFT <= 1.3 x the limit",
-                disk / limit if limit else 0.0,
-                1.3,
-                f"exokv+disk {disk:.2f}s, limit {limit:.2f}s, exokv {exo:.2f}s "
-                f"({exo / limit if limit else 0:.2f}x), mlx-lm-lru {lru:.2f}s "
-                f"({lru / limit if limit else 0:.2f}x)",
-            )
-        )
-    s = doc["scenarios"].get("restart")
-    if s is not None and s.get("after_restart"):
-        a = s["after_restart"]
-        limit = a["limit_ttft_s"]
-        others = ", ".join(f"{k} {a[k]['ttft_s']:.2f}s" for k in STRATEGIES if k != "exokv+disk")
-        out.append(
-            _target(
-                "restart_disk_vs_limit",
-                "restart: exokv+disk TTFT of the continued turns <= 1.2 x the limit",
-                a["exokv+disk"]["ttft_s"] / limit if limit else 0.0,
-                1.2,
-                f"exokv+disk {a['exokv+disk']['ttft_s']:.2f}s "
-                f"({a['exokv+disk']['cached_tokens']} cached tokens), limit {limit:.2f}s; {others}",
-            )
-        )
-    return out
-
-
-def _target(name: str, text: str, value: float, threshold: float, detail: str) -> dict[str, Any]:
-    return {
-        "name": name,
-        "target": text,
-        "value": value,
-        "threshold": threshold,
-        "met": value <= threshold,
-        "detail": detail,
-    }
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"
 
 
 def _loadavg() -> list[float]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from exokv.cache.layers import KV, STATE, StorageClass
+from exokv.cache.disk_tier import DiskTier
+from exokv.cache.kinds import KV, STATE, StorageClass
 from exokv.cache.memory import MemorySample
 from exokv.cache.policy import Entry, Eviction, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node, RadixTree
-from exokv.cache.tier import DiskTier
 from exokv.collectives import Group
 from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats

@@ -2,9 +2,10 @@
 
 A file is `<id>.kv`: a header (magic, CRC-32 and length of the body) and a body in
 safetensors (the node's arrays, and in its metadata how they nest). It is written
-to a temporary name, fsynced and renamed, so a file is whole or absent; the CRC
-catches the rest (a flipped byte, a truncated copy). A file that fails any check
-reads as None: the caller treats it as a miss.
+to a temporary name, synced and renamed (exokv.cache.durable), so a file is whole or
+absent, through a power cut too; the CRC catches the rest (a flipped byte, a
+truncated copy). A file that fails any check reads as None: the caller treats it as
+a miss.
 
 Writes leave the turn's critical path: `write` queues the arrays (they stay
 referenced until written) and returns; a read of a node still queued is served
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+
+from exokv.cache import durable
 
 MAGIC = b"EXKV"
 _HEADER = struct.Struct("<4sIQ")  # magic, crc32 of the body, body length
@@ -211,8 +214,8 @@ class DiskStore:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+                durable.sync_file(f.fileno())
+            durable.replace(tmp, final)
         except Exception as err:  # noqa: BLE001 - the writer thread must never die
             self.failed = str(err) or type(err).__name__
             self.lost.add(node_id)

@@ -11,10 +11,10 @@ journal grows past the snapshot, the two are compacted into a new snapshot.
 
 A record is its body's length and CRC-32, then the body (JSON). It is appended by
 the disk's writer thread after the files queued before it (exokv.cache.disk), and
-fsynced: a record never names a file that is not written. A crash can tear the
-last record; reading stops at the first record that does not check out, so a new
-chat starts from the last whole one (exokv.cache.persist), and a file that no
-record covers any more is removed.
+synced (exokv.cache.durable): a record never names a file that is not written. A
+crash can tear the last record; reading stops at the first record that does not
+check out, so a new chat starts from the last whole one (exokv.cache.persist), and
+a file that no record covers any more is removed.
 
 Records are numbered (`seq`), the snapshot says up to which record it holds, and
 every rank writes the same records and compacts at the same ones (both follow from
@@ -24,13 +24,13 @@ the tree, the same on every rank), so the ranks can agree on where to stop.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from exokv.cache import durable
 from exokv.cache.radix import Node
 
 VERSION = 2  # of the snapshot: 2, a file says where it ends (version 1 files are not read)
@@ -225,13 +225,14 @@ class Journal:
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.root / TREE_FILE)
+            durable.sync_file(f.fileno())
+        durable.replace(tmp, self.root / TREE_FILE)
         with open(self.root / JOURNAL_FILE, "wb") as f:
-            os.fsync(f.fileno())
+            durable.sync_file(f.fileno())
+        durable.sync_dir(self.root)  # the journal may be new
 
     def _append(self, data: bytes) -> None:
         with open(self.root / JOURNAL_FILE, "ab") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            durable.sync_file(f.fileno())

@@ -1,6 +1,6 @@
 """Binds radix-tree nodes to mlx-lm cache objects: fetch a prefix, insert a turn, evict.
 
-One tree for every kind of layer (see exokv.cache.layers). Each node owns, for its
+One tree for every kind of layer (see exokv.cache.kinds). Each node owns, for its
 edge's tokens: the K/V slices of every full-attention layer; the slices of every
 sliding-window layer at the positions a fetch ending at this node or below it can
 still need (the `keep` first tokens and the last window before the node's end);
@@ -17,11 +17,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from exokv.cache import layers, spans
-from exokv.cache.layers import KV, STATE, StorageClass
+from exokv.cache import kinds, spans
+from exokv.cache.kinds import KV, STATE, StorageClass
 from exokv.cache.radix import Node, RadixTree
 
-SEQ_AXIS = layers.SEQ_AXIS
+SEQ_AXIS = kinds.SEQ_AXIS
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Payload:
     state: bool = False
     states: list[Any] = field(default_factory=list)  # per state leaf, when `state`
     nbytes: int = 0
-    tier: str = "ram"  # "disk": the arrays are in this rank's disk tier (exokv.cache.tier)
+    tier: str = "ram"  # "disk": the arrays are in this rank's disk tier (exokv.cache.disk_tier)
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Hit:
 
 
 def cache_length(cache: Sequence[Any]) -> int:
-    return layers.offset(cache)
+    return kinds.offset(cache)
 
 
 class PrefixCache:
@@ -69,7 +69,7 @@ class PrefixCache:
         """`classes`: the storage classes of every rank (this rank's are added), so the
         tree counts what ranks with other layers hold too."""
         self._make_cache = make_cache
-        self.leaves = layers.leaves(make_cache())
+        self.leaves = kinds.leaves(make_cache())
         self.classes: list[StorageClass] = sorted(set(classes) | {leaf.cls for leaf in self.leaves})
         self.kv_leaves = [leaf for leaf in self.leaves if leaf.cls == KV]
         self.window_leaves = [leaf for leaf in self.leaves if leaf.cls[0] == "window"]
@@ -80,7 +80,7 @@ class PrefixCache:
         self.tree = RadixTree(size_of=_payload_size, resident=_in_ram)
         self.totals: dict[StorageClass, int] = dict.fromkeys(self.classes, 0)
         self._bytes = 0
-        self.tier: Any = None  # exokv.cache.tier.DiskTier, when there is a disk tier
+        self.tier: Any = None  # exokv.cache.disk_tier.DiskTier, when there is a disk tier
 
     def new_cache(self) -> list[Any]:
         return self._make_cache()
@@ -183,12 +183,12 @@ class PrefixCache:
         if not hit.lent:
             return
         for i, leaf in enumerate(self.kv_leaves):
-            c = layers.get(hit.cache, leaf)
+            c = kinds.get(hit.cache, leaf)
             for part, attr in enumerate(("keys", "values")):
                 buffer = getattr(c, attr)
                 for node in hit.lent:
                     kv = list(node.payload.kv[i])
-                    kv[part] = layers.take(buffer, node.start, node.depth)
+                    kv[part] = kinds.take(buffer, node.start, node.depth)
                     node.payload.kv[i] = tuple(kv)
                 mx.eval([n.payload.kv[i][part] for n in hit.lent])
                 setattr(c, attr, None)
@@ -199,17 +199,17 @@ class PrefixCache:
         if length == 0:
             return cache
         for i, leaf in enumerate(self.kv_leaves):
-            c = layers.get(cache, leaf)
+            c = kinds.get(cache, leaf)
             capacity = -(-max(expect, length) // c.step) * c.step if expect else length
             for part, attr in enumerate(("keys", "values")):
                 pieces = []
                 for node in used:
                     kv = node.payload.kv[i][part]
                     end = min(node.depth, length) - node.start
-                    pieces.append(kv if end == len(node.key) else layers.take(kv, 0, end))
+                    pieces.append(kv if end == len(node.key) else kinds.take(kv, 0, end))
                 if capacity > length:
-                    pieces.append(layers.zeros_like(pieces[0], capacity - length))
-                setattr(c, attr, layers.concat(pieces))
+                    pieces.append(kinds.zeros_like(pieces[0], capacity - length))
+                setattr(c, attr, kinds.concat(pieces))
                 del pieces
                 mx.eval(getattr(c, attr))
                 for node in lent:  # one layer's keys or values at a time: held once
@@ -225,13 +225,13 @@ class PrefixCache:
                     for (x, y), kv in zip(p.spans[leaf.cls], p.windows[i], strict=True):
                         lo, hi = max(a, x), min(b, y)
                         if lo < hi:
-                            parts.append((lo, layers.window_slice(kv, [(x, y)], lo, hi)))
+                            parts.append((lo, kinds.window_slice(kv, [(x, y)], lo, hi)))
             parts.sort(key=lambda part: part[0])
-            layers.build_window(layers.get(cache, leaf), [kv for _, kv in parts], length)
+            kinds.build_window(kinds.get(cache, leaf), [kv for _, kv in parts], length)
         end = next((n for n in used if n.depth == length), None)
         for i, leaf in enumerate(self.state_leaves):
-            layers.put(cache, leaf, layers.snapshot(end.payload.states[i]))
-        mx.eval([layers.arrays(c.state) for c in cache])
+            kinds.put(cache, leaf, kinds.snapshot(end.payload.states[i]))
+        mx.eval([kinds.arrays(c.state) for c in cache])
         return cache
 
     # -- insert -----------------------------------------------------------------
@@ -273,8 +273,8 @@ class PrefixCache:
         cut = payload.start + k
         head, tail = Payload(start=payload.start), Payload(start=cut)
         for kv in payload.kv:
-            head.kv.append(layers.take(kv, 0, k))
-            tail.kv.append(layers.take(kv, k, None))
+            head.kv.append(kinds.take(kv, 0, k))
+            tail.kv.append(kinds.take(kv, k, None))
         for c, held in payload.spans.items():
             head.spans[c] = spans.clip(held, payload.start, cut)
             tail.spans[c] = spans.clip(held, cut, payload.start + 10**12)
@@ -310,7 +310,7 @@ class PrefixCache:
         node.payload = None
         return freed
 
-    # -- the disk tier (exokv.cache.tier) moves payloads between RAM and disk ------------
+    # -- the disk tier (exokv.cache.disk_tier) moves payloads between RAM and disk ------------
 
     def detach(self, node: Node) -> None:
         """`node`'s arrays leave RAM (the tier has them); its record stays in the tree."""
@@ -351,13 +351,13 @@ class _Live:
 
     def __init__(self, pc: PrefixCache, cache: list[Any], length: int) -> None:
         self.pc, self.cache, self.length = pc, cache, length
-        self.windows = [layers.window_positions(layers.get(cache, w)) for w in pc.window_leaves]
+        self.windows = [kinds.window_positions(kinds.get(cache, w)) for w in pc.window_leaves]
 
     def payload(self, start: int, end: int) -> Payload:
         p = Payload(start=start)
         p.kv = [
-            layers.take((c.keys, c.values), start, end)
-            for c in (layers.get(self.cache, leaf) for leaf in self.pc.kv_leaves)
+            kinds.take((c.keys, c.values), start, end)
+            for c in (kinds.get(self.cache, leaf) for leaf in self.pc.kv_leaves)
         ]
         p.spans = {c: [] for c in self.pc.window_classes}
         p.windows = [[] for _ in self.pc.window_leaves]
@@ -380,17 +380,17 @@ class _Live:
                 if leaf.cls == c:
                     kv, held = self.windows[i]
                     pairs = list(zip(p.spans[c], p.windows[i], strict=True))
-                    pairs += [((x, y), layers.window_slice(kv, held, x, y)) for x, y in new]
+                    pairs += [((x, y), kinds.window_slice(kv, held, x, y)) for x, y in new]
                     p.windows[i] = [w for _, w in sorted(pairs, key=lambda pair: pair[0])]
             p.spans[c] = sorted([*p.spans[c], *new])
             changed = True
         changed |= _drop(self.pc, node)
         if end and STATE in self.pc.classes and not p.state:
             p.state = True
-            p.states = [layers.snapshot(layers.get(self.cache, s)) for s in self.pc.state_leaves]
+            p.states = [kinds.snapshot(kinds.get(self.cache, s)) for s in self.pc.state_leaves]
             changed = True
         if changed:
-            mx.eval(p.windows, [layers.arrays(s.state) for s in p.states])
+            mx.eval(p.windows, [kinds.arrays(s.state) for s in p.states])
             p.nbytes = _payload_bytes(p)
         return changed
 
@@ -420,7 +420,7 @@ def _slices(arrays: list[Any], held: list[spans.Span], want: list[spans.Span]) -
     for a, b in want:
         for (x, y), kv in zip(held, arrays, strict=True):
             if x <= a and b <= y:
-                out.append(kv if (a, b) == (x, y) else layers.window_slice(kv, [(x, y)], a, b))
+                out.append(kv if (a, b) == (x, y) else kinds.window_slice(kv, [(x, y)], a, b))
                 break
         else:
             raise ValueError(f"positions {a}-{b} are not held")
@@ -428,7 +428,7 @@ def _slices(arrays: list[Any], held: list[spans.Span], want: list[spans.Span]) -
 
 
 def _payload_bytes(p: Payload) -> int:
-    return layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
+    return kinds.nbytes([p.kv, p.windows, [kinds.arrays(s.state) for s in p.states]])
 
 
 def _payload_size(p: Payload | None) -> int:

@@ -234,7 +234,7 @@ def banner_info(chat: ChatController, client: Client, opts: Any) -> BannerInfo:
 
 
 def _disk_budget(opts: Any) -> int | None:
-    from exokv.cache.tiers import shown_disk_budget
+    from exokv.cache.tier_options import shown_disk_budget
 
     try:
         return shown_disk_budget(opts)

@@ -33,7 +33,7 @@ class ChatOptions:
     max_kv_size: int | None = None
     no_cache: bool = False
     no_typeahead: bool = False  # the REPL sends no draft to the ranks (exokv.chat.typeahead)
-    disk_budget: str | None = None  # the disk tier (exokv.cache.tier); see exokv.cache.tiers
+    disk_budget: str | None = None  # the disk tier; see exokv.cache.tier_options
     kv_bits: int | None = None
     kv_group_size: int = 64
     session: str | None = None
@@ -89,7 +89,7 @@ def validate(opts: ChatOptions) -> None:
                 f"-n {opts.ranks}: this machine has memory to start about {room} ranks "
                 f"({RANK_MEMORY_FLOOR // 2**20} MB each at least)"
             )
-    from exokv.cache.tiers import validate_tier_options
+    from exokv.cache.tier_options import validate_tier_options
 
     validate_tier_options(opts.disk_budget, opts.kv_bits, opts.kv_group_size)
 

@@ -97,7 +97,7 @@ def make_client(opts: Any, progress: Callable[[str], None] | None = None) -> Cli
 
     budgets = parse_budgets(opts.cache_budget, opts.rank_count())
     if opts.rank_count() == 1 and not opts.hostfile:
-        from exokv.cache.tiers import tier_options
+        from exokv.cache.tier_options import tier_options
         from exokv.client.local import LocalClient
         from exokv.rank.engine import EngineOptions
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from exokv.cache.tiers import disk_budget_text
+from exokv.cache.tier_options import disk_budget_text
 from exokv.client import Client
 from exokv.config import parse_budgets
 from exokv.errors import ExokvError, PromptTooLong, UsageError
@@ -432,7 +432,7 @@ class ClusterClient(Client):
             args += ["--budgets", ",".join(map(str, budgets))]
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
-        # The disk tier (exokv.cache.tiers): the ranks get what this chat decided.
+        # The disk tier (exokv.cache.tier_options): the ranks get what this chat decided.
         args += ["--disk-budget", disk_budget_text(opts) or "0"]
         if getattr(opts, "kv_bits", None) is not None:
             args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]

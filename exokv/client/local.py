@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 
 from exokv.client import Client
-from exokv.client.drafts import DraftRunner
+from exokv.client.typeahead import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.kvsave import CacheFileReport
@@ -15,7 +15,7 @@ from exokv.records import RowOutcome, TurnRequest, TurnResult
 
 def forget_thread() -> None:
     """Free what MLX keeps for the calling thread (its streams and compile cache): a
-    thread that ran the model calls this before it ends (exokv.client.drafts)."""
+    thread that ran the model calls this before it ends (exokv.client.typeahead)."""
     import mlx.core as mx
 
     clear = getattr(mx, "clear_streams", None)  # mlx 0.32 and later
@@ -32,7 +32,7 @@ class LocalClient(Client):
         self.ranks = 1
         self._stop = threading.Event()
         self._engine_lock = threading.Lock()  # drafts run in a thread of their own
-        self._drafts = DraftRunner(self.engine.speculate, self._engine_lock, forget_thread)
+        self._drafts = DraftRunner(self.engine.typeahead_step, self._engine_lock, forget_thread)
 
     def turn(
         self,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from exokv.errors import ExokvError
+from exokv.errors import ExokvError, one_line
 
 GGUF_MAGIC = b"GGUF"
 GROUP_SIZE = 32
@@ -56,7 +56,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         reader = GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise ExokvError(f"{path} is not a readable GGUF file: {_one_line(e)}") from e
+        raise ExokvError(f"{path} is not a readable GGUF file: {one_line(e, named=False)}") from e
     metadata = {key: field.contents() for key, field in reader.fields.items()}
     kinds = {t.name: t.tensor_type for t in reader.tensors}
     unsupported = sorted({k.name for k in kinds.values() if _bits_for(k.name) is None})
@@ -74,7 +74,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             with _gguf_named(path) as named:
                 loaded = mx.load(str(named))
         except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
-            raise ExokvError(f"cannot read the GGUF file {path}: {_one_line(e)}") from e
+            raise ExokvError(f"cannot read the GGUF file {path}: {one_line(e, named=False)}") from e
     tensors: dict[str, Any] = {}
     for tensor in reader.tensors:
         name, kind = tensor.name, tensor.tensor_type.name
@@ -126,10 +126,6 @@ def _bits_for(kind: str) -> int | None:
     return NATIVE_TYPES.get(kind) or REQUANTIZED.get(kind)
 
 
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
 # --- a quick look at a file ---------------------------------------------------------------
 
 # GGUF metadata value types: fixed sizes (struct formats); 8 is a string, 9 an array.
@@ -158,7 +154,7 @@ def gguf_header(path: Path, wanted: tuple[str, ...]) -> dict[str, Any]:
     try:
         return _read_header(path, wanted)
     except (struct.error, UnicodeDecodeError, ValueError, MemoryError, OverflowError) as e:
-        raise ExokvError(f"{path} is not a readable GGUF file: {_one_line(e)}") from e
+        raise ExokvError(f"{path} is not a readable GGUF file: {one_line(e, named=False)}") from e
 
 
 def _read_header(path: Path, wanted: tuple[str, ...]) -> dict[str, Any]:

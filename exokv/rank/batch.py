@@ -363,9 +363,9 @@ class _Batch:
         cache = row.cache if row.cache is not None else []
         ran = len(row.tokens) + len(row.generated)
         if row.stopped_in_prefill:
-            from exokv.cache import layers
+            from exokv.cache import kinds
 
-            ran = layers.offset(cache) or row.hit.length
+            ran = kinds.offset(cache) or row.hit.length
         full = row.tokens + row.generated
         if ran > 0 and cache:
             added, changed = engine.cache.insert(full, cache, row.request.session, length=ran)

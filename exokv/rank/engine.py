@@ -19,7 +19,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.cache import layers, memory
+from exokv.cache import kinds, memory
 from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
@@ -53,7 +53,7 @@ class EngineOptions:
     max_kv_size: int | None = None
     seed: int | None = None
     ranks_here: int = 1  # ranks sharing this machine: the default budget is a share of its RAM
-    # The disk tier (exokv.cache.tier): this rank's directory and byte budget; off without both.
+    # The disk tier (exokv.cache.disk_tier): this rank's directory and budget; off without both.
     disk_dir: str | None = None
     disk_budget: int | None = None
     kv_bits: int | None = None  # quantized KV cache (mlx-lm's QuantizedKVCache): 4 or 8
@@ -82,18 +82,18 @@ class Engine:
             mx.random.seed(self.options.seed)
         # Run on every rank alike (a pipeline forward is itself collective).
         try:
-            rates = layers.measure_rates(self._new_cache, self._run_one_token)
+            rates = kinds.measure_rates(self._new_cache, self._run_one_token)
         except ValueError as err:
             if not self.options.kv_bits:
                 raise
-            from exokv.cache.tiers import kv_group_misfit
+            from exokv.cache.tier_options import kv_group_misfit
             from exokv.errors import UsageError
 
             o = self.options
             raise UsageError(kv_group_misfit(model, o.kv_bits, o.kv_group_size, str(err))) from None
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
-        self.bytes_per_token = sum(r for c, r in rates.items() if c != layers.STATE)
+        self.bytes_per_token = sum(r for c, r in rates.items() if c != kinds.STATE)
         ram = memory.sample(self.group.rank).ram_total // max(self.options.ranks_here, 1)
         model_bytes = sum(v.nbytes for _, v in _flat_params(model))
         self.budget = (
@@ -104,7 +104,7 @@ class Engine:
         self.coord = Coordinator(
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
-        self.draft_events: list[CacheEvent] = []  # speculative steps', reported by the next turn
+        self.draft_events: list[CacheEvent] = []  # typeahead steps', reported by the next turn
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
@@ -114,7 +114,7 @@ class Engine:
         from pathlib import Path
 
         from exokv.cache.disk import DiskStore
-        from exokv.cache.tier import DiskTier
+        from exokv.cache.disk_tier import DiskTier
         from exokv.state.locks import LockHeld
 
         store, why = None, ""
@@ -229,7 +229,7 @@ class Engine:
                     overhead += time.perf_counter() - tic
             if stopped:
                 # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
-                ran = layers.offset(hit.cache) or ran
+                ran = kinds.offset(hit.cache) or ran
                 generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
             else:
                 generated, reply, finish, ttft, tps = self._decode(
@@ -272,8 +272,8 @@ class Engine:
             typed_ahead_tokens=typed_ahead,
         )
 
-    def speculate(self, session: str, messages: Sequence[dict[str, str]], draft: str) -> int:
-        """One step of prefill ahead of Enter (exokv.rank.typeahead): at most SPEC_CHUNK
+    def typeahead_step(self, session: str, messages: Sequence[dict[str, str]], draft: str) -> int:
+        """One step of prefill ahead of Enter (exokv.rank.typeahead): at most STEP_TOKENS
         more tokens of the conversation with the draft's stable part, stored in the tree
         as draft entries. Every rank runs the same steps; a step's one collective is its
         plan's gather, and after it every rank is within its budget, as after a turn.
@@ -288,9 +288,9 @@ class Engine:
         self.decision += 1
         events: list[CacheEvent] = []
         drafted = typeahead.draft_ids(self.cache.tree, tokens)
-        expect = min(len(tokens), meets + typeahead.SPEC_CHUNK)
+        expect = min(len(tokens), meets + typeahead.STEP_TOKENS)
         hit = self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
-        stop = min(len(tokens), hit.length + typeahead.SPEC_CHUNK)
+        stop = min(len(tokens), hit.length + typeahead.STEP_TOKENS)
         try:
             copied = 0 if hit.lent else hit.length
             room = -(-stop // KVCache.step) * KVCache.step - stop
@@ -418,7 +418,7 @@ class Engine:
 
     def _run_one_token(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)
-        mx.eval([layers.arrays(c.state) for c in cache])
+        mx.eval([kinds.arrays(c.state) for c in cache])
 
     # -- reporting --------------------------------------------------------------
 

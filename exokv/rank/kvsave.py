@@ -1,6 +1,6 @@
 """/save and resuming a session: the disk tier's own mechanism, seen from one rank.
 
-There is one way exokv keeps KV on disk: the disk tier (`exokv.cache.tier`). `/save`
+There is one way exokv keeps KV on disk: the disk tier (`exokv.cache.disk_tier`). `/save`
 (and quitting) writes the conversation's path in the prefix cache to every rank's
 tier — the nodes stay in RAM, the chat goes on as before — and persists the tree, so
 a new chat on the same model and rank layout, even after this one was killed, starts

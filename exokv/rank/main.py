@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default=None, help="bytes per rank, comma separated")
     p.add_argument("--memory-threshold", type=float, default=0.9)
     p.add_argument("--max-kv-size", type=int, default=None)
-    p.add_argument("--disk-budget", default=None)  # the disk tier (exokv.cache.tiers)
+    p.add_argument("--disk-budget", default=None)  # the disk tier (exokv.cache.tier_options)
     p.add_argument("--kv-bits", type=int, default=None)
     p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--seed", type=int, required=True)
@@ -319,7 +319,7 @@ class Rank:
             threading.Thread(target=self._heartbeat, daemon=True).start()
             threading.Thread(target=self._read_channel, daemon=True).start()
             self.link.send({"type": "status", "message": "loading the model"})
-        from exokv.cache.tiers import tier_options
+        from exokv.cache.tier_options import tier_options
         from exokv.rank.engine import Engine, EngineOptions, PromptTooLong
 
         args = self.args
@@ -374,7 +374,9 @@ class Rank:
                 engine.remember_replies([(r, t) for r, t in message["pairs"]])
                 continue
             if kind == "draft":  # a step of prefill ahead of Enter (exokv.rank.typeahead)
-                left = engine.speculate(message["session"], message["messages"], message["draft"])
+                left = engine.typeahead_step(
+                    message["session"], message["messages"], message["draft"]
+                )
                 if self.rank == 0:
                     self.drafts.stepped(left)
                 if self.log_path is not None:

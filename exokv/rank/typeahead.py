@@ -3,7 +3,7 @@
 A draft is the line the user has not sent yet. Its *stable* part is what the turn will
 still begin with whatever the user types next: the text without its last, perhaps
 partial, word, and the conversation's tokens without what the chat template appends
-after the user's text. `Engine.speculate` prefills that part a chunk at a time into the
+after the user's text. `Engine.typeahead_step` prefills that part a chunk at a time into the
 prefix tree as ordinary entries; the turn then finds it as a hit. Nothing here decides
 a reply: the tree is keyed by exact tokens, so a draft edited in the middle, deleted or
 abandoned only leaves entries no turn matches.
@@ -23,7 +23,7 @@ from typing import Any
 
 from exokv.cache.radix import Node, RadixTree
 
-SPEC_CHUNK = 256  # tokens per speculative step: what Enter may wait for, at most
+STEP_TOKENS = 256  # tokens per typeahead step: what Enter may wait for, at most
 PROBE = " x"  # stands for whatever the user types next, to find where the draft's tokens end
 _LAST_WORD = re.compile(r"\s*\S*\Z")
 
@@ -88,7 +88,7 @@ def put_draft_first(
     added: Sequence[Node],
     changed: Sequence[Node],
 ) -> None:
-    """After a speculative insert, put the draft's own entries on `path` first again:
+    """After a typeahead insert, put the draft's own entries on `path` first again:
     those past the history that were draft entries (`drafted`, read before the step)
     or are new, but not the upper part of an ordinary entry the insert cut."""
     new = {n.id for n in added}

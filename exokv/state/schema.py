@@ -167,7 +167,7 @@ def _v4_session_options(db: sqlite3.Connection) -> None:
 
 
 def _v5_disk_tier(db: sqlite3.Connection) -> None:
-    # The disk tier (exokv.cache.tier): where each entry is, and each rank's disk bytes.
+    # The disk tier (exokv.cache.disk_tier): where each entry is, and each rank's disk bytes.
     _script(
         db,
         """

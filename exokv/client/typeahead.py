@@ -1,7 +1,7 @@
 """The local engine's typed-ahead drafts: run in a thread of their own, a step at a time.
 
 Typing never waits for the model: `submit` hands the newest draft over and returns. The
-worker runs one speculative step at a time under the engine's lock, so a turn (which
+worker runs one typeahead step at a time under the engine's lock, so a turn (which
 takes the lock after `cancel`) waits at most for the step in flight, and uses it.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-Step = Callable[[str, list[dict[str, str]], str], int]  # Engine.speculate
+Step = Callable[[str, list[dict[str, str]], str], int]  # Engine.typeahead_step
 
 
 class DraftRunner:

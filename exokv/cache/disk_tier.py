@@ -37,10 +37,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from exokv.cache import layers, spans
+from exokv.cache import kinds, spans
 from exokv.cache.disk import DiskStore
 from exokv.cache.journal import Journal
-from exokv.cache.layers import StorageClass
+from exokv.cache.kinds import StorageClass
 from exokv.cache.prefix_cache import Payload, PrefixCache, _slices
 from exokv.cache.radix import Node, common_prefix
 from exokv.collectives import Group
@@ -350,7 +350,7 @@ class DiskTier:
                 return None
             length = len(node.key)
             p.kv = [
-                kv if skip == 0 and _seq_len(kv) == length else layers.take(kv, skip, skip + length)
+                kv if skip == 0 and _seq_len(kv) == length else kinds.take(kv, skip, skip + length)
                 for kv in obj["kv"]
             ]
             if any(_seq_len(kv) != length for kv in p.kv):
@@ -365,7 +365,7 @@ class DiskTier:
             if record.state:
                 fresh = self.cache.new_cache()
                 for leaf, (state, meta) in zip(self.cache.state_leaves, obj["states"], strict=True):
-                    c = layers.get(fresh, leaf)
+                    c = kinds.get(fresh, leaf)
                     c.state = state
                     if meta:
                         c.meta_state = meta
@@ -373,7 +373,7 @@ class DiskTier:
             if len(p.kv) != len(self.cache.kv_leaves):
                 return None
             mx.eval(p.kv, p.windows)  # owned arrays: a later spill writes them from a thread
-            p.nbytes = layers.nbytes([p.kv, p.windows, [layers.arrays(s.state) for s in p.states]])
+            p.nbytes = kinds.nbytes([p.kv, p.windows, [kinds.arrays(s.state) for s in p.states]])
             return p
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             return None
@@ -483,7 +483,7 @@ def _seq_len(kv: Any) -> int:
     first = kv
     while isinstance(first, tuple | list):
         first = first[0]
-    return int(first.shape[layers.SEQ_AXIS])
+    return int(first.shape[kinds.SEQ_AXIS])
 
 
 def _tail(p: Payload, k: int) -> Payload:
