@@ -21,8 +21,7 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.client import Client
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import CacheEvent, TurnResult
+from exokv.records import CacheEvent, CacheFileReport, TurnResult
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
 from exokv.tables import size as format_size

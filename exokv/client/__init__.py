@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 
 class Client(Protocol):

@@ -9,8 +9,7 @@ from exokv.client import Client
 from exokv.client.drafts import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 
 def forget_thread() -> None:
