@@ -18,6 +18,10 @@ class Client(Protocol):
     """Runs turns on one rank or on a cluster."""
 
     ranks: int
+    # Why the ranks are gone for good, once they are: the chat cannot go on (a front end
+    # ends then). None while they run, and always for a client that heals its ranks or
+    # runs the model in this process.
+    failure: str | None
 
     def turn(
         self,

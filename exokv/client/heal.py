@@ -36,6 +36,8 @@ BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one
 
 
 class HealingClient:
+    failure: str | None = None  # never set: the next request heals what failed
+
     def __init__(
         self,
         start: Callable[[], ClusterClient],

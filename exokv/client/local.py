@@ -23,6 +23,8 @@ def forget_thread() -> None:
 
 
 class LocalClient(Client):
+    failure: str | None = None  # no ranks to lose: an error here is the turn's alone
+
     def __init__(self, model_name: str, options: EngineOptions) -> None:
         from exokv.model.resolve import load_model
 
