@@ -311,7 +311,9 @@ def in_step(group: Group, message: Message | None, step: int, turn: int) -> Mess
     try:
         return messages.decode(got)
     except messages.MessageError as err:
-        raise ExokvError(f"rank {group.rank} got no message from rank 0 at {step}: {err}") from None
+        raise ExokvError(
+            f"rank {group.rank}: message {step} from rank 0 is no message: {err}"
+        ) from None
 
 
 class Rank:
