@@ -13,6 +13,7 @@ receives it handles it (the rank: a handler in `Rank`'s table; the front end: th
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
 
@@ -384,8 +385,8 @@ def decode(data: Any) -> Message:
 def _allowed(annotation: str) -> tuple[type, ...]:
     """The types an annotation such as "int | None" or "list[int]" allows; () for any."""
     kinds: tuple[type, ...] = ()
-    for part in annotation.split(" | "):
-        name = part.split("[", 1)[0].strip()
+    for part in re.sub(r"\[.*?\]+", "", annotation).split("|"):  # the outer types alone
+        name = part.strip()
         if name not in _KINDS:
             return ()
         kinds += _KINDS[name]
