@@ -159,3 +159,36 @@ class RowOutcome:
     tokens: int = 0  # the refused prompt's tokens
     context: int = 0  # and the model's context
     batch: int = 1  # rows decoded together with it (1: it ran alone)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RowOutcome:
+        outcome = _from_dict(cls, data)
+        result = data.get("result")
+        outcome.result = TurnResult.from_dict(result) if result is not None else None
+        return outcome
+
+
+@dataclass
+class CacheFileReport:
+    """What one /save or resume did on the disk tier (exokv.rank.kvsave); ``bytes`` and
+    ``paths`` are per rank."""
+
+    session: str
+    tokens: int = 0  # tokens of the conversation on disk (saved, or found at resume)
+    bytes: list[int] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # each rank's disk tier directory
+    seconds: float = 0.0
+    warning: str | None = None  # a problem: the cache was not (fully) saved
+    skipped: str | None = None  # nothing to do, not a problem (no tier, nothing cached)
+    events: list[dict[str, Any]] = field(default_factory=list)  # CacheEvent dicts (drops)
+    on_disk: bool = False  # at resume: all of `tokens` is on disk (else some is in RAM)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CacheFileReport:
+        return _from_dict(cls, data)

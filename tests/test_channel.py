@@ -14,6 +14,7 @@ from exokv.chat.run import ChatOptions
 from exokv.client.cluster import ClusterClient
 from exokv.records import TurnRequest
 from exokv.wire import channel
+from exokv.wire.messages import Heartbeat, Hello, Message, Refused, Status
 
 
 def pair(limit: int = channel.MAX_MESSAGE) -> tuple[channel.Connection, channel.Connection]:
@@ -25,7 +26,7 @@ def raw_connect(server: channel.ChannelServer) -> socket.socket:
     return socket.create_connection((server.host, server.port), timeout=10)
 
 
-def read_reply(sock: socket.socket) -> dict | None:
+def read_reply(sock: socket.socket) -> Message | None:
     """The server's answer to a stray connection, or None if it just closed."""
     try:
         return channel.Connection(sock).recv()
@@ -38,8 +39,8 @@ def read_reply(sock: socket.socket) -> dict | None:
 
 def test_round_trip_and_clean_end_of_stream() -> None:
     a, b = pair()
-    a.send({"type": "text", "text": "héllo"})
-    assert b.recv() == {"type": "text", "text": "héllo"}
+    a.send(Status("héllo"))
+    assert b.recv() == Status("héllo")
     a.close()
     assert b.recv() is None
 
@@ -47,7 +48,7 @@ def test_round_trip_and_clean_end_of_stream() -> None:
 def test_oversize_message_refused_on_both_sides() -> None:
     a, b = pair(limit=100)
     with pytest.raises(channel.ChannelError, match="limit"):
-        a.send({"type": "text", "text": "x" * 200})  # refused before anything is sent
+        a.send(Status("x" * 200))  # refused before anything is sent
     # A peer that claims a huge body is refused from the header alone, unread.
     a.sock.sendall(struct.pack(">I", 1 << 30))
     with pytest.raises(channel.ChannelError, match="limit"):
@@ -70,23 +71,20 @@ def test_server_refuses_strays_and_accepts_the_token() -> None:
     try:
         assert server.host == "127.0.0.1"
         no_token = raw_connect(server)
-        channel.Connection(no_token).send({"type": "hello"})
-        assert read_reply(no_token) == {
-            "type": "refused",
-            "reason": "the first message was not a hello with a token",
-        }
+        no_token.sendall(channel.frame({"type": "hello"}))
+        assert read_reply(no_token) == Refused("the first message was not a hello with a token")
         wrong = raw_connect(server)
-        channel.Connection(wrong).send({"type": "hello", "token": "0" * 64})
-        assert read_reply(wrong)["reason"] == "wrong token"
+        channel.Connection(wrong).send(Hello("0" * 64))
+        assert read_reply(wrong).reason == "wrong token"
         huge = raw_connect(server)
         huge.sendall(struct.pack(">I", 50_000_000))
-        assert read_reply(huge)["reason"].endswith("over the 4096-byte limit")
+        assert read_reply(huge).reason.endswith("over the 4096-byte limit")
 
         rank0 = channel.connect([f"{server.host}:{server.port}"], server.token)
         peer = server.wait(5)
         assert peer is not None
-        rank0.send({"type": "heartbeat"})
-        assert peer.recv() == {"type": "heartbeat"}
+        rank0.send(Heartbeat())
+        assert peer.recv() == Heartbeat()
         with pytest.raises(channel.ChannelError, match="already connected"):
             channel.connect([f"{server.host}:{server.port}"], server.token)
         assert len(server.refused) == 4
@@ -118,16 +116,16 @@ def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> No
 
         # A stranger without the token, one with a 50 MB message, and one that says nothing.
         no_token = raw_connect(server)
-        channel.Connection(no_token).send({"type": "turn", "request": {"messages": []}})
+        no_token.sendall(channel.frame({"type": "turn", "request": {"messages": []}}))
         no_token_reason = "the first message was not a hello with a token"
         huge = raw_connect(server)
         huge.sendall(struct.pack(">I", 50_000_000) + b"x" * 1000)
         huge_reason = "message of 50000000 bytes is over the 4096-byte limit"
         silent = raw_connect(server)
-        assert read_reply(no_token)["type"] == "refused"
+        assert isinstance(read_reply(no_token), Refused)
         # The server refuses from the header, unread: with bytes still unread it may
         # reset the connection before its "refused" gets here. Either way it is out.
-        assert read_reply(huge) in (None, {"type": "refused", "reason": huge_reason})
+        assert read_reply(huge) in (None, Refused(huge_reason))
 
         # The chat goes on, served from the cache as before.
         messages += [

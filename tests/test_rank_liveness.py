@@ -39,7 +39,7 @@ sent = []
 
 class Link:
     def send(self, message):
-        sent.append(message["type"])
+        sent.append(message.TYPE)
 
     def recv(self):
         time.sleep(60)

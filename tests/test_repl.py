@@ -31,6 +31,7 @@ from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.chat.render import Renderer, status_line, visible
 from exokv.chat.repl import ChatCompleter, run_repl
 from exokv.records import TurnRequest, TurnResult
+from tests.stub_client import StubClient
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -231,7 +232,7 @@ def cold_reply(home: Path, messages: list[dict[str, str]], max_tokens: int) -> s
 # -- in process: keys, completion, rendering ------------------------------------------------
 
 
-class FakeClient:
+class FakeClient(StubClient):
     """Replies 'echo: <last user line>' in pieces, with plausible numbers."""
 
     ranks = 1
@@ -261,9 +262,6 @@ class FakeClient:
             overhead_s=0.0,
             ranks=1,
         )
-
-    def stop(self) -> None:
-        pass
 
 
 class Opts:

@@ -8,6 +8,7 @@ import pytest
 
 from exokv.serve import api
 from exokv.serve.run import ServeOptions, check, model_names
+from tests.stub_client import StubClient
 
 
 def parse(doc: dict, **limits: int) -> api.ChatCall:
@@ -103,7 +104,7 @@ def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> 
     from exokv.serve.run import _Recorder
     from exokv.state import Store
 
-    class Client:
+    class Client(StubClient):
         def reply_tokens(self, reply: str) -> list[int]:
             return [len(reply), 1]
 

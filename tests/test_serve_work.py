@@ -9,6 +9,7 @@ import time
 
 from exokv.records import RowOutcome, TurnRequest, TurnResult
 from exokv.serve.work import Job, TurnQueue
+from tests.stub_client import StubClient
 
 
 def _result(request: TurnRequest) -> TurnResult:
@@ -26,7 +27,7 @@ def _result(request: TurnRequest) -> TurnResult:
     )
 
 
-class RecordingClient:
+class RecordingClient(StubClient):
     """Answers at once; `calls` lists the sessions of each turn or batch it was given."""
 
     def __init__(self) -> None:
@@ -39,15 +40,6 @@ class RecordingClient:
     def turns(self, requests: list[TurnRequest], **_: object) -> list[RowOutcome]:
         self.calls.append([r.session for r in requests])
         return [RowOutcome(result=_result(r), batch=len(requests)) for r in requests]
-
-    def stop_now(self) -> None:
-        pass
-
-    def stop_row(self, row: int) -> None:
-        pass
-
-    def release_thread(self) -> None:
-        pass
 
 
 def _submit_apart(queue: TurnQueue, names: list[str], gap_s: float) -> list[Job]:

@@ -16,6 +16,7 @@ from exokv.errors import ExokvError
 from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import Store, caches_dir, db_path, register_chat, running_chats
 from exokv.state.schema import LATEST
+from tests.stub_client import StubClient
 
 MODEL = "builtin:tiny"
 
@@ -461,7 +462,7 @@ def test_set_messages_keeps_a_replys_tokens_unless_told(store: Store) -> None:
     assert store.load_reply_tokens("s") == []
 
 
-class TokenClient:
+class TokenClient(StubClient):
     """A client that keeps replies' token ids as the engine does (by reply text)."""
 
     def __init__(self) -> None:

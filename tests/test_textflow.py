@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 
 from exokv.rank.textflow import TextFlow
+from exokv.wire.messages import Texts
 
 
-def flow(window: int = 3) -> tuple[TextFlow, list[dict]]:
-    sent: list[dict] = []
+def flow(window: int = 3) -> tuple[TextFlow, list[Texts]]:
+    sent: list[Texts] = []
     return TextFlow(sent.append, window=window), sent
 
 
@@ -17,7 +18,7 @@ def test_pieces_wait_for_the_message_in_flight_and_travel_together() -> None:
     text, sent = flow()
     text.add(7, "a")
     text.step()
-    assert sent == [{"type": "texts", "step": 1, "pieces": [[7, "a"]]}]
+    assert sent == [Texts(step=1, pieces=[[7, "a"]])]
     text.add(7, "b")
     text.add(9, "x")
     text.step()
@@ -26,7 +27,7 @@ def test_pieces_wait_for_the_message_in_flight_and_travel_together() -> None:
     assert len(sent) == 1  # step 1's message is not seen yet: steps 2 and 3 wait
     text.seen(1)
     text.step()  # step 4: nothing new, but steps 2-3 go now that nothing is in flight
-    assert sent[1] == {"type": "texts", "step": 4, "pieces": [[7, "bc"], [9, "x"]]}
+    assert sent[1] == Texts(step=4, pieces=[[7, "bc"], [9, "x"]])
 
 
 def test_a_step_with_no_text_sends_nothing() -> None:
@@ -44,7 +45,7 @@ def test_flush_sends_what_is_pending_even_with_a_message_in_flight() -> None:
     text.add(1, "b")
     text.step()
     text.flush()
-    assert [m["pieces"] for m in sent] == [[[1, "a"]], [[1, "b"]]]
+    assert [m.pieces for m in sent] == [[[1, "a"]], [[1, "b"]]]
 
 
 def run_steps(text: TextFlow, n: int) -> threading.Event:
@@ -67,7 +68,7 @@ def test_the_decode_waits_when_the_front_end_is_a_window_behind() -> None:
     assert len(sent) == 1
     text.seen(1)
     assert done.wait(10)
-    assert [m["step"] for m in sent] == [1, 5]
+    assert [m.step for m in sent] == [1, 5]
 
 
 def test_a_front_end_that_went_away_is_not_waited_for() -> None:

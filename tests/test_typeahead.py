@@ -19,6 +19,7 @@ from chat_helpers import home_with_models
 
 from exokv.rank.typeahead import DraftFeed, covered, stable_text
 from exokv.records import TurnRequest, TurnResult
+from exokv.wire.messages import Draft, Message, Save, Turn
 
 BUDGET = 600 * 1024  # builtin:tiny: 1 KB per token on one rank: about 600 tokens
 
@@ -37,19 +38,23 @@ def test_the_stable_text_leaves_the_last_word_and_commands_out() -> None:
 def test_the_feed_steps_the_newest_draft_until_something_else_comes() -> None:
     over: list[Any] = []
     feed = DraftFeed(on_done=over.append)
-    inbox: queue.Queue[dict[str, Any]] = queue.Queue()
-    inbox.put({"type": "draft", "id": "d1", "draft": "a b"})
-    inbox.put({"type": "draft", "id": "d2", "draft": "a b c"})
-    assert feed.next(inbox)["id"] == "d2" and over == ["d1"]  # the newer replaces it
-    assert feed.next(inbox)["id"] == "d2"  # stepped again while nothing else waits
-    inbox.put({"type": "turn", "id": 7})
-    assert feed.next(inbox)["type"] == "turn" and over == ["d1", "d2"]
-    inbox.put({"type": "draft", "id": "d3", "draft": "x y"})
-    inbox.put({"type": "draft", "id": "d4", "draft": ""})  # abandoned
-    inbox.put({"type": "save", "id": 8})
-    assert feed.next(inbox)["type"] == "save" and over[-2:] == ["d3", "d4"]
-    inbox.put({"type": "draft", "id": "d5", "draft": "x y"})
-    assert feed.next(inbox)["id"] == "d5"
+    inbox: queue.Queue[Message] = queue.Queue()
+
+    def draft(ident: str, text: str) -> Draft:
+        return Draft(ident, "s", [], text)
+
+    inbox.put(draft("d1", "a b"))
+    inbox.put(draft("d2", "a b c"))
+    assert feed.next(inbox).id == "d2" and over == ["d1"]  # the newer replaces it
+    assert feed.next(inbox).id == "d2"  # stepped again while nothing else waits
+    inbox.put(Turn(7, TurnRequest("s", [])))
+    assert isinstance(feed.next(inbox), Turn) and over == ["d1", "d2"]
+    inbox.put(draft("d3", "x y"))
+    inbox.put(draft("d4", ""))  # abandoned
+    inbox.put(Save(8, "s", []))
+    assert isinstance(feed.next(inbox), Save) and over[-2:] == ["d3", "d4"]
+    inbox.put(draft("d5", "x y"))
+    assert feed.next(inbox).id == "d5"
     feed.stepped(0)  # done: no more steps, the next message is waited for
     assert over[-1] == "d5" and feed.pending is None
 
@@ -219,8 +224,8 @@ def test_through_two_ranks_with_identical_events(
 
     assert decided(logs[0]) == decided(logs[1])  # the same steps and events on every rank
     steps = [line for line in logs[0] if "draft_step" in line]
-    assert steps, "no speculative step ran on the ranks"
-    for line in steps:  # at most one collective per speculative step besides its message
+    assert steps, "no typeahead step ran on the ranks"
+    for line in steps:  # at most one collective per typeahead step besides its message
         assert line["collectives"]["gather"] <= 1 and line["collectives"]["any"] == 0, line
     turns = [line for line in logs[0] if "turn" in line]
     assert any(e["kind"] == "draft-used" for t in turns for e in t["events"])

@@ -17,6 +17,8 @@ from exokv.model import pipeline, zoo
 from exokv.model.catalogue import models_table
 from exokv.model.resolve import load_model
 from exokv.rank.main import in_step
+from exokv.records import TurnRequest
+from exokv.wire.messages import Shutdown, Turn, encode
 
 # What each family is, from mlx-lm's own classes: cache kind, pipeline, tensor.
 EXPECTED = {
@@ -143,10 +145,10 @@ class _Peer:
 
 
 def test_a_rank_out_of_step_stops_with_one_line() -> None:
-    ok = {"type": "turn", "step": 3, "turn_no": 1}
-    assert in_step(_Peer(ok), None, 3, 1) == ok
+    ok = {"type": "shutdown", "step": 3, "turn_no": 1}
+    assert in_step(_Peer(ok), None, 3, 1) == Shutdown()
     with pytest.raises(ExokvError) as info:
-        in_step(_Peer({"type": "turn", "step": 2, "turn_no": 1}), None, 3, 1)
+        in_step(_Peer({"type": "shutdown", "step": 2, "turn_no": 1}), None, 3, 1)
     message = str(info.value)
     assert "\n" not in message and "out of step" in message and "expected message 3" in message
     with pytest.raises(ExokvError) as info:
@@ -159,10 +161,13 @@ def test_rank_zero_stamps_its_messages() -> None:
         rank = 0
 
         def broadcast(self, obj: object) -> object:
+            stamped.append(obj)
             return obj
 
-    got = in_step(Zero(None), {"type": "turn", "request": {}}, 5, 2)
-    assert got["step"] == 5 and got["turn_no"] == 2 and got["type"] == "turn"
+    stamped: list[object] = []
+    turn = Turn(1, TurnRequest("s", []))
+    got = in_step(Zero(None), turn, 5, 2)
+    assert stamped == [{**encode(turn), "step": 5, "turn_no": 2}] and got == turn
 
 
 def test_missing_weights_refused_in_process(

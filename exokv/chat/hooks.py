@@ -21,8 +21,7 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.client import Client
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import CacheEvent, TurnResult
+from exokv.records import CacheEvent, CacheFileReport, TurnResult
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
 from exokv.tables import size as format_size
@@ -119,10 +118,9 @@ class StoreHooks(ChatHooks):
 
     def _cached(self, conv: Conversation) -> str | None:
         """How much of a resumed session the cache holds (the disk tier kept it), in words."""
-        probe = getattr(self.client, "cache_held", None)
-        if not self.use_cache or probe is None:
+        if not self.use_cache or self.client is None:
             return None
-        report = probe(conv.name, conv.prompt())
+        report = self.client.cache_held(conv.name, conv.prompt())
         if not report.tokens:
             return None
         if report.on_disk:
@@ -173,13 +171,11 @@ class StoreHooks(ChatHooks):
     def _restore_replies(self, conv: Conversation) -> None:
         pairs = self.store.load_reply_tokens(conv.name)
         self._reply_tokens[conv.name] = dict(pairs)
-        remember = getattr(self.client, "remember_replies", None)
-        if remember is not None and pairs:
-            remember(pairs)
+        if self.client is not None and pairs:
+            self.client.remember_replies(pairs)
 
     def _keep_reply_tokens(self, conv: Conversation, reply: str) -> None:
-        lookup = getattr(self.client, "reply_tokens", None)
-        tokens = lookup(reply) if lookup is not None else None
+        tokens = self.client.reply_tokens(reply) if self.client is not None else None
         if tokens:
             self._reply_tokens.setdefault(conv.name, {})[reply] = list(tokens)
 
@@ -239,12 +235,11 @@ class StoreHooks(ChatHooks):
     # -- saving the KV cache ---------------------------------------------------------------
 
     def save(self, conv: Conversation) -> CacheFileReport | None:
-        """Save `conv`'s KV cache on every rank; None when this client cannot."""
-        save = getattr(self.client, "save_cache", None)
-        if save is None or not self.use_cache:
+        """Save `conv`'s KV cache on every rank; None without a cache (or a client)."""
+        if self.client is None or not self.use_cache:
             return None
         try:
-            report = save(conv.name, conv.prompt())
+            report = self.client.save_cache(conv.name, conv.prompt())
         except OSError as err:
             report = CacheFileReport(session=conv.name, warning=f"could not write it: {err}")
         if report.events:

@@ -139,9 +139,7 @@ class _Interrupts:
             return
         self.count += 1
         if self.count == 1:
-            stop = getattr(self.client, "stop", None)
-            if stop is not None:
-                stop()
+            self.client.stop()
         elif self.count == 2:
             self.renderer.note("\n(stopping at the next step; the session is kept)")
 
@@ -220,13 +218,13 @@ class Transcript:
 
 
 def banner_info(chat: ChatController, client: Client, opts: Any) -> BannerInfo:
-    ranks = int(getattr(client, "ranks", 1) or 1)
+    ranks = client.ranks
     return BannerInfo(
         model=opts.model,
         ranks=ranks,
         parallel=getattr(opts, "parallel", None) if ranks > 1 else None,
         split=getattr(opts, "split", None) if ranks > 1 else None,
-        budgets=list(getattr(client, "budgets", []) or []),
+        budgets=list(client.budgets),
         session=chat.current.name,
         no_cache=bool(getattr(opts, "no_cache", False)),
         disk_budget=_disk_budget(opts),
@@ -306,8 +304,6 @@ def _draft_watcher(
     """Typing ahead (exokv.chat.typeahead): on, unless --no-typeahead or there is no cache."""
     if getattr(opts, "no_typeahead", False) or not chat.settings.use_cache:
         return None
-    if not callable(getattr(client, "draft", None)):
-        return None
     watcher = DraftWatcher(client, lambda: (chat.current.name, chat.current.prompt()))
     watcher.attach(session.default_buffer)
     return watcher
@@ -347,7 +343,7 @@ def _loop(
                 )
         except ExokvError as err:
             renderer.end_turn()
-            if getattr(interrupts.client, "failure", None):
+            if interrupts.client.failure:
                 raise  # the ranks are gone: no prompt that cannot work; exit 1, said once
             renderer.error(str(err))
             continue

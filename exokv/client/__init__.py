@@ -11,14 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 
 class Client(Protocol):
     """Runs turns on one rank or on a cluster."""
 
     ranks: int
+    # Why the ranks are gone for good, once they are: the chat cannot go on (a front end
+    # ends then). None while they run, and always for a client that heals its ranks or
+    # runs the model in this process.
+    failure: str | None
 
     def turn(
         self,

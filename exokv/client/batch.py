@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.errors import ExokvError
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.records import RowOutcome, TurnRequest
+from exokv.wire.messages import Batch, BatchRow, Row, Stop, Texts
 
 
 class BatchRows:
@@ -34,7 +35,7 @@ class BatchRows:
                 return
             self._stopped.add(row)
         try:
-            self.client._send({"type": "stop", "id": self.ids[row]}, fail=False)
+            self.client._send(Stop(self.ids[row]), fail=False)
         except ExokvError:  # the ranks are gone: the batch's own loop says so
             pass
 
@@ -52,9 +53,8 @@ def cluster_turns(
         ids = [client._new_id() for _ in requests]
         rows = BatchRows(client, ids)
         row_of = {ident: i for i, ident in enumerate(ids)}
-        pairs = zip(ids, requests, strict=True)
-        batch = [{"id": ident, "request": request.to_dict()} for ident, request in pairs]
-        client._send({"type": "batch", "id": client._new_id(), "rows": batch})
+        batch = [BatchRow(ident, request) for ident, request in zip(ids, requests, strict=True)]
+        client._send(Batch(client._new_id(), batch))
         client._rows = rows
         try:
             return _collect(client, rows, row_of, on_text, should_stop, on_row)
@@ -78,30 +78,18 @@ def _collect(
             if outcomes[i] is None and should_stop is not None and should_stop(i):
                 rows.stop(i)
         message = client._next()
-        if message["type"] == "texts":  # the rows' pieces since the last texts message
-            for ident, piece in message.get("pieces", []):
+        if isinstance(message, Texts):  # the rows' pieces since the last texts message
+            for ident, piece in message.pieces:
                 if on_text is not None and ident in row_of:
                     on_text(row_of[ident], str(piece))
             continue
-        i = row_of.get(message.get("id"))
-        if i is None:  # about an earlier request whose caller gave up
-            continue
-        if message["type"] == "row":
-            outcomes[i] = _outcome(message["outcome"])
-            result = outcomes[i].result
-            if result is not None and message.get("tokens"):
-                client._keep_reply(result.reply, message["tokens"])
-            if on_row is not None:
-                on_row(i, outcomes[i])
+        if not isinstance(message, Row) or message.id not in row_of:
+            continue  # progress, or about an earlier request whose caller gave up
+        i = row_of[message.id]
+        outcomes[i] = message.outcome
+        result = message.outcome.result
+        if result is not None and message.tokens:
+            client._keep_reply(result.reply, message.tokens)
+        if on_row is not None:
+            on_row(i, message.outcome)
     return [o for o in outcomes if o is not None]
-
-
-def _outcome(data: dict[str, Any]) -> RowOutcome:
-    result = data.get("result")
-    return RowOutcome(
-        result=TurnResult.from_dict(result) if result is not None else None,
-        refused=data.get("refused"),
-        tokens=int(data.get("tokens") or 0),
-        context=int(data.get("context") or 0),
-        batch=int(data.get("batch") or 1),
-    )

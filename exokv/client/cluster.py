@@ -3,7 +3,7 @@
 It starts the launcher in its own process group (so Ctrl-C in the terminal
 reaches only the front end, and close() can end every rank at once), opens the
 channel, hands rank 0 the address and token through the launcher's stdin, and
-then speaks JSON with rank 0: a turn request out; text, progress and the
+then speaks with rank 0 (exokv.wire.messages): a turn request out; text, progress and the
 result back; a stop when the user presses Ctrl-C.
 
 Failure detection, each ending in one ExokvError that names the rank and cause:
@@ -42,7 +42,7 @@ from exokv.client import Client
 from exokv.config import parse_budgets
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 from exokv.wire import channel
 from exokv.wire.launch import (
     BEAT_MARK,
@@ -55,6 +55,27 @@ from exokv.wire.launch import (
     plan_launch,
     rank_command,
     wait_for,
+)
+from exokv.wire.messages import (
+    Draft,
+    Drafted,
+    Heartbeat,
+    Held,
+    Message,
+    Progress,
+    RankFailed,
+    Ready,
+    Remember,
+    Report,
+    Result,
+    Save,
+    Seen,
+    Shutdown,
+    Status,
+    Stop,
+    Texts,
+    Turn,
+    TurnRefused,
 )
 
 CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
@@ -96,7 +117,7 @@ class ClusterClient(Client):
         self._proc: subprocess.Popen[bytes] | None = None
         self._server: channel.ChannelServer | None = None
         self._link: channel.Connection | None = None
-        self._inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._inbox: queue.Queue[Message | None] = queue.Queue()
         self._last_seen = time.monotonic()
         self._link_lost = False
         self._tails: dict[str, collections.deque[str]] = {
@@ -178,28 +199,25 @@ class ClusterClient(Client):
     ) -> TurnResult:
         ident = self._new_id()
         self._turn = ident
-        self._send({"type": "turn", "id": ident, "request": request.to_dict()})
+        self._send(Turn(ident, request))
         interrupted = False
         while True:
             try:
                 message = self._next(ident)
-                kind = message["type"]
-                if kind == "texts" and on_text is not None:  # exokv.rank.textflow
-                    for owner, piece in message.get("pieces", []):
+                if isinstance(message, Texts) and on_text is not None:  # exokv.rank.textflow
+                    for owner, piece in message.pieces:
                         if owner == ident:
                             on_text(str(piece))
-                elif kind == "progress" and on_progress is not None:
-                    on_progress(int(message["done"]), int(message["total"]))
-                elif kind == "refused":  # e.g. a prompt over the model's context
+                elif isinstance(message, Progress) and on_progress is not None:
+                    on_progress(message.done, message.total)
+                elif isinstance(message, TurnRefused):  # a prompt over the model's context
                     raise PromptTooLong(
-                        str(message.get("message", "the ranks refused the turn")),
-                        tokens=int(message.get("tokens") or 0),
-                        context=int(message.get("context") or 0),
+                        message.message, tokens=message.tokens, context=message.context
                     )
-                elif kind == "result":
-                    result = TurnResult.from_dict(message["result"])
-                    if message.get("tokens"):
-                        self._keep_reply(result.reply, message["tokens"])
+                elif isinstance(message, Result):
+                    result = message.result
+                    if message.tokens:
+                        self._keep_reply(result.reply, message.tokens)
                     if interrupted:
                         raise KeyboardInterrupt
                     return result
@@ -253,7 +271,7 @@ class ClusterClient(Client):
 
     def _send_stop(self, ident: int) -> None:
         try:
-            self._send({"type": "stop", "id": ident}, fail=False)
+            self._send(Stop(ident), fail=False)
         except ExokvError:
             pass
 
@@ -263,9 +281,8 @@ class ClusterClient(Client):
         """Send the draft to rank 0, which steps it while nothing else waits (rank/main.py).
         Called from the REPL's draft thread: a failure here is the next request's to say."""
         number = next(self._draft_ids)
-        message = {"type": "draft", "id": f"draft-{number}", "session": session}
         try:
-            self._send({**message, "messages": list(messages), "draft": text}, fail=False)
+            self._send(Draft(f"draft-{number}", session, list(messages), text), fail=False)
         except ExokvError:  # the channel's errors too
             return
         if wait:
@@ -290,30 +307,30 @@ class ClusterClient(Client):
         pairs = [(r, list(t)) for r, t in pairs]
         if not pairs:
             return
-        self._send({"type": "remember", "pairs": pairs})
+        self._send(Remember(pairs))
         for reply, tokens in pairs:
             self._keep_reply(reply, tokens)
 
     # -- /save and resuming (exokv.rank.kvsave): every rank's disk tier --------------
 
-    def save_cache(self, session: str, messages: list[dict[str, str]]) -> Any:
+    def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """Write the conversation's cached path to every rank's disk tier."""
-        return self._report({"type": "save", "session": session, "messages": messages})
+        return self._report(Save, session, messages)
 
-    def cache_held(self, session: str, messages: list[dict[str, str]]) -> Any:
+    def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """How much of a resumed conversation the ranks' restored tree holds."""
-        return self._report({"type": "held", "session": session, "messages": messages})
+        return self._report(Held, session, messages)
 
-    def _report(self, message: dict[str, Any]) -> Any:
-        from exokv.rank.kvsave import CacheFileReport
-
+    def _report(
+        self, ask: type[Save] | type[Held], session: str, messages: list[dict[str, str]]
+    ) -> CacheFileReport:
         with self._in_flight():
             ident = self._new_id()
-            self._send({**message, "id": ident})
+            self._send(ask(ident, session, messages))
             while True:
                 reply = self._next(ident)
-                if reply["type"] == "report":
-                    return CacheFileReport.from_dict(reply["report"])
+                if isinstance(reply, Report):
+                    return reply.report
 
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:
@@ -341,7 +358,7 @@ class ClusterClient(Client):
         graceful = graceful and self._link is not None
         if graceful:
             try:
-                self._link.send({"type": "shutdown"})  # type: ignore[union-attr]
+                self._link.send(Shutdown())  # type: ignore[union-attr]
             except ExokvError:
                 graceful = False
         if proc is not None:
@@ -485,12 +502,12 @@ class ClusterClient(Client):
         threading.Thread(target=self._read_link, daemon=True).start()
         while True:
             message = self._next()
-            if message["type"] == "ready":
+            if isinstance(message, Ready):
                 if self._progress is not None:
                     self._say_ready()
-                self._budgets = list(message.get("budgets") or [])
-                if message.get("notice"):  # the ranks' stderr is not the user's
-                    print(f"exokv: disk tier: {message['notice']}", file=sys.stderr)
+                self._budgets = list(message.budgets)
+                if message.notice:  # the ranks' stderr is not the user's
+                    print(f"exokv: disk tier: {message.notice}", file=sys.stderr)
                 nudge_ranks(self._proc)  # every rank is past release_stdin by now
                 break
         if threading.current_thread() is threading.main_thread():
@@ -537,8 +554,8 @@ class ClusterClient(Client):
             except channel.ChannelError:
                 message = None
             self._last_seen = time.monotonic()
-            if message is not None and message.get("type") == "drafted":
-                self._drafted(message.get("id"))
+            if isinstance(message, Drafted):
+                self._drafted(message.id)
                 continue
             if message is None:
                 self._link_lost = True
@@ -550,7 +567,7 @@ class ClusterClient(Client):
         self._ids += 1
         return self._ids
 
-    def _next(self, ident: int | None = None) -> dict[str, Any]:
+    def _next(self, ident: int | None = None) -> Message:
         """The next message from rank 0 about request `ident`, or an ExokvError when the
         ranks fail. Messages about an earlier request (one whose caller gave up, say on
         an exception in on_text) are dropped, so the channel never gets out of step."""
@@ -558,29 +575,27 @@ class ClusterClient(Client):
             try:
                 message = self._inbox.get(timeout=_POLL_S)
             except queue.Empty:
-                message = {"type": "idle"}
+                message = _IDLE
             if message is None:
                 self._fail("rank 0 closed the channel")
-            kind = message["type"]
-            if kind == "error":
-                rank = message.get("rank", 0)
-                self._fail(f"rank {rank}: {message.get('message', 'failed')}")
-            if kind == "texts":  # handled now: rank 0 may send the next (exokv.rank.textflow)
+            if isinstance(message, RankFailed):
+                self._fail(f"rank {message.rank}: {message.message}")
+            if isinstance(message, Texts):  # handled now: rank 0 may send the next
                 if self._slow_texts:
                     time.sleep(self._slow_texts)
                 self._seen(message)
-            if kind not in ("idle", "heartbeat", "status"):
+            if not isinstance(message, (Heartbeat, Status)):
                 # texts name their request in each piece (exokv.rank.textflow)
-                if ident is None or message.get("id") == ident or kind == "texts":
+                if ident is None or isinstance(message, Texts) or _about(message) == ident:
                     return message
                 continue
             cause, settle = self._trouble()
             if cause is not None:
                 self._fail(cause, settle=settle)
 
-    def _seen(self, message: dict[str, Any]) -> None:
+    def _seen(self, message: Texts) -> None:
         try:
-            self._send({"type": "seen", "step": message.get("step")}, fail=False)
+            self._send(Seen(message.step), fail=False)
         except ExokvError:  # the ranks are gone: the next read says so
             pass
 
@@ -636,7 +651,7 @@ class ClusterClient(Client):
         except (KeyError, ValueError, psutil.Error):
             return False
 
-    def _send(self, message: dict[str, Any], fail: bool = True) -> None:
+    def _send(self, message: Message, fail: bool = True) -> None:
         if self.failure:
             raise ExokvError(self.failure)
         if self._link is None or self._closed:
@@ -687,6 +702,14 @@ class ClusterClient(Client):
             if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
                 print(f"[ranks {name}] {line}", file=sys.stderr)
         stream.close()
+
+
+_IDLE = Heartbeat()  # a poll of `_next` that got nothing: a time to check, as after a beat
+
+
+def _about(message: Message) -> Any:
+    """The request a message from rank 0 answers (None: no request's)."""
+    return getattr(message, "id", None)
 
 
 def _sweep_scratch() -> None:

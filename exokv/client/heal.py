@@ -29,14 +29,15 @@ from typing import TypeVar
 from exokv.client.cluster import ClusterClient
 from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 T = TypeVar("T")
 BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one
 
 
 class HealingClient:
+    failure: str | None = None  # never set: the next request heals what failed
+
     def __init__(
         self,
         start: Callable[[], ClusterClient],

@@ -9,8 +9,7 @@ from exokv.client import Client
 from exokv.client.typeahead import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.rank.kvsave import CacheFileReport
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 
 def forget_thread() -> None:
@@ -24,6 +23,8 @@ def forget_thread() -> None:
 
 
 class LocalClient(Client):
+    failure: str | None = None  # no ranks to lose: an error here is the turn's alone
+
     def __init__(self, model_name: str, options: EngineOptions) -> None:
         from exokv.model.resolve import load_model
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +35,7 @@ from exokv.cache.prefix_cache import Hit
 from exokv.errors import PromptTooLong
 from exokv.rank.textflow import TextFlow
 from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
+from exokv.wire.messages import Batch, Progress, Row
 
 # Per-row callbacks: the row's index in the batch comes first.
 RowText = Callable[[int, str], None]
@@ -401,14 +402,14 @@ class _Batch:
 
 
 def answer_batch(
-    engine: Any, message: dict[str, Any], link: Any, stopped: set[Any], flow: TextFlow | None
+    engine: Any, message: Batch, link: Any, stopped: set[Any], flow: TextFlow | None
 ) -> None:
     """A `batch` message from the front end, run on this rank (every rank alike); rank 0
     (the one with a `link`, and a `flow` for the text) streams each row's text under the
     row's id, and each row's result as soon as the row ends. `stopped` holds the ids of
     rows the front end asked to stop (rank 0's only)."""
-    ids = [row["id"] for row in message["rows"]]
-    requests = [TurnRequest.from_dict(row["request"]) for row in message["rows"]]
+    ids = [row.id for row in message.rows]
+    requests = [row.request for row in message.rows]
 
     def on_text(i: int, piece: str) -> None:
         flow.add(ids[i], piece)
@@ -417,19 +418,13 @@ def answer_batch(
         flow.step()
 
     def on_progress(i: int, done: int, total: int) -> None:
-        link.send({"type": "progress", "id": ids[i], "done": done, "total": total})
+        link.send(Progress(ids[i], done, total))
 
     def on_row(i: int, outcome: RowOutcome) -> None:
         flow.flush()  # the row's last text comes before its result
         result = outcome.result
-        link.send(
-            {
-                "type": "row",
-                "id": ids[i],
-                "outcome": asdict(outcome),
-                "tokens": engine.reply_tokens(result.reply) if result is not None else None,
-            }
-        )
+        tokens = engine.reply_tokens(result.reply) if result is not None else None
+        link.send(Row(ids[i], outcome, tokens))
 
     try:
         run_batch(

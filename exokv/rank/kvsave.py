@@ -16,33 +16,11 @@ plain JSON-able data.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from exokv.records import CacheFileReport
+
 TIER_OFF = "the disk tier is off (--disk-budget 0)"
-
-
-@dataclass
-class CacheFileReport:
-    """What one save or resume did (``bytes`` and ``paths`` are per rank)."""
-
-    session: str
-    tokens: int = 0  # tokens of the conversation on disk (saved, or found at resume)
-    bytes: list[int] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)  # each rank's disk tier directory
-    seconds: float = 0.0
-    warning: str | None = None  # a problem: the cache was not (fully) saved
-    skipped: str | None = None  # nothing to do, not a problem (no tier, nothing cached)
-    events: list[dict[str, Any]] = field(default_factory=list)  # CacheEvent dicts (drops)
-    on_disk: bool = False  # at resume: all of `tokens` is on disk (else some is in RAM)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CacheFileReport:
-        names = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheFileReport:

@@ -31,12 +31,34 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from exokv.errors import ExokvError
+from exokv.errors import ExokvError, PromptTooLong
 from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
-from exokv.records import TurnRequest
-from exokv.wire import channel
+from exokv.records import CacheFileReport
+from exokv.wire import channel, messages
 from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
+from exokv.wire.messages import (
+    Batch,
+    Draft,
+    Drafted,
+    Heartbeat,
+    Held,
+    Message,
+    Progress,
+    RankFailed,
+    Ready,
+    Remember,
+    Report,
+    RequestId,
+    Result,
+    Save,
+    Seen,
+    Shutdown,
+    Status,
+    Stop,
+    Turn,
+    TurnRefused,
+)
 from exokv.wire.wake import Doorbell
 
 if TYPE_CHECKING:
@@ -192,7 +214,7 @@ def report_error(rank: int, err: BaseException, link: channel.Connection | None)
     print(ERROR_MARK + json.dumps({"rank": rank, "message": message}), file=sys.stderr, flush=True)
     if link is not None:
         try:
-            link.send({"type": "error", "rank": rank, "message": message})
+            link.send(RankFailed(rank, message))
         except ExokvError:
             pass
 
@@ -259,7 +281,7 @@ def inject_failure(engine: Any, rank: int, spec: str) -> None:
     setattr(engine, methods[phase], fail)
 
 
-def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) -> dict[str, Any]:
+def in_step(group: Group, message: Message | None, step: int, turn: int) -> Message:
     """Rank 0's next message on every rank, checked to be the step this rank expects.
 
     Rank 0 stamps the message with its step (broadcasts so far) and turn count. A
@@ -267,10 +289,12 @@ def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) 
     calls since the last message) receives bytes from some other collective, or a
     message for another step: it stops with one line instead of decoding garbage.
     """
+    stamped = None
     if group.rank == 0:
-        message = {**(message or {}), "step": step, "turn_no": turn}
+        assert message is not None
+        stamped = {**messages.encode(message), "step": step, "turn_no": turn}
     try:
-        got = group.broadcast(message)
+        got = group.broadcast(stamped)
     except (ValueError, UnicodeDecodeError) as err:
         raise ExokvError(
             f"rank {group.rank} is out of step with rank 0 at message {step} (turn {turn + 1}): "
@@ -284,7 +308,12 @@ def in_step(group: Group, message: dict[str, Any] | None, step: int, turn: int) 
             f"rank {group.rank} is out of step with rank 0: expected message {step} after turn "
             f"{turn}, got {stamp!r}"[:300]
         )
-    return got
+    try:
+        return messages.decode(got)
+    except messages.MessageError as err:
+        raise ExokvError(
+            f"rank {group.rank}: message {step} from rank 0 is no message: {err}"
+        ) from None
 
 
 class Rank:
@@ -295,11 +324,11 @@ class Rank:
         self.world = world
         self.rank = world.rank()
         self.link = link
-        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self.stop = threading.Event()  # the reply in hand must end (Ctrl-C)
-        self.current: int | None = None  # the front end's number for the request in hand
-        self._stop_for: int | None = None  # the request the last stop message named
-        self.stopped_rows: set[int] = set()  # rows of a batch the front end stopped
+        self.current: RequestId = None  # the front end's number for the request in hand
+        self._stop_for: RequestId = None  # the request the last stop named
+        self.stopped_rows: set[RequestId] = set()  # rows of a batch the front end stopped
         self._stop_lock = threading.Lock()
         self.drafts = DraftFeed(on_done=self._draft_over)  # rank 0: typed-ahead drafts
         # Rank 0: a batch's text, at the front end's pace (its `seen` messages).
@@ -310,6 +339,21 @@ class Rank:
 
             self.log_path = exokv_home() / "ranks" / f"rank-{self.rank}.jsonl"
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # What each message rank 0 broadcasts does on every rank; False ends the loop.
+        self.handlers: dict[type, Callable[[Any], bool]] = {
+            Turn: self._on_turn,
+            Batch: self._on_batch,
+            Draft: self._on_draft,
+            Remember: self._on_remember,
+            Save: self._on_save,
+            Held: self._on_held,
+            Shutdown: self._on_shutdown,
+        }
+        self.engine: Any = None
+        self.group: CountingGroup | None = None
+        self.turns = 0  # turns run so far
+        self._before: dict[str, int] = {}  # the collectives' counts when this step began
+        self._before_s: dict[str, float] = {}  # and their seconds
 
     def run(self) -> int:
         if self.link is not None:
@@ -318,9 +362,9 @@ class Rank:
             # transformers) takes seconds, past the front end's 10 s on a loaded machine.
             threading.Thread(target=self._heartbeat, daemon=True).start()
             threading.Thread(target=self._read_channel, daemon=True).start()
-            self.link.send({"type": "status", "message": "loading the model"})
+            self.link.send(Status("loading the model"))
         from exokv.cache.tier_options import tier_options
-        from exokv.rank.engine import Engine, EngineOptions, PromptTooLong
+        from exokv.rank.engine import Engine, EngineOptions
 
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
@@ -345,6 +389,7 @@ class Rank:
             ),
         )
         inject_failure(engine, self.rank, os.environ.get(FAIL_AT_ENV, ""))
+        self.engine, self.group = engine, group
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, args.wake_host)
         # Startup only, not per turn: every rank's effective budget for the front end.
@@ -352,91 +397,93 @@ class Rank:
             row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
         ]
         if self.link is not None:
-            self.link.send(
-                {
-                    "type": "ready",
-                    "ranks": self.world.size(),
-                    "budgets": [None if b < 0 else b for b in all_budgets],
-                    "notice": engine.tier_notice,  # why the disk tier is cold, or a torn record
-                }
-            )
-        turn = 0
+            shown = [None if b < 0 else b for b in all_budgets]
+            # The notice: why the disk tier is cold, or a torn record.
+            self.link.send(Ready(self.world.size(), shown, engine.tier_notice))
         for step in itertools.count(1):
-            before = dict(group.counts)
-            before_s = dict(group.seconds)
+            self._before, self._before_s = dict(group.counts), dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None
             doorbell.cross()
-            message = in_step(group, message, step, turn)
-            kind = message.get("type")
-            if kind == "remember":
-                # A resumed session's replies as the exact tokens once generated: every
-                # rank must render them alike, so this travels like a turn.
-                engine.remember_replies([(r, t) for r, t in message["pairs"]])
-                continue
-            if kind == "draft":  # a step of prefill ahead of Enter (exokv.rank.typeahead)
-                left = engine.typeahead_step(
-                    message["session"], message["messages"], message["draft"]
-                )
-                if self.rank == 0:
-                    self.drafts.stepped(left)
-                if self.log_path is not None:
-                    counts = {k: v - before[k] for k, v in group.counts.items()}
-                    self._log_draft(engine, counts)
-                continue
-            if kind in ("save", "held"):
-                answer = self._save if kind == "save" else self._held
-                report = answer(engine, group, message)
-                if self.link is not None:
-                    self.link.send(
-                        {"type": "report", "id": message.get("id"), "report": report.to_dict()}
-                    )
-                continue
-            if kind == "batch":  # several requests decoded together (exokv.rank.batch)
-                from exokv.rank.batch import answer_batch
-
-                answer_batch(engine, message, self.link, self.stopped_rows, self.flow)
-                continue
-            if kind != "turn":
-                if kind == "shutdown":
-                    engine.close()  # the disk tier keeps the cache for the next run
+            message = in_step(group, message, step, self.turns)
+            handler = self.handlers.get(type(message))
+            if handler is None or not handler(message):
                 return 0  # shutdown, or the front end went away
-            turn += 1
-            request = TurnRequest.from_dict(message["request"])
-            try:
-                result = engine.turn(
-                    request,
-                    on_text=self._send_text if self.link else None,
-                    on_progress=self._send_progress if self.link else None,
-                    # Every rank passes a should_stop (never set off rank 0): the engine
-                    # agrees on it with a collective, which all ranks must call alike.
-                    should_stop=self.stop.is_set,
-                )
-            except PromptTooLong as err:  # every rank alike, before any collective
-                if self.link is not None:
-                    refusal = {"message": str(err), "tokens": err.tokens, "context": err.context}
-                    self.link.send({"type": "refused", "id": self.current, **refusal})
-                continue
-            # The turn ends on every rank together: a rank that failed in it has exited
-            # (its error on stderr, named by the front end), so this collective fails on
-            # the others instead of rank 0 reporting a reply that rank did not finish.
-            group.any(False)
-            if self.flow is not None:
-                self.flow.flush()  # the reply's last text comes before its result
+
+    # -- the messages every rank runs --------------------------------------------
+
+    def _on_remember(self, message: Remember) -> bool:
+        # A resumed session's replies as the exact tokens once generated: every rank
+        # must render them alike, so this travels like a turn.
+        self.engine.remember_replies(message.pairs)
+        return True
+
+    def _on_draft(self, message: Draft) -> bool:
+        """A step of prefill ahead of Enter (exokv.rank.typeahead)."""
+        left = self.engine.typeahead_step(message.session, message.messages, message.draft)
+        if self.rank == 0:
+            self.drafts.stepped(left)
+        if self.log_path is not None:
+            self._log_draft(self.engine, self._counts())
+        return True
+
+    def _on_save(self, message: Save) -> bool:
+        self._answer(message.id, self._save(self.engine, self.group, message))
+        return True
+
+    def _on_held(self, message: Held) -> bool:
+        self._answer(message.id, self._held(self.engine, self.group, message))
+        return True
+
+    def _on_batch(self, message: Batch) -> bool:
+        """Several requests decoded together (exokv.rank.batch)."""
+        from exokv.rank.batch import answer_batch
+
+        answer_batch(self.engine, message, self.link, self.stopped_rows, self.flow)
+        return True
+
+    def _on_shutdown(self, message: Shutdown) -> bool:
+        self.engine.close()  # the disk tier keeps the cache for the next run
+        return False
+
+    def _on_turn(self, message: Turn) -> bool:
+        engine, group = self.engine, self.group
+        assert group is not None
+        self.turns += 1
+        try:
+            result = engine.turn(
+                message.request,
+                on_text=self._send_text if self.link else None,
+                on_progress=self._send_progress if self.link else None,
+                # Every rank passes a should_stop (never set off rank 0): the engine
+                # agrees on it with a collective, which all ranks must call alike.
+                should_stop=self.stop.is_set,
+            )
+        except PromptTooLong as err:  # every rank alike, before any collective
             if self.link is not None:
-                tokens = engine.reply_tokens(result.reply)
-                self.link.send(
-                    {
-                        "type": "result",
-                        "id": self.current,
-                        "result": result.to_dict(),
-                        "tokens": tokens,
-                    }
-                )
-            if self.log_path is not None:
-                counts = {k: v - before[k] for k, v in group.counts.items()}
-                # The broadcast's time is mostly waiting for the user's next line: left out.
-                gather_s = group.seconds["gather"] - before_s["gather"]
-                self._log(turn, result, counts, gather_s)
+                self.link.send(TurnRefused(self.current, str(err), err.tokens, err.context))
+            return True
+        # The turn ends on every rank together: a rank that failed in it has exited
+        # (its error on stderr, named by the front end), so this collective fails on
+        # the others instead of rank 0 reporting a reply that rank did not finish.
+        group.any(False)
+        if self.flow is not None:
+            self.flow.flush()  # the reply's last text comes before its result
+        if self.link is not None:
+            self.link.send(Result(self.current, result, engine.reply_tokens(result.reply)))
+        if self.log_path is not None:
+            # The broadcast's time is mostly waiting for the user's next line: left out.
+            gather_s = group.seconds["gather"] - self._before_s["gather"]
+            self._log(self.turns, result, self._counts(), gather_s)
+        return True
+
+    def _counts(self) -> dict[str, int]:
+        """The collectives of each kind since this step began."""
+        assert self.group is not None
+        return {k: v - self._before[k] for k, v in self.group.counts.items()}
+
+    def _answer(self, ident: int, report: CacheFileReport) -> None:
+        if self.link is not None:
+            self.link.send(Report(ident, report))
 
     # -- /save and resuming: the disk tier (exokv.rank.kvsave) ---------------------
 
@@ -445,13 +492,12 @@ class Rank:
         split = self.args.split or "even"
         return f"{self.args.parallel}:{self.world.size()}:{split}"
 
-    def _save(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
+    def _save(self, engine: Any, group: Any, message: Save) -> CacheFileReport:
         """Every rank writes its shard of the conversation's path; a write that failed on
         any rank (a full disk) makes the save fail on all of them."""
         from exokv.rank import kvsave
 
-        session = message["session"]
-        report = kvsave.save_session(engine, session, message["messages"])
+        report = kvsave.save_session(engine, message.session, message.messages)
         tier = engine.coord.tier
         failed = bool(tier is not None and report.tokens and tier.store.failed)
         rows = group.gather([1 if failed else 0])
@@ -463,20 +509,20 @@ class Rank:
             report.paths = [str(tier.store.root.parent / f"rank{r}") for r in range(len(rows))]
         return report
 
-    def _held(self, engine: Any, group: Group, message: dict[str, Any]) -> Any:
+    def _held(self, engine: Any, group: Any, message: Held) -> CacheFileReport:
         """A resumed session: how much of it the restored tree holds (the same on every
         rank: the tree is); its next turn loads that from disk."""
         from exokv.rank import kvsave
 
-        return kvsave.on_disk(engine, message["session"], message["messages"])
+        return kvsave.on_disk(engine, message.session, message.messages)
 
     # -- rank 0 and the channel -------------------------------------------------
 
-    def _next_message(self) -> dict[str, Any]:
+    def _next_message(self) -> Message:
         message = self.drafts.next(self.inbox)  # the pending draft's next step, if nothing else
-        if message.get("type") == "turn":
+        if isinstance(message, Turn):
             with self._stop_lock:
-                self.current = message.get("id")
+                self.current = message.id
                 # A stop names its request: one pressed just after Enter, that arrives
                 # before its turn begins, still ends it; a late one for an earlier turn
                 # does not touch this one.
@@ -498,27 +544,27 @@ class Rank:
                 self.stop.set()
                 if self.flow is not None:
                     self.flow.gone()
-                self.inbox.put({"type": "shutdown"})
+                self.inbox.put(Shutdown())
                 return
-            kind = message["type"]
-            if kind == "stop":
-                self.stopped_rows.add(message.get("id"))  # a batch's row, if it is one
+            if isinstance(message, Stop):
+                self.stopped_rows.add(message.id)  # a batch's row, if it is one
                 with self._stop_lock:
-                    self._stop_for = message.get("id")
+                    self._stop_for = message.id
                     if self._stop_for == self.current:
                         self.stop.set()
-            elif kind == "seen" and self.flow is not None:
-                self.flow.seen(int(message.get("step") or 0))
-            elif kind in ("turn", "batch", "remember", "save", "held", "shutdown", "draft"):
+            elif isinstance(message, Seen):
+                if self.flow is not None:
+                    self.flow.seen(message.step)
+            elif type(message) in self.handlers:
                 self.inbox.put(message)
 
     def _draft_over(self, ident: Any) -> None:
         """Tell the front end a draft gets no more steps (a client may wait for that)."""
         if self.link is not None and ident is not None:
-            self.link.send({"type": "drafted", "id": ident})
+            self.link.send(Drafted(ident))
 
     def _log_draft(self, engine: Any, counts: dict[str, int]) -> None:
-        """A speculative step in this rank's log: its collectives (the events come with
+        """A typeahead step in this rank's log: its collectives (the events come with
         the next turn's line, as the turn reports them)."""
         assert self.log_path is not None
         line = {"rank": self.rank, "draft_step": engine.decision, "collectives": counts}
@@ -530,7 +576,7 @@ class Rank:
         while True:
             time.sleep(HEARTBEAT_S)
             try:
-                self.link.send({"type": "heartbeat"})
+                self.link.send(Heartbeat())
             except ExokvError:
                 return
 
@@ -543,7 +589,7 @@ class Rank:
 
     def _send_progress(self, done: int, total: int) -> None:
         if self.link is not None:
-            self.link.send({"type": "progress", "id": self.current, "done": done, "total": total})
+            self.link.send(Progress(self.current, done, total))
 
     def _log(self, turn: int, result: Any, counts: dict[str, int], gather_s: float) -> None:
         """This rank's own record of the turn: the evidence that ranks decided alike."""

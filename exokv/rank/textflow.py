@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from exokv.wire.messages import Texts
+
 WINDOW = 8  # decode steps rank 0 may run past the text message in flight
 SEEN_POLL_S = 0.5  # a wait looks this often whether the front end is gone
 
@@ -25,7 +27,7 @@ SEEN_POLL_S = 0.5  # a wait looks this often whether the front end is gone
 class TextFlow:
     """The pieces of a batch's decode steps, sent to the front end at its pace."""
 
-    def __init__(self, send: Callable[[dict[str, Any]], None], window: int = WINDOW) -> None:
+    def __init__(self, send: Callable[[Texts], None], window: int = WINDOW) -> None:
         self._send = send
         self.window = window
         self._turned = threading.Condition()
@@ -74,4 +76,4 @@ class TextFlow:
         pieces = [[ident, text] for ident, text in self._pending.items()]
         self._pending.clear()
         self._sent = self._step
-        self._send({"type": "texts", "step": self._step, "pieces": pieces})
+        self._send(Texts(self._step, pieces))

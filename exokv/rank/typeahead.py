@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from exokv.cache.radix import Node, RadixTree
+from exokv.wire.messages import Draft, Shutdown, Turn
+from exokv.wire.messages import Message as WireMessage
 
 STEP_TOKENS = 256  # tokens per typeahead step: what Enter may wait for, at most
 PROBE = " x"  # stands for whatever the user types next, to find where the draft's tokens end
@@ -122,10 +124,10 @@ class DraftFeed:
     """
 
     def __init__(self, on_done: Callable[[Any], None] | None = None) -> None:
-        self.pending: dict[str, Any] | None = None
+        self.pending: Draft | None = None
         self._on_done = on_done
 
-    def next(self, inbox: queue.Queue[dict[str, Any]]) -> dict[str, Any]:
+    def next(self, inbox: queue.Queue[WireMessage]) -> WireMessage:
         while True:
             if self.pending is None:
                 message = inbox.get()
@@ -134,13 +136,13 @@ class DraftFeed:
                     message = inbox.get_nowait()
                 except queue.Empty:
                     return self.pending
-            if message.get("type") == "draft":
+            if isinstance(message, Draft):
                 self._end()
-                self.pending = message if message.get("draft") else None
+                self.pending = message if message.draft else None
                 if self.pending is None and self._on_done is not None:
-                    self._on_done(message.get("id"))
+                    self._on_done(message.id)
                 continue
-            if message.get("type") in ("turn", "shutdown"):
+            if isinstance(message, (Turn, Shutdown)):
                 self._end()
             return message
 
@@ -151,5 +153,5 @@ class DraftFeed:
 
     def _end(self) -> None:
         if self.pending is not None and self._on_done is not None:
-            self._on_done(self.pending.get("id"))
+            self._on_done(self.pending.id)
         self.pending = None

@@ -141,7 +141,7 @@ def run_serve(opts: ServeOptions) -> int:
             defaults=api.Defaults(max_tokens=opts.max_tokens, temperature=opts.temp),
             use_cache=keep_cache(opts),
             log=lambda line: print(line, file=sys.stderr, flush=True),
-            failure=lambda: getattr(client, "failure", None) or (failed[0] if failed else None),
+            failure=lambda: client.failure or (failed[0] if failed else None),
         )
         config = uvicorn.Config(
             build_app(service),

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from exokv.client import Client
 from exokv.errors import ExokvError, PromptTooLong
 from exokv.records import RowOutcome, TurnRequest, TurnResult
 from exokv.serve.api import ApiError, StopText
@@ -78,7 +79,7 @@ class TurnQueue:
 
     def __init__(
         self,
-        client: Any,
+        client: Client,
         size: int,
         record: Callable[[Job], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
@@ -254,7 +255,7 @@ class TurnQueue:
             job.fail(_too_long(err.tokens, err.context))
         elif isinstance(err, ExokvError):
             job.fail(ApiError(500, f"the turn failed: {err}"))
-            failure = getattr(self.client, "failure", None)  # the ranks are gone
+            failure = self.client.failure  # the ranks are gone
             if failure and self.on_failure is not None:
                 self.on_failure(failure)
         else:

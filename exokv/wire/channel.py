@@ -1,10 +1,11 @@
 """The small channel between the front end and rank 0.
 
 Wire format: a 4-byte big-endian length, then that many bytes of one UTF-8 JSON
-object. Nothing but JSON ever crosses it (no pickle off the network), every
-message has a size limit, and a connection must present the random token in its
-first message before anything it says is believed. A connection that does not
-is answered with one `refused` message and closed; the chat never notices.
+object: a message of exokv.wire.messages. Nothing but JSON ever crosses it (no
+pickle off the network), every message has a size limit, and a connection must
+present the random token in its first message before anything it says is
+believed. A connection that does not is answered with one `refused` message and
+closed; the chat never notices.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from exokv.errors import ExokvError
+from exokv.wire import messages
+from exokv.wire.messages import Hello, Message, Refused, Welcome
 
 MAX_MESSAGE = 16 * 1024 * 1024  # a whole conversation plus a turn's cache report fits
 HELLO_LIMIT = 4096  # the first message of a connection: the token and a few fields
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to present the token
 _HEADER = struct.Struct(">I")
+_NOT_HELLO = "the first message was not a hello with a token"
 
 
 class ChannelError(ExokvError):
@@ -34,8 +38,12 @@ class MessageTooLarge(ChannelError):
     """A message over the size limit, refused before any of it was sent or read."""
 
 
-def encode(message: dict[str, Any], limit: int = MAX_MESSAGE) -> bytes:
-    """One framed message; refuses (raises) rather than sending more than `limit` bytes."""
+class MalformedMessage(ChannelError):
+    """JSON that is not a message (exokv.wire.messages.decode refused it)."""
+
+
+def frame(message: dict[str, Any], limit: int = MAX_MESSAGE) -> bytes:
+    """One framed JSON object; refuses (raises) rather than sending more than `limit` bytes."""
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     if len(body) > limit:
         raise MessageTooLarge(f"message of {len(body)} bytes is over the {limit}-byte limit")
@@ -43,7 +51,7 @@ def encode(message: dict[str, Any], limit: int = MAX_MESSAGE) -> bytes:
 
 
 class Connection:
-    """One framed JSON connection; `send` may be called from several threads."""
+    """One framed connection of messages; `send` may be called from several threads."""
 
     def __init__(self, sock: socket.socket, limit: int = MAX_MESSAGE) -> None:
         self.sock = sock
@@ -51,15 +59,15 @@ class Connection:
         self._send_lock = threading.Lock()
         self._closed = False
 
-    def send(self, message: dict[str, Any]) -> None:
-        data = encode(message, self.limit)
+    def send(self, message: Message) -> None:
+        data = frame(messages.encode(message), self.limit)
         with self._send_lock:
             try:
                 self.sock.sendall(data)
             except OSError as err:
                 raise ChannelError(f"channel closed while sending ({err})") from None
 
-    def recv(self, limit: int | None = None) -> dict[str, Any] | None:
+    def recv(self, limit: int | None = None) -> Message | None:
         """The next message, or None at a clean end of stream.
 
         A length over the limit is refused before its body is read, so a peer
@@ -75,12 +83,13 @@ class Connection:
         body = self._read(size, eof_ok=False)
         assert body is not None
         try:
-            message = json.loads(body.decode())
+            data = json.loads(body.decode())
         except (UnicodeDecodeError, ValueError):
             raise ChannelError("a message that is not JSON") from None
-        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-            raise ChannelError("a message that is not a JSON object with a type")
-        return message
+        try:
+            return messages.decode(data)
+        except messages.MessageError as err:
+            raise MalformedMessage(str(err)) from None
 
     def close(self) -> None:
         if self._closed:
@@ -124,7 +133,7 @@ class ChannelServer:
         self.limit = limit
         self.refused: list[str] = []  # why each refused connection was refused
         self.peer: Connection | None = None
-        self.hello: dict[str, Any] = {}
+        self.hello: Hello | None = None
         self._connected = threading.Event()
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, 0))
@@ -160,13 +169,15 @@ class ChannelServer:
         conn = Connection(sock, self.limit)
         sock.settimeout(HANDSHAKE_TIMEOUT)
         try:
-            hello = conn.recv(limit=HELLO_LIMIT)
+            try:
+                hello = conn.recv(limit=HELLO_LIMIT)
+            except MalformedMessage:
+                raise ChannelError(_NOT_HELLO) from None
             if hello is None:
                 raise ChannelError("closed before presenting a token")
-            token = hello.get("token")
-            if hello["type"] != "hello" or not isinstance(token, str):
-                raise ChannelError("the first message was not a hello with a token")
-            if not hmac.compare_digest(token.encode(), self.token.encode()):
+            if not isinstance(hello, Hello):
+                raise ChannelError(_NOT_HELLO)
+            if not hmac.compare_digest(hello.token.encode(), self.token.encode()):
                 raise ChannelError("wrong token")
             with self._lock:
                 if self.peer is not None:
@@ -174,7 +185,7 @@ class ChannelServer:
                 self.peer = conn
             sock.settimeout(None)
             self.hello = hello
-            conn.send({"type": "welcome"})
+            conn.send(Welcome())
             self._connected.set()
         except Exception as err:  # noqa: BLE001 - whatever a stranger sends ends in a refusal
             # (json.loads itself raises RecursionError on a deeply nested hello.)
@@ -182,7 +193,7 @@ class ChannelServer:
                 err = ChannelError(f"a malformed hello ({type(err).__name__})")
             self.refused.append(str(err))
             try:
-                conn.send({"type": "refused", "reason": str(err)})
+                conn.send(Refused(str(err)))
             except ChannelError:
                 pass
             conn.close()
@@ -201,11 +212,11 @@ def connect(
             errors.append(f"{address}: {err}")
             continue
         conn = Connection(sock)
-        conn.send({"type": "hello", "token": token, **(info or {})})
+        conn.send(Hello(token, **(info or {})))
         reply = conn.recv()
-        if reply is None or reply["type"] != "welcome":
+        if not isinstance(reply, Welcome):
             conn.close()
-            reason = (reply or {}).get("reason", "connection closed")
+            reason = reply.reason if isinstance(reply, Refused) else "connection closed"
             raise ChannelError(f"the front end refused rank 0: {reason}")
         sock.settimeout(None)
         return conn

@@ -1,0 +1,63 @@
+"""A client with every member of the `Client` Protocol and nothing behind them: the
+test fakes subclass it and give the members they fake (turn, mostly)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
+
+
+class StubClient:
+    ranks = 1
+    failure: str | None = None
+    budgets: list[int | None] = [None]
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        raise NotImplementedError("this fake runs no turns")
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+        on_row: Callable[[int, RowOutcome], None] | None = None,
+    ) -> list[RowOutcome]:
+        raise NotImplementedError("this fake runs no batches")
+
+    def stop(self) -> None:
+        pass
+
+    def stop_now(self) -> None:
+        pass
+
+    def stop_row(self, row: int) -> None:
+        pass
+
+    def release_thread(self) -> None:
+        pass
+
+    def draft(
+        self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
+    ) -> None:
+        pass
+
+    def reply_tokens(self, reply: str) -> list[int] | None:
+        return None
+
+    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
+        pass
+
+    def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        return CacheFileReport(session=session, skipped="nothing cached")
+
+    def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+        return CacheFileReport(session=session)
+
+    def close(self) -> None:
+        pass
