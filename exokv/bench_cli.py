@@ -66,7 +66,7 @@ def bench(
         raise UsageError(f"--ranks must be at least 1 (got {ranks})")
     budget = None
     if cache_budget is not None:
-        from exokv.config import parse_size
+        from exokv.sizes import parse_size
 
         try:
             budget = parse_size(cache_budget)

@@ -238,8 +238,8 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
     from exokv.chat.resume import resolve
-    from exokv.config import parse_size
     from exokv.serve.run import ServeOptions, run_serve
+    from exokv.sizes import parse_size
 
     _check_layout(backend, parallel, restarts)
     settled = resolve(None, model, max_kv_size)

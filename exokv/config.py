@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
 from exokv.errors import UsageError
+from exokv.sizes import parse_size
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MEMORY_THRESHOLD = 0.9
-
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "KB": 1000,
-    "KIB": 1024,
-    "M": 1000**2,
-    "MB": 1000**2,
-    "MIB": 1024**2,
-    "G": 1000**3,
-    "GB": 1000**3,
-    "GIB": 1024**3,
-    "T": 1000**4,
-    "TB": 1000**4,
-    "TIB": 1024**4,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
 def exokv_home() -> Path:
@@ -67,15 +49,6 @@ def debug_enabled() -> bool:
     return os.environ.get("EXOKV_DEBUG", "") not in ("", "0")
 
 
-def parse_size(text: str) -> int:
-    """'2GB' -> 2_000_000_000; '64MiB' -> 67_108_864. Raises UsageError."""
-    match = _SIZE.match(text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS:
-        raise UsageError(f"invalid size {text!r}: use a number with B, KB, MB, GB or KiB, MiB, GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
 def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
     """'64MB,16MB' -> one budget per rank; a single value applies to every rank."""
     if text is None:
@@ -91,11 +64,3 @@ def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
             f"--cache-budget has {len(sizes)} values for {ranks} ranks: give one, or one per rank"
         )
     return sizes
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"

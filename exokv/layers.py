@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.layers",
             "exokv.errors",
             "exokv.records",
+            "exokv.sizes",
             "exokv.config",
             "exokv.prompt",
             "exokv.tables",

@@ -58,7 +58,7 @@ def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
 def parse_disk_budget(text: str, where: Path, ranks_here: int = 1) -> int:
     """'20GB' -> bytes; 'auto' -> a share of the free space at `where` (divided among
     the ranks sharing this machine's disk); '0' -> 0 (off)."""
-    from exokv.config import parse_size
+    from exokv.sizes import parse_size
 
     text = text.strip()
     if text == "0":
@@ -124,7 +124,7 @@ def disk_budget_text(opts: Any) -> str | None:
 
 
 def _is_zero(size: str) -> bool:
-    from exokv.config import parse_size
+    from exokv.sizes import parse_size
 
     try:
         return size.strip() != "" and parse_size(size.strip()) == 0

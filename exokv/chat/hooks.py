@@ -23,9 +23,9 @@ from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plu
 from exokv.client import Client
 from exokv.rank.kvsave import CacheFileReport
 from exokv.records import CacheEvent, TurnResult
+from exokv.sizes import format_size
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
-from exokv.tables import size as format_size
 
 _UNSET = object()
 
