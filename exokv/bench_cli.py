@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from typing import Any
@@ -95,7 +94,9 @@ def bench(
         from exokv.bench.report import check_plot_available
 
         check_plot_available()
-    model = model or os.environ.get("EXOKV_MODEL") or BENCH_DEFAULT_MODEL
+    from exokv.config import default_model
+
+    model = model or default_model(BENCH_DEFAULT_MODEL)
 
     from exokv.bench import report, runner
 
