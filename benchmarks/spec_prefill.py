@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from exokv.chat.run import ChatOptions
+    from exokv.chat.run import ChatOptions, validate
     from exokv.client import make_client
     from exokv.rank import typeahead
     from exokv.records import TurnRequest
@@ -71,7 +71,7 @@ def main() -> None:
     opts = ChatOptions(
         model=args.model, ranks=args.ranks, starting_port=args.starting_port, restarts=0
     )
-    client = make_client(opts)
+    client = make_client(validate(opts))
     probe = StallProbe()
     load = [os.getloadavg()[0]]
     first = [{"role": "user", "content": FIRST}]

@@ -73,9 +73,9 @@ def bench(
             raise UsageError(f"--cache-budget: {err}") from None
         if budget <= 0:
             raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
-    from exokv.cache.tiers import validate_tier_options
+    from exokv.cache.tiers import check_kv_quantization
 
-    validate_tier_options(None, kv_bits, kv_group_size)
+    check_kv_quantization(kv_bits, kv_group_size)
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
     # shared-prefix gives its conversations' turns the half of --context that its

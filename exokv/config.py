@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exokv.errors import UsageError
-from exokv.sizes import parse_size
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MEMORY_THRESHOLD = 0.9
@@ -186,20 +185,3 @@ def fake_pressure_hook(rank: int) -> float | None:
     except ValueError:
         raise UsageError(f"{TEST_FAKE_PRESSURE.name}={text!r} is not a list of fractions") from None
     return values[rank] if rank < len(values) else values[-1]
-
-
-def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
-    """'64MB,16MB' -> one budget per rank; a single value applies to every rank."""
-    if text is None:
-        return None
-    parts = [p for p in text.split(",")]
-    if any(not p.strip() for p in parts):
-        raise UsageError(f"invalid --cache-budget {text!r}: an empty value between commas")
-    sizes = [parse_size(p) for p in parts]
-    if len(sizes) == 1:
-        return sizes * ranks
-    if len(sizes) != ranks:
-        raise UsageError(
-            f"--cache-budget has {len(sizes)} values for {ranks} ranks: give one, or one per rank"
-        )
-    return sizes

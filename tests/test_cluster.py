@@ -22,10 +22,11 @@ import psutil
 import pytest
 from chat_helpers import home_with_models
 
-from exokv.chat.run import ChatOptions
-from exokv.client.cluster import ClusterClient, diagnose, parse_split
+from exokv.chat.run import ChatOptions, validate
+from exokv.client.cluster import ClusterClient, diagnose
 from exokv.config import FORWARDED_ENV
 from exokv.errors import UsageError
+from exokv.options import parse_split
 from exokv.records import TurnRequest
 from exokv.wire.launch import plan_launch, read_hostfile
 
@@ -295,7 +296,7 @@ def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monk
         model="builtin:tiny", ranks=2, parallel="tensor", max_tokens=8, starting_port=25120
     )
     before = set(p.pid for p in psutil.Process().children(recursive=True))
-    client = ClusterClient(opts, None)
+    client = ClusterClient(validate(opts))
     kids = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     messages: list[dict[str, str]] = []
     try:
@@ -412,8 +413,6 @@ def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Pat
 
 
 def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
-    from exokv.chat.run import ChatOptions, validate
-
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(
         json.dumps([{"ssh": "mac-a", "ips": ["10.0.0.1"]}, {"ssh": "mac-b", "ips": ["10.0.0.2"]}])
