@@ -57,6 +57,7 @@ def main() -> None:
 
     from exokv.chat.run import ChatOptions, validate
     from exokv.client import make_client
+    from exokv.config import exokv_home
     from exokv.rank import typeahead
     from exokv.records import TurnRequest
 
@@ -64,7 +65,7 @@ def main() -> None:
     if args.ranks > 1 and chunks != [typeahead.SPEC_CHUNK]:
         raise SystemExit("--chunks: one rank only (the ranks' step size is theirs)")
     home = Path(tempfile.mkdtemp(prefix="exokv-specprefill-"))
-    models = Path(os.environ.get("EXOKV_HOME", Path.home() / ".exokv")) / "models"
+    models = exokv_home() / "models"
     if models.is_dir():
         (home / "models").symlink_to(models)
     os.environ["EXOKV_HOME"] = str(home)
