@@ -21,7 +21,7 @@ import os
 import statistics
 from typing import Any
 
-from exokv.chat.run import ChatOptions
+from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
 from exokv.config import exokv_home
 from exokv.model.resolve import load_model
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ["EXOKV_RANK_LOG"] = "1"
     log = exokv_home() / "ranks" / "rank-0.jsonl"
     start = log.stat().st_size if log.exists() else 0
-    client = ClusterClient(opts, None)
+    client = ClusterClient(validate(opts))
     rows = []
     requests = []
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]

@@ -23,7 +23,7 @@ from typing import Any
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.chat.run import ChatOptions
+from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         disk_budget="0",
     )
-    client = ClusterClient(opts, None)
+    client = ClusterClient(validate(opts))
     runs: dict[str, list[dict[str, Any]]] = {"mlx_lm": [], "exokv": [], "exokv_2_ranks": []}
     try:
         do = {

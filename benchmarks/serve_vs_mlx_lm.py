@@ -415,13 +415,14 @@ def main() -> None:
         return
     args = parse_args()
 
+    from exokv.config import exokv_home
     from exokv.errors import ExokvError
     from exokv.model.resolve import resolve_model
 
     home = Path(tempfile.mkdtemp(prefix="serve-bench-"))
     serial_home = Path(tempfile.mkdtemp(prefix="serve-bench-serial-"))
     try:
-        source = Path(os.environ.get("EXOKV_HOME", home))
+        source = exokv_home()
         if (source / "models").exists() and source != home:
             (home / "models").symlink_to(source / "models", target_is_directory=True)
         os.environ["EXOKV_HOME"] = str(home)

@@ -55,8 +55,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from exokv.chat.run import ChatOptions
+    from exokv.chat.run import ChatOptions, validate
     from exokv.client import make_client
+    from exokv.config import exokv_home
     from exokv.rank import typeahead
     from exokv.records import TurnRequest
 
@@ -64,14 +65,14 @@ def main() -> None:
     if args.ranks > 1 and chunks != [typeahead.STEP_TOKENS]:
         raise SystemExit("--chunks: one rank only (the ranks' step size is theirs)")
     home = Path(tempfile.mkdtemp(prefix="exokv-specprefill-"))
-    models = Path(os.environ.get("EXOKV_HOME", Path.home() / ".exokv")) / "models"
+    models = exokv_home() / "models"
     if models.is_dir():
         (home / "models").symlink_to(models)
     os.environ["EXOKV_HOME"] = str(home)
     opts = ChatOptions(
         model=args.model, ranks=args.ranks, starting_port=args.starting_port, restarts=0
     )
-    client = make_client(opts)
+    client = make_client(validate(opts))
     probe = StallProbe()
     load = [os.getloadavg()[0]]
     first = [{"role": "user", "content": FIRST}]

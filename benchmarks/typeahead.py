@@ -180,6 +180,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from exokv.config import exokv_home
+
     work = Path(tempfile.mkdtemp(prefix="exokv-typeahead-"))
     modes: dict[str, Any] = {}
     probe = StallProbe()
@@ -188,7 +190,7 @@ def main() -> None:
             name = "typeahead" if typeahead else "off"
             home = work / name
             home.mkdir()
-            models = Path(os.environ.get("EXOKV_HOME", Path.home() / ".exokv")) / "models"
+            models = exokv_home() / "models"
             if models.is_dir():
                 (home / "models").symlink_to(models)  # builtins are made once
             modes[name] = run_mode(home, args, typeahead, probe)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from typing import Any
@@ -66,7 +65,7 @@ def bench(
         raise UsageError(f"--ranks must be at least 1 (got {ranks})")
     budget = None
     if cache_budget is not None:
-        from exokv.config import parse_size
+        from exokv.sizes import parse_size
 
         try:
             budget = parse_size(cache_budget)
@@ -74,9 +73,9 @@ def bench(
             raise UsageError(f"--cache-budget: {err}") from None
         if budget <= 0:
             raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
-    from exokv.cache.tier_options import validate_tier_options
+    from exokv.cache.tier_options import check_kv_quantization
 
-    validate_tier_options(None, kv_bits, kv_group_size)
+    check_kv_quantization(kv_bits, kv_group_size)
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
     # shared-prefix gives its conversations' turns the half of --context that its
@@ -95,7 +94,9 @@ def bench(
         from exokv.bench.report import check_plot_available
 
         check_plot_available()
-    model = model or os.environ.get("EXOKV_MODEL") or BENCH_DEFAULT_MODEL
+    from exokv.config import default_model
+
+    model = model or default_model(BENCH_DEFAULT_MODEL)
 
     from exokv.bench import report, runner
 

@@ -22,6 +22,7 @@ from rich.text import Text
 from exokv import tables
 from exokv.config import exokv_home
 from exokv.errors import ExokvError, UsageError
+from exokv.sizes import format_size
 from exokv.state import Store, caches_dir, clear_saved_caches, queries, running_chats
 from exokv.tables import Column
 
@@ -196,7 +197,7 @@ def entries(
     ]
     cells = []
     for r in rows:
-        sizes = [tables.size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in range(width)]
+        sizes = [format_size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in range(width)]
         parent = "-" if r["parent"] is None else str(r["parent"])
         row = [str(r["id"]), parent, r["session"], tables.num(r["tokens"]), tables.num(r["depth"])]
         row += [r.get("tier", "ram"), *sizes, tables.num(r["hits"]), tables.when(r["last_used"])]
@@ -250,12 +251,12 @@ def pressure(
                 _rank_label(r, many),
                 tables.pct(r["pressure"], 100),
                 _bar(level),
-                tables.size(r["cache_bytes"]),
-                tables.size(r["budget"]),
+                format_size(r["cache_bytes"]),
+                format_size(r["budget"]),
                 tables.share(r["cache_bytes"], r["budget"]),
-                tables.size(r["rss"]),
-                tables.size(r["mlx_active"]),
-                tables.size(r["ram_total"]),
+                format_size(r["rss"]),
+                format_size(r["mlx_active"]),
+                format_size(r["ram_total"]),
                 Text(spark, style=_level(level)),
                 tables.when(r["time"]),
             ]

@@ -12,7 +12,7 @@ import typer.core
 
 from exokv import __version__
 from exokv.chat.signals import Terminated
-from exokv.config import debug_enabled
+from exokv.config import API_KEY, debug_enabled
 from exokv.errors import ExokvError, UsageError
 
 app = typer.Typer(
@@ -221,8 +221,8 @@ def serve(
     api_key: str = typer.Option(
         None,
         "--api-key",
-        envvar="EXOKV_API_KEY",
-        help="require 'Authorization: Bearer KEY' (or set EXOKV_API_KEY)",
+        envvar=API_KEY.name,
+        help=f"require 'Authorization: Bearer KEY' (or set {API_KEY.name})",
     ),
     queue: int = typer.Option(64, "--queue", help="requests that may wait; more get 503"),
     batch: int = typer.Option(
@@ -238,8 +238,8 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
     from exokv.chat.resume import resolve
-    from exokv.config import parse_size
     from exokv.serve.run import ServeOptions, run_serve
+    from exokv.sizes import parse_size
 
     _check_layout(backend, parallel, restarts)
     settled = resolve(None, model, max_kv_size)

@@ -1,10 +1,19 @@
-"""Settings from the environment, state paths and size parsing."""
+"""exokv's settings: every EXOKV_* environment variable, declared once and read here alone.
+
+`SETTINGS` is the registry: each variable's name, the kind of value it takes, its
+default and one line of help; the accessors below are the only readers of the
+environment. The user-facing ones are listed in docs/settings.md (a test keeps it
+complete). The test hooks, each named EXOKV_TEST_*, let the test suite play failures
+and slow or short-of-memory machines; they change what exokv does, so a user never
+sets them. A setting marked `forwarded` reaches ranks on other machines
+(`mlx.launch --env`): local ranks inherit the whole environment anyway.
+"""
 
 from __future__ import annotations
 
 import os
-import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from exokv.errors import UsageError
@@ -12,28 +21,111 @@ from exokv.errors import UsageError
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MEMORY_THRESHOLD = 0.9
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "KB": 1000,
-    "KIB": 1024,
-    "M": 1000**2,
-    "MB": 1000**2,
-    "MIB": 1024**2,
-    "G": 1000**3,
-    "GB": 1000**3,
-    "GIB": 1024**3,
-    "T": 1000**4,
-    "TB": 1000**4,
-    "TIB": 1024**4,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+@dataclass(frozen=True)
+class Setting:
+    """One EXOKV_* environment variable."""
+
+    name: str
+    kind: str  # the value it takes, as the docs show it
+    default: str  # what applies when it is unset, as the docs show it
+    help: str
+    forwarded: bool = False  # ranks on other hosts get it too (never a secret)
+    test: bool = False  # a test hook (EXOKV_TEST_*): not for users
+
+    def text(self) -> str | None:
+        """The value as set; None when unset or empty."""
+        return os.environ.get(self.name) or None
+
+    def on(self) -> bool:
+        """A switch: on unless unset, empty or 0."""
+        return os.environ.get(self.name, "") not in ("", "0")
+
+
+HOME = Setting(
+    "EXOKV_HOME",
+    "path",
+    "~/Library/Application Support/exokv (macOS), $XDG_STATE_HOME/exokv or ~/.local/state/exokv",
+    "where exokv keeps its state: the database, the disk tier, history and models",
+)
+MODELS = Setting(
+    "EXOKV_MODELS",
+    "path",
+    "~/Library/Caches/exokv/models (macOS), $XDG_CACHE_HOME/exokv/models or ~/.cache/exokv/models",
+    "converted real models, shared by every EXOKV_HOME on this machine",
+)
+MODEL = Setting(
+    "EXOKV_MODEL",
+    "model name",
+    DEFAULT_MODEL,
+    "the model when --model is not given (as --model takes it)",
+)
+DEBUG = Setting(
+    "EXOKV_DEBUG",
+    "1 or 0",
+    "0",
+    "tracebacks with errors, and the ranks' own output on stderr",
+    forwarded=True,
+)
+RANK_LOG = Setting(
+    "EXOKV_RANK_LOG",
+    "1 or 0",
+    "0",
+    "each rank logs every turn (its cache decision, events, collectives) to "
+    "EXOKV_HOME/ranks/rank-N.jsonl",
+    forwarded=True,
+)
+API_KEY = Setting(
+    "EXOKV_API_KEY",
+    "text",
+    "none",
+    "exokv serve: the key requests must bring (as --api-key)",
+)
+
+# -- test hooks ---------------------------------------------------------------------
+
+TEST_FAIL_AT = Setting(
+    "EXOKV_TEST_FAIL_AT",
+    "RANK:PHASE (prefill, decode or insert)",
+    "none",
+    "that rank raises when a turn reaches that phase, as a real failure there would",
+    forwarded=True,
+    test=True,
+)
+TEST_SLOW_TEXTS = Setting(
+    "EXOKV_TEST_SLOW_TEXTS",
+    "seconds",
+    "0",
+    "the front end takes this long over each message of text (a front end that lags)",
+    test=True,
+)
+TEST_FAKE_PRESSURE = Setting(
+    "EXOKV_TEST_FAKE_PRESSURE",
+    "fractions, one per rank (0.5 or 0.5,0.97)",
+    "the real pressure",
+    "pins each rank's memory pressure, so eviction acts as on a machine short of memory",
+    forwarded=True,
+    test=True,
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    HOME,
+    MODELS,
+    MODEL,
+    DEBUG,
+    RANK_LOG,
+    API_KEY,
+    TEST_FAIL_AT,
+    TEST_SLOW_TEXTS,
+    TEST_FAKE_PRESSURE,
+)
+# What a rank on another machine should see as this one does.
+FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
 
 
 def exokv_home() -> Path:
     """The state directory: EXOKV_HOME, else the platform's per-user state dir."""
-    env = os.environ.get("EXOKV_HOME")
+    env = HOME.text()
     if env:
         return Path(env).expanduser()
     if sys.platform == "darwin":
@@ -49,7 +141,7 @@ def machine_models_dir() -> Path:
     EXOKV_MODELS, else the platform's per-user cache dir: a conversion is
     redone from its source if lost, and tests and sessions share one copy.
     """
-    env = os.environ.get("EXOKV_MODELS")
+    env = MODELS.text()
     if env:
         return Path(env).expanduser()
     if sys.platform == "darwin":
@@ -59,43 +151,37 @@ def machine_models_dir() -> Path:
     return base / "exokv" / "models"
 
 
-def default_model() -> str:
-    return os.environ.get("EXOKV_MODEL") or DEFAULT_MODEL
+def default_model(fallback: str = DEFAULT_MODEL) -> str:
+    """EXOKV_MODEL, else `fallback` (`exokv bench` has a default of its own)."""
+    return MODEL.text() or fallback
 
 
 def debug_enabled() -> bool:
-    return os.environ.get("EXOKV_DEBUG", "") not in ("", "0")
+    return DEBUG.on()
 
 
-def parse_size(text: str) -> int:
-    """'2GB' -> 2_000_000_000; '64MiB' -> 67_108_864. Raises UsageError."""
-    match = _SIZE.match(text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _UNITS:
-        raise UsageError(f"invalid size {text!r}: use a number with B, KB, MB, GB or KiB, MiB, GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+def rank_log_enabled() -> bool:
+    return RANK_LOG.on()
 
 
-def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
-    """'64MB,16MB' -> one budget per rank; a single value applies to every rank."""
-    if text is None:
+def fail_at_hook() -> str:
+    """EXOKV_TEST_FAIL_AT as set ("" when unset); exokv.rank.main reads its RANK:phase."""
+    return os.environ.get(TEST_FAIL_AT.name, "")
+
+
+def slow_texts_hook() -> float:
+    """EXOKV_TEST_SLOW_TEXTS in seconds (0: no lag)."""
+    return float(TEST_SLOW_TEXTS.text() or 0)
+
+
+def fake_pressure_hook(rank: int) -> float | None:
+    """The pressure EXOKV_TEST_FAKE_PRESSURE pins for `rank` (the last value for ranks
+    beyond the list); None when unset."""
+    text = TEST_FAKE_PRESSURE.text()
+    if not text:
         return None
-    parts = [p for p in text.split(",")]
-    if any(not p.strip() for p in parts):
-        raise UsageError(f"invalid --cache-budget {text!r}: an empty value between commas")
-    sizes = [parse_size(p) for p in parts]
-    if len(sizes) == 1:
-        return sizes * ranks
-    if len(sizes) != ranks:
-        raise UsageError(
-            f"--cache-budget has {len(sizes)} values for {ranks} ranks: give one, or one per rank"
-        )
-    return sizes
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{TEST_FAKE_PRESSURE.name}={text!r} is not a list of fractions") from None
+    return values[rank] if rank < len(values) else values[-1]

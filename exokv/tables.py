@@ -20,6 +20,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from exokv.sizes import format_size
+
 ESSENTIAL = 0  # a column of this priority is never dropped (rows stack instead)
 
 
@@ -123,20 +125,6 @@ def _stacked(
 # -- cells --------------------------------------------------------------------------
 
 
-def size(n: float | None) -> str:
-    """Compact bytes: `512 B`, `4.1 KB`, `557 KB`, `23 GB` (three digits at most)."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(value) < 999.5 or unit == "TB":
-            if unit == "B" or abs(value) >= 9.95:
-                return f"{value:.0f} {unit}"
-            return f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.0f} TB"
-
-
 def when(stamp: str | None, today: datetime | None = None) -> str:
     """An ISO time as `20:53:07` today, `11-29 20:53` on another day."""
     if not stamp:
@@ -189,10 +177,10 @@ def stats_row(row: dict[str, Any], label: Cell) -> list[Cell]:
         label,
         num(row.get("entries")),
         num(row.get("cached_tokens")),
-        size(row.get("bytes", row.get("cache_bytes"))),
-        size(row.get("budget")),
+        format_size(row.get("bytes", row.get("cache_bytes"))),
+        format_size(row.get("budget")),
         pct(row.get("budget_pct")),
-        size(row.get("disk_bytes")),
+        format_size(row.get("disk_bytes")),
         num(row.get("hits")),
         num(row.get("misses")),
         pct(row.get("hit_rate"), 100),
@@ -234,7 +222,7 @@ def evictions_table(
     ]
     cells: list[Sequence[Cell] | None] = []
     for r in rows:
-        freed = [size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in ranks]
+        freed = [format_size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in ranks]
         pressures = " ".join(f"r{k} {pct(p, 100)}" for k, p in enumerate(r.get("pressures", [])))
         cells.append(
             [

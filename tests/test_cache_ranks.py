@@ -45,7 +45,7 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     model, extra, budgets = CASES[case]
     models = models_dir if model == "builtin:tiny" else zoo_models(tmp_path_factory)
     home = home_with_models(tmp_path / "two", models, link=True)
-    env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
+    env = {"EXOKV_RANK_LOG": "1", "EXOKV_TEST_FAKE_PRESSURE": "0.3"}
     args = _two_ranks(CASES[case], 27510 + 10 * list(CASES).index(case))
     turns = run_script(home, SCRIPT, *args, env=env)
     if not extra:  # --max-kv-size: a rotating cache's replies depend on the chunking

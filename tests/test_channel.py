@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exokv.chat.run import ChatOptions
+from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
 from exokv.records import TurnRequest
 from exokv.wire import channel
@@ -101,7 +101,7 @@ def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setenv("EXOKV_HOME", str(home))
     monkeypatch.delenv("EXOKV_DEBUG", raising=False)
     opts = ChatOptions(model="builtin:tiny", ranks=2, max_tokens=8, starting_port=25160)
-    client = ClusterClient(opts, None)
+    client = ClusterClient(validate(opts))
     kids = psutil.Process().children(recursive=True)
     try:
         messages = [{"role": "user", "content": "Hello, who are you?"}]

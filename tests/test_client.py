@@ -35,10 +35,10 @@ def test_each_client_implements_every_member(cls: type) -> None:
 
 
 def test_one_local_rank_gets_the_engine_in_process() -> None:
-    from exokv.chat.run import ChatOptions
-    from exokv.config import parse_budgets
+    from exokv.chat.run import ChatOptions, validate
+    from exokv.options import parse_budgets
 
-    client = make_client(ChatOptions(model="builtin:tiny", seed=0, cache_budget="1MB"))
+    client = make_client(validate(ChatOptions(model="builtin:tiny", seed=0, cache_budget="1MB")))
     try:
         assert isinstance(client, LocalClient)
         assert client.ranks == 1 and client.budgets == parse_budgets("1MB", 1)

@@ -22,11 +22,13 @@ import psutil
 import pytest
 from chat_helpers import Chat, home_with_models
 
-from exokv.chat.run import ChatOptions
-from exokv.client.cluster import ClusterClient, diagnose, parse_split
+from exokv.chat.run import ChatOptions, validate
+from exokv.client.cluster import ClusterClient, diagnose
+from exokv.config import FORWARDED_ENV
 from exokv.errors import UsageError
+from exokv.options import parse_split
 from exokv.records import TurnRequest
-from exokv.wire.launch import FORWARDED_ENV, plan_launch, read_hostfile
+from exokv.wire.launch import plan_launch, read_hostfile
 
 SCRIPT = [
     "Hello, who are you?",
@@ -93,11 +95,13 @@ def test_plan_remote_hosts_forward_settings_not_secrets(tmp_path: Path) -> None:
             {"hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]}
         )
     )
-    plan = plan_launch(["py"], hostfile=str(hostfile), env={"EXOKV_FAKE_PRESSURE": "0.5", "X": "1"})
+    plan = plan_launch(
+        ["py"], hostfile=str(hostfile), env={"EXOKV_TEST_FAKE_PRESSURE": "0.5", "X": "1"}
+    )
     assert plan.ranks == 2 and not plan.local and plan.bind_host != "0.0.0.0"
-    assert "EXOKV_FAKE_PRESSURE=0.5" in plan.argv
+    assert "EXOKV_TEST_FAKE_PRESSURE=0.5" in plan.argv
     assert not any("X=1" == a or "TOKEN" in a for a in plan.argv)
-    assert set(FORWARDED_ENV) >= {"EXOKV_FAKE_PRESSURE"}
+    assert set(FORWARDED_ENV) >= {"EXOKV_TEST_FAKE_PRESSURE"}
 
 
 @pytest.mark.parametrize(
@@ -230,7 +234,7 @@ def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monk
         model="builtin:tiny", ranks=2, parallel="tensor", max_tokens=8, starting_port=25120
     )
     before = set(p.pid for p in psutil.Process().children(recursive=True))
-    client = ClusterClient(opts, None)
+    client = ClusterClient(validate(opts))
     kids = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     messages: list[dict[str, str]] = []
     try:
@@ -258,7 +262,7 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
     # budget and drives every eviction; rank 0 must evict the same entries although
     # it has room, or the next turn would prefill from different points.
     home = home_with_models(tmp_path / "two", models_dir)
-    env = {"EXOKV_RANK_LOG": "1", "EXOKV_FAKE_PRESSURE": "0.3"}
+    env = {"EXOKV_RANK_LOG": "1", "EXOKV_TEST_FAKE_PRESSURE": "0.3"}
     args = ("-n", "2", "--split", "3,1", "--cache-budget", "1MB,20KB", "--disk-budget", "0")
     args += ("--starting-port", "25140")
     two = run_script(home, SESSIONS_SCRIPT, *args, env=env)
@@ -347,8 +351,6 @@ def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Pat
 
 
 def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
-    from exokv.chat.run import ChatOptions, validate
-
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(
         json.dumps([{"ssh": "mac-a", "ips": ["10.0.0.1"]}, {"ssh": "mac-b", "ips": ["10.0.0.2"]}])

@@ -228,8 +228,8 @@ def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path)
     ("given", "budgets", "no_cache", "want"),
     [
         (None, "", False, "auto"),  # on by default
-        ("20GB", "", False, "20GB"),
-        ("0", "", False, "0"),
+        ("20GB", "", False, 20_000_000_000),
+        ("0", "", False, 0),
         (None, "0", False, None),  # --cache-budget 0 keeps nothing: nothing to spill
         (None, "2MB,0KB", False, None),
         (None, "1MB,2MB", False, "auto"),
@@ -237,11 +237,14 @@ def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path)
     ],
 )
 def test_the_disk_tier_is_on_unless_the_chat_keeps_nothing(given, budgets, no_cache, want):
-    from exokv.cache.tier_options import disk_budget_text, shown_disk_budget
-    from exokv.chat.run import ChatOptions
+    from exokv.cache.tier_options import shown_disk_budget
+    from exokv.chat.run import ChatOptions, validate
 
     opts = ChatOptions("builtin:tiny", disk_budget=given, cache_budget=budgets or None)
     opts.no_cache = no_cache
-    assert disk_budget_text(opts) == want
-    shown = shown_disk_budget(opts)
-    assert (shown is not None and shown > 0) == (want not in (None, "0"))
+    if "," in budgets:
+        opts.ranks = 2
+    cluster = validate(opts)
+    assert cluster.disk_budget == want
+    shown = shown_disk_budget(cluster)
+    assert (shown is not None and shown > 0) == (want not in (None, 0))

@@ -23,6 +23,7 @@ from rich.console import Console
 from exokv import tables
 from exokv.chat.conversation import Outcome
 from exokv.chat.render import Renderer
+from exokv.sizes import format_size
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,17 +89,17 @@ def test_cache_tables_fit(home: Path, command: str, width: int) -> None:
     if command == "stats":
         doc = _json(home, "cache", "stats")
         r = doc["ranks"][0]
-        must = [str(r["cached_tokens"]), tables.size(r["bytes"]), str(r["hits"])]
+        must = [str(r["cached_tokens"]), format_size(r["bytes"]), str(r["hits"])]
     elif command == "entries":
         rows = _json(home, "cache", "entries")["entries"]
         must = [e["session"] for e in rows] + [str(e["tokens"]) for e in rows]
     elif command == "pressure":
         r = _json(home, "cache", "pressure")["ranks"][0]
-        must = ["0", tables.size(r["cache_bytes"])]
+        must = ["0", format_size(r["cache_bytes"])]
     else:
         rows = _json(home, "cache", "evictions")["evictions"]
         assert rows, "the fixture's budget should have evicted entries"
-        must = [e["session"] for e in rows] + [tables.size(e["bytes"][0]) for e in rows]
+        must = [e["session"] for e in rows] + [format_size(e["bytes"][0]) for e in rows]
     _assert_fits(proc.stdout, width, must)
 
 
@@ -129,7 +130,7 @@ def test_chat_tables_fit(home: Path, width: int) -> None:
         evictions = chat.command("/evictions")
         sessions = chat.command("/sessions")
     rank = stats.data[0]
-    _assert_fits(_render(width, stats), width, [tables.size(rank["bytes"]), str(rank["hits"])])
+    _assert_fits(_render(width, stats), width, [format_size(rank["bytes"]), str(rank["hits"])])
     names = [e["session"] for e in evictions.data]
     _assert_fits(_render(width, evictions), width, names)
     _assert_fits(_render(width, sessions), width, ["paris", LONG])
@@ -145,7 +146,7 @@ def test_narrower_still_stacks_rather_than_cuts() -> None:
 
 
 def test_compact_sizes_and_times() -> None:
-    assert [tables.size(n) for n in (512, 4_100, 557_100, 22_700_000_000)] == [
+    assert [format_size(n) for n in (512, 4_100, 557_100, 22_700_000_000)] == [
         "512 B",
         "4.1 KB",
         "557 KB",

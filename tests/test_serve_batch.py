@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from exokv.client.cluster import SLOW_TEXTS_ENV
-from exokv.config import parse_size
 from exokv.rank.textflow import WINDOW
+from exokv.sizes import parse_size
 from exokv.state.connection import db_path
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import MODEL, raw, serving

@@ -172,11 +172,11 @@ def test_a_draft_over_the_budget_stops_and_the_budget_holds(tiny: Any) -> None:
 
 
 def test_through_the_local_client(models_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from exokv.chat.run import ChatOptions
+    from exokv.chat.run import ChatOptions, validate
     from exokv.client import make_client
 
     monkeypatch.setenv("EXOKV_HOME", str(home_with_models(tmp_path / "h", models_dir)))
-    client = make_client(ChatOptions(model="builtin:tiny", seed=0, cache_budget="600KB"))
+    client = make_client(validate(ChatOptions(model="builtin:tiny", seed=0, cache_budget="600KB")))
     try:
         d = Driver(client.turn, lambda s, m, t: client.draft(s, m, t, wait=True))
         scenario(d)
@@ -191,7 +191,7 @@ def test_through_the_local_client(models_dir: Path, tmp_path: Path, monkeypatch)
 def test_through_two_ranks_with_identical_events(
     models_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    from exokv.chat.run import ChatOptions
+    from exokv.chat.run import ChatOptions, validate
     from exokv.client.cluster import ClusterClient
 
     home = home_with_models(tmp_path / "h", models_dir)
@@ -208,7 +208,7 @@ def test_through_two_ranks_with_identical_events(
         disk_budget="0",
         starting_port=25880,
     )
-    client = ClusterClient(opts, None)
+    client = ClusterClient(validate(opts))
     try:
         d = Driver(client.turn, lambda s, m, t: client.draft(s, m, t, wait=True))
         scenario(d)

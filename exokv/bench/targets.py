@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from exokv.bench import STRATEGIES
+from exokv.sizes import format_size
 
 
 def grade(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -84,6 +85,7 @@ def grade(doc: dict[str, Any]) -> list[dict[str, Any]]:
         ideal = s["ideal_cache_bytes"][0]
         got = s["strategies"]["exokv"]["peak_cache_bytes"][0]
         lru = s["strategies"]["mlx-lm-lru"]["peak_cache_bytes"][0]
+        got_mb, ideal_mb, lru_mb = (format_size(n, unit="MB") for n in (got, ideal, lru))
         out.append(
             _target(
                 "shared_prefix_bytes",
@@ -91,8 +93,8 @@ def grade(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "suffixes)",
                 got / ideal if ideal else 0.0,
                 1.3,
-                f"exokv {_mb(got)}, ideal {_mb(ideal)} ({s['distinct_tokens']} distinct tokens), "
-                f"mlx-lm-lru {_mb(lru)} ({lru / ideal if ideal else 0:.2f}x)",
+                f"exokv {got_mb}, ideal {ideal_mb} ({s['distinct_tokens']} distinct "
+                f"tokens), mlx-lm-lru {lru_mb} ({lru / ideal if ideal else 0:.2f}x)",
             )
         )
     out += _disk_targets(doc)
@@ -165,7 +167,3 @@ def _target(name: str, text: str, value: float, threshold: float, detail: str) -
         "met": value <= threshold,
         "detail": detail,
     }
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"

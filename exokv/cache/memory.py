@@ -1,19 +1,18 @@
 """Memory probes: what one rank knows about its own memory.
 
 These numbers are local; they only ever decide anything after being gathered
-from every rank. EXOKV_FAKE_PRESSURE ('0.5' or '0.5,0.97', one per rank) pins
-the pressure so tests can play a machine that is short of memory.
+from every rank. The test hook EXOKV_TEST_FAKE_PRESSURE ('0.5' or '0.5,0.97', one
+per rank) pins the pressure so tests can play a machine that is short of memory.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
 import psutil
 
-from exokv.errors import UsageError
+from exokv.config import fake_pressure_hook
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class MemorySample:
 def sample(rank: int = 0) -> MemorySample:
     vm = psutil.virtual_memory()
     return MemorySample(
-        pressure=_fake_pressure(rank, vm.percent / 100.0),
+        pressure=_pressure(rank, vm.percent / 100.0),
         ram_total=int(vm.total),
         rss=int(psutil.Process().memory_info().rss),
         mlx_active=int(mx.get_active_memory()),
@@ -39,12 +38,6 @@ def default_budget(threshold: float, ram_total: int, model_bytes: int) -> int:
     return max(0, int(threshold * ram_total) - model_bytes)
 
 
-def _fake_pressure(rank: int, real: float) -> float:
-    text = os.environ.get("EXOKV_FAKE_PRESSURE")
-    if not text:
-        return real
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise UsageError(f"EXOKV_FAKE_PRESSURE={text!r} is not a list of fractions") from None
-    return values[rank] if rank < len(values) else values[-1]
+def _pressure(rank: int, real: float) -> float:
+    pinned = fake_pressure_hook(rank)
+    return real if pinned is None else pinned

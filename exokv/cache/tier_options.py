@@ -1,5 +1,5 @@
-"""The tier options of `exokv chat` and `exokv bench`: --disk-budget, --kv-bits,
---kv-group-size, checked once and turned into a rank's EngineOptions fields.
+"""A rank's disk tier and quantized KV: --disk-budget (parsed by exokv.options),
+--kv-bits and --kv-group-size turned into the rank's EngineOptions fields.
 
 A chat has a disk tier unless told otherwise (`--disk-budget 0`, `--no-cache` or a
 cache budget of 0): by default a quarter of the free space under EXOKV_HOME, which
@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from exokv.errors import UsageError
+from exokv.options import AUTO, ClusterOptions, DiskBudget
 
-DEFAULT_DISK_BUDGET = "auto"  # on unless asked otherwise (see README "Disk tier")
 AUTO_SHARE = 0.25  # --disk-budget auto: this share of the free space under EXOKV_HOME
 KV_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-def validate_tier_options(disk_budget: str | None, kv_bits: int | None, group: int) -> None:
-    if disk_budget is not None:
-        parse_disk_budget(disk_budget, Path("."))
+def check_kv_quantization(kv_bits: int | None, group: int) -> None:
+    """--kv-bits and --kv-group-size: what mlx can quantize the KV cache with."""
     if kv_bits is not None and kv_bits not in KV_BITS:
         raise UsageError(f"--kv-bits {kv_bits}: use 4 or 8")
     if group not in GROUP_SIZES:
@@ -55,22 +54,26 @@ def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
     )
 
 
-def parse_disk_budget(text: str, where: Path, ranks_here: int = 1) -> int:
-    """'20GB' -> bytes; 'auto' -> a share of the free space at `where` (divided among
-    the ranks sharing this machine's disk); '0' -> 0 (off)."""
-    from exokv.config import parse_size
+class TierSettings(Protocol):
+    """What a rank's tier is made from: a front end's ClusterOptions, or a rank's argv
+    (exokv.rank.main parses --disk-budget with exokv.options.parse_disk_budget)."""
 
-    text = text.strip()
-    if text == "0":
-        return 0
-    if text.lower() == "auto":
+    model: str
+    disk_budget: DiskBudget
+    kv_bits: int | None
+    kv_group_size: int
+    max_kv_size: int | None
+    ranks_here: int
+
+
+def disk_bytes(budget: int | Literal["auto"], where: Path, ranks_here: int = 1) -> int:
+    """A disk budget in bytes: AUTO is a share of the free space at `where` (divided
+    among the ranks sharing this machine's disk)."""
+    if budget == AUTO:
         from exokv.cache.disk import free_bytes
 
         return int(AUTO_SHARE * free_bytes(where) / max(ranks_here, 1))
-    try:
-        return parse_size(text)
-    except UsageError:
-        raise UsageError(f"--disk-budget {text!r}: use a size (20GB, 512MB), auto or 0") from None
+    return budget
 
 
 def tier_dir(model: str, layout: str, rank: int) -> Path:
@@ -82,54 +85,29 @@ def tier_dir(model: str, layout: str, rank: int) -> Path:
     return caches_dir() / safe(model) / safe(layout) / f"rank{rank}"
 
 
-def tier_options(opts: Any, rank: int, layout: str) -> dict[str, Any]:
-    """EngineOptions fields for the disk tier and quantized KV, from chat/rank options."""
-    bits = getattr(opts, "kv_bits", None)
-    group = int(getattr(opts, "kv_group_size", 64) or 64)
+def tier_options(opts: TierSettings, rank: int, layout: str) -> dict[str, Any]:
+    """EngineOptions fields for the disk tier and quantized KV."""
+    bits, group = opts.kv_bits, opts.kv_group_size
     out: dict[str, Any] = {"kv_bits": bits, "kv_group_size": group}
-    text = disk_budget_text(opts)
-    if text is None:
+    if opts.disk_budget is None:
         return out
-    full = f"{layout}-kv{bits or 16}g{group}-max{getattr(opts, 'max_kv_size', None) or 0}"
+    full = f"{layout}-kv{bits or 16}g{group}-max{opts.max_kv_size or 0}"
     where = tier_dir(_identity(opts.model), full, rank)
-    budget = parse_disk_budget(text, where, int(getattr(opts, "ranks_here", 1) or 1))
+    budget = disk_bytes(opts.disk_budget, where, opts.ranks_here)
     # Every rank must have the tier or none (its numbers ride in the turn's gather):
     # `auto` on a rank with no free space is a tier of 0 bytes, not no tier.
-    if budget > 0 or text.strip().lower() == "auto":
+    if budget > 0 or opts.disk_budget == AUTO:
         out.update(disk_dir=str(where), disk_budget=budget)
     return out
 
 
-def shown_disk_budget(opts: Any) -> int | None:
+def shown_disk_budget(opts: ClusterOptions) -> int | None:
     """The disk budget the banner shows (this host's figure for `auto`)."""
     from exokv.config import exokv_home
 
-    text = disk_budget_text(opts)
-    if text is None:
+    if opts.disk_budget is None:
         return None
-    # Ranks on several hosts each have a disk of their own; -n N share this one.
-    several_hosts = getattr(opts, "hosts", None) or getattr(opts, "hostfile", None)
-    ranks_here = 1 if several_hosts else int(getattr(opts, "ranks", 1) or 1)
-    return parse_disk_budget(text, exokv_home(), ranks_here) or None
-
-
-def disk_budget_text(opts: Any) -> str | None:
-    """--disk-budget as given, the default, or None when the chat keeps no cache."""
-    if getattr(opts, "no_cache", False):
-        return None
-    budgets = getattr(opts, "budgets", None) or getattr(opts, "cache_budget", None) or ""
-    if any(_is_zero(b) for b in str(budgets).split(",")):
-        return None  # a rank keeps nothing: nothing to spill either
-    return getattr(opts, "disk_budget", None) or DEFAULT_DISK_BUDGET
-
-
-def _is_zero(size: str) -> bool:
-    from exokv.config import parse_size
-
-    try:
-        return size.strip() != "" and parse_size(size.strip()) == 0
-    except UsageError:
-        return False  # reported by the option's own check
+    return disk_bytes(opts.disk_budget, exokv_home(), opts.ranks_here) or None
 
 
 def _identity(model: str) -> str:

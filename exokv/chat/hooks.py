@@ -22,9 +22,9 @@ from typing import Any
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.client import Client
 from exokv.records import CacheEvent, CacheFileReport, TurnResult
+from exokv.sizes import format_size
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
-from exokv.tables import size as format_size
 
 _UNSET = object()
 

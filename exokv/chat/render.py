@@ -21,6 +21,7 @@ from rich.text import Text
 from exokv import tables
 from exokv.chat.conversation import COMMANDS, Outcome
 from exokv.records import TurnResult
+from exokv.sizes import format_size
 
 # A prefill shorter than this, known at its start, gets no bar: it is over before it shows.
 BAR_MIN_TOKENS = 1024
@@ -99,14 +100,14 @@ class Renderer:
             budget = "no prefix cache kept (--cache-budget 0)"
         elif len(info.budgets) <= 1:
             b = info.budgets[0] if info.budgets else None
-            budget = f"cache budget {_size(b)}"
+            budget = f"cache budget {format_size(b)}"
         else:
             budget = "cache budgets " + ", ".join(
-                f"r{r} {_size(b)}" for r, b in enumerate(info.budgets)
+                f"r{r} {format_size(b)}" for r, b in enumerate(info.budgets)
             )
         head = Text("exokv", style="bold")
         if info.disk_budget and not info.no_cache:
-            budget += f" · disk tier {_size(info.disk_budget)}"
+            budget += f" · disk tier {format_size(info.disk_budget)}"
         head.append(f" · {info.model} · {layout} · {budget}")
         c.print(head, soft_wrap=True)
         keys = (
@@ -280,7 +281,3 @@ def cached_share(cached: int, prompt: int) -> int:
 
 def _seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def _size(b: int | None) -> str:
-    return tables.size(b)

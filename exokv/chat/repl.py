@@ -46,6 +46,7 @@ from exokv.chat.typeahead import DraftWatcher
 from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
+from exokv.options import ClusterOptions
 
 HISTORY_FILE = "history"
 
@@ -217,21 +218,21 @@ class Transcript:
         self.out.flush()
 
 
-def banner_info(chat: ChatController, client: Client, opts: Any) -> BannerInfo:
+def banner_info(chat: ChatController, client: Client, opts: ClusterOptions) -> BannerInfo:
     ranks = client.ranks
     return BannerInfo(
         model=opts.model,
         ranks=ranks,
-        parallel=getattr(opts, "parallel", None) if ranks > 1 else None,
-        split=getattr(opts, "split", None) if ranks > 1 else None,
+        parallel=opts.parallel if ranks > 1 else None,
+        split=",".join(map(str, opts.split)) if ranks > 1 and opts.split else None,
         budgets=list(client.budgets),
         session=chat.current.name,
-        no_cache=bool(getattr(opts, "no_cache", False)),
+        no_cache=opts.no_cache,
         disk_budget=_disk_budget(opts),
     )
 
 
-def _disk_budget(opts: Any) -> int | None:
+def _disk_budget(opts: ClusterOptions) -> int | None:
     from exokv.cache.tier_options import shown_disk_budget
 
     try:
@@ -243,13 +244,17 @@ def _disk_budget(opts: Any) -> int | None:
 def run_repl(
     chat: ChatController,
     client: Client,
-    opts: Any,
+    opts: ClusterOptions,
     *,
+    typeahead: bool = True,
     input: Input | None = None,
     output: Output | None = None,
     renderer: Renderer | None = None,
 ) -> int:
-    """Read lines until /quit or Ctrl-D; saves the session's KV cache, says bye; exit code."""
+    """Read lines until /quit or Ctrl-D; saves the session's KV cache, says bye; exit code.
+
+    `opts`: what the ranks were started with (the banner shows it); `typeahead`: send
+    drafts of the line being typed (off with --no-typeahead)."""
     transcript = None
     if output is None and not sys.stdout.isatty() and sys.stderr.isatty():
         # Everything for the eyes stays on the terminal; the redirected stdout gets a
@@ -280,7 +285,7 @@ def run_repl(
         enable_open_in_editor=False,
     )
     interrupts = _Interrupts(client, renderer)
-    watcher = _draft_watcher(chat, client, opts, session)
+    watcher = _draft_watcher(chat, client, typeahead, session)
     with interrupts.installed(), warnings.catch_warnings():
         # A warning from a library (asyncio's "never awaited" after a signal) is noise
         # on the chat's screen; EXOKV_DEBUG=1 shows them.
@@ -299,10 +304,10 @@ def run_repl(
 
 
 def _draft_watcher(
-    chat: ChatController, client: Client, opts: Any, session: PromptSession[str]
+    chat: ChatController, client: Client, typeahead: bool, session: PromptSession[str]
 ) -> DraftWatcher | None:
     """Typing ahead (exokv.chat.typeahead): on, unless --no-typeahead or there is no cache."""
-    if getattr(opts, "no_typeahead", False) or not chat.settings.use_cache:
+    if not typeahead or not chat.settings.use_cache:
         return None
     watcher = DraftWatcher(client, lambda: (chat.current.name, chat.current.prompt()))
     watcher.attach(session.default_buffer)

@@ -11,12 +11,15 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
 from exokv.client import Client, make_client
-from exokv.config import parse_budgets
 from exokv.errors import UsageError
+from exokv.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
 
 
 @dataclass
 class ChatOptions:
+    """The chat's flags as the command line gives them; `validate` parses the ranks'
+    layout and cache among them into the ClusterOptions every layer below receives."""
+
     model: str
     system: str | None = None
     max_tokens: int = 256
@@ -33,7 +36,7 @@ class ChatOptions:
     max_kv_size: int | None = None
     no_cache: bool = False
     no_typeahead: bool = False  # the REPL sends no draft to the ranks (exokv.chat.typeahead)
-    disk_budget: str | None = None  # the disk tier; see exokv.cache.tier_options
+    disk_budget: str | None = None  # the disk tier (exokv.cache.tier_options): 20GB, auto or 0
     kv_bits: int | None = None
     kv_group_size: int = 64
     session: str | None = None
@@ -43,6 +46,7 @@ class ChatOptions:
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
 
     def rank_count(self) -> int:
+        """The ranks in all; reads and checks a hostfile (one line for a bad one)."""
         if self.hosts:
             return len([h for h in self.hosts.split(",") if h.strip()])
         if self.hostfile:
@@ -60,8 +64,9 @@ SEED_RANGE = 2**64  # mx.random.seed takes an unsigned 64-bit number
 RANK_MEMORY_FLOOR = 256 * 1024 * 1024
 
 
-def validate(opts: ChatOptions) -> None:
-    """Every option's bounds, before anything is started: one line and exit 2 each."""
+def validate(opts: ChatOptions) -> ClusterOptions:
+    """Every option's bounds, before anything is started: one line and exit 2 each; the
+    ranks' layout and cache options parsed, once."""
     if not 1 <= opts.max_tokens <= SQLITE_MAX_INT:
         raise UsageError(f"--max-tokens must be between 1 and {SQLITE_MAX_INT}")
     if not math.isfinite(opts.temp) or opts.temp < 0:
@@ -74,10 +79,10 @@ def validate(opts: ChatOptions) -> None:
         raise UsageError("--ranks must be at least 1")
     if opts.max_kv_size is not None and not 1 <= opts.max_kv_size <= SQLITE_MAX_INT:
         raise UsageError(f"--max-kv-size must be between 1 and {SQLITE_MAX_INT}")
-    budgets = parse_budgets(opts.cache_budget, opts.rank_count()) or []
-    if any(b > SQLITE_MAX_INT for b in budgets):
-        raise UsageError(f"--cache-budget {opts.cache_budget}: larger than {SQLITE_MAX_INT} bytes")
     ranks = opts.rank_count()
+    budgets = parse_budgets(opts.cache_budget, ranks)
+    if any(b > SQLITE_MAX_INT for b in budgets or []):
+        raise UsageError(f"--cache-budget {opts.cache_budget}: larger than {SQLITE_MAX_INT} bytes")
     if opts.split is not None and ranks == 1:
         raise UsageError("--split spreads layers over ranks: it needs -n 2 or more, or --hosts")
     if not (opts.hosts or opts.hostfile) and opts.ranks > 1:
@@ -89,16 +94,33 @@ def validate(opts: ChatOptions) -> None:
                 f"-n {opts.ranks}: this machine has memory to start about {room} ranks "
                 f"({RANK_MEMORY_FLOOR // 2**20} MB each at least)"
             )
-    from exokv.cache.tier_options import validate_tier_options
+    from exokv.cache.tier_options import check_kv_quantization
 
-    validate_tier_options(opts.disk_budget, opts.kv_bits, opts.kv_group_size)
-
-
-def keep_cache(opts: ChatOptions) -> bool:
-    """False with --no-cache, and with a budget of 0 on any rank: an entry must fit on
-    every rank (each holds its shard of it), so no entry can be kept anywhere."""
-    budgets = parse_budgets(opts.cache_budget, opts.rank_count()) or []
-    return not opts.no_cache and 0 not in budgets
+    given = None if opts.disk_budget is None else parse_disk_budget(opts.disk_budget)
+    check_kv_quantization(opts.kv_bits, opts.kv_group_size)
+    split = parse_split(opts.split)
+    # A rank that keeps nothing has nothing to spill either: no tier anywhere.
+    keeps_nothing = opts.no_cache or 0 in (budgets or [])
+    return ClusterOptions(
+        model=opts.model,
+        ranks=opts.ranks,
+        rank_count=ranks,
+        hosts=opts.hosts,
+        hostfile=opts.hostfile,
+        backend=opts.backend,
+        parallel=opts.parallel,
+        split=split,
+        budgets=budgets,
+        memory_threshold=opts.memory_threshold,
+        max_kv_size=opts.max_kv_size,
+        seed=opts.seed,
+        no_cache=opts.no_cache,
+        disk_budget=None if keeps_nothing else (given if opts.disk_budget else AUTO),
+        kv_bits=opts.kv_bits,
+        kv_group_size=opts.kv_group_size,
+        starting_port=opts.starting_port,
+        restarts=opts.restarts,
+    )
 
 
 def _startup_progress():  # noqa: ANN202 - a line printer, or None
@@ -128,11 +150,11 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
     and so do SIGTERM and SIGHUP, which end the chat as an error would: the ranks
     still shut down cleanly and keep their KV cache in the disk tier.
     """
-    validate(opts)
+    cluster = validate(opts)
     from exokv.chat.signals import ended_by_signals
 
     with ended_by_signals():
-        return _run_chat(opts, hooks)
+        return _run_chat(opts, cluster, hooks)
 
 
 @dataclass
@@ -143,10 +165,11 @@ class Started:
     locks: Any
     client: Client  # LocalClient or ClusterClient
     run_id: int
+    cluster: ClusterOptions  # what the client was started with
 
 
 @contextlib.contextmanager
-def started(opts: ChatOptions, kind: str = "chat") -> Iterator[Started]:
+def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> Iterator[Started]:
     """Open the store, start the ranks, record the run and mark it running; undo all on exit.
 
     The wiring both front ends (the chat and `exokv serve`) share: the ranks shut down
@@ -160,7 +183,7 @@ def started(opts: ChatOptions, kind: str = "chat") -> Iterator[Started]:
     try:
         if opts.session:
             locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
-        client = make_client(opts, progress=_startup_progress())
+        client = make_client(cluster, progress=_startup_progress())
         run_id: int | None = None
         try:
             run_id = store.start_run(opts.model, client.ranks, list(client.budgets))
@@ -172,7 +195,7 @@ def started(opts: ChatOptions, kind: str = "chat") -> Iterator[Started]:
                 session=opts.session,
                 kind=kind,
             ):
-                yield Started(store, locks, client, run_id)
+                yield Started(store, locks, client, run_id, cluster)
         finally:
             try:
                 if run_id is not None:
@@ -193,16 +216,16 @@ def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
         run.run_id,
         opts.model,
         client=run.client,
-        use_cache=keep_cache(opts),
+        use_cache=run.cluster.keep_cache,
         max_kv_size=opts.max_kv_size,
         locks=run.locks if locks else None,
     )
 
 
-def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
+def _run_chat(opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | None) -> int:
     from exokv.chat.hooks import StoreHooks, stderr_warning
 
-    with started(opts) as run:
+    with started(opts, cluster) as run:
         client = run.client
         if hooks is None:
             hooks = store_hooks(run, opts)
@@ -210,13 +233,14 @@ def _run_chat(opts: ChatOptions, hooks: ChatHooks | None) -> int:
             max_tokens=opts.max_tokens,
             temp=opts.temp,
             seed=opts.seed,
-            use_cache=keep_cache(opts),
+            use_cache=cluster.keep_cache,
         )
         chat = ChatController(client, settings, opts.session, opts.system, hooks)
         if interactive(opts):
             from exokv.chat.repl import run_repl
 
-            return run_repl(chat, client, opts)  # it saves when the user leaves
+            # it saves when the user leaves
+            return run_repl(chat, client, cluster, typeahead=not opts.no_typeahead)
         from exokv.chat.script import run_one, run_script
 
         if isinstance(hooks, StoreHooks):

@@ -9,8 +9,9 @@ mode and one-shot prompts (through `ChatController`) and any other front end hol
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
+from exokv.options import ClusterOptions
 from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 
@@ -92,14 +93,10 @@ class Client(Protocol):
     def close(self) -> None: ...
 
 
-def make_client(opts: Any, progress: Callable[[str], None] | None = None) -> Client:
-    """The client `opts` asks for (a chat's options: model, ranks or hosts, budgets, tier):
-    the engine in this process for one local rank, else ranks started by mlx.launch.
-    `progress` hears the ranks' start-up, one line at a time."""
-    from exokv.config import parse_budgets
-
-    budgets = parse_budgets(opts.cache_budget, opts.rank_count())
-    if opts.rank_count() == 1 and not opts.hostfile:
+def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = None) -> Client:
+    """The client `opts` asks for: the engine in this process for one local rank, else
+    ranks started by mlx.launch. `progress` hears the ranks' start-up, one line at a time."""
+    if opts.rank_count == 1 and not opts.hostfile:
         from exokv.cache.tier_options import tier_options
         from exokv.client.local import LocalClient
         from exokv.rank.engine import EngineOptions
@@ -107,7 +104,7 @@ def make_client(opts: Any, progress: Callable[[str], None] | None = None) -> Cli
         return LocalClient(
             opts.model,
             EngineOptions(
-                budget=budgets[0] if budgets else None,
+                budget=opts.budgets[0] if opts.budgets else None,
                 memory_threshold=opts.memory_threshold,
                 max_kv_size=opts.max_kv_size,
                 seed=opts.seed,
@@ -118,7 +115,6 @@ def make_client(opts: Any, progress: Callable[[str], None] | None = None) -> Cli
     from exokv.client.heal import HealingClient
 
     def start() -> ClusterClient:
-        return ClusterClient(opts, budgets, progress=progress)
+        return ClusterClient(opts, progress=progress)
 
-    restarts = getattr(opts, "restarts", 0)
-    return HealingClient(start, restarts) if restarts > 0 else start()
+    return HealingClient(start, opts.restarts) if opts.restarts > 0 else start()

@@ -37,10 +37,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from exokv.cache.tier_options import disk_budget_text
 from exokv.client import Client
-from exokv.config import parse_budgets
 from exokv.errors import ExokvError, PromptTooLong, UsageError
+from exokv.options import ClusterOptions
 from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 from exokv.wire import channel
@@ -99,8 +98,7 @@ class ClusterClient(Client):
 
     def __init__(
         self,
-        opts: Any,
-        budgets: list[int] | None = None,
+        opts: ClusterOptions,
         progress: Callable[[str], None] | None = None,
     ) -> None:
         self.opts = opts
@@ -136,7 +134,7 @@ class ClusterClient(Client):
         self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
         self._drafts_over = threading.Condition()
         self._draft_over = 0  # the latest draft rank 0 said gets no more steps
-        split = parse_split(opts.split)
+        split = opts.split
         if split is not None and opts.parallel == "tensor":
             raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
@@ -161,13 +159,11 @@ class ClusterClient(Client):
         if split is not None and len(split) != self.ranks:
             raise UsageError(f"--split has {len(split)} values for {self.ranks} ranks")
         try:
-            if opts.cache_budget is not None:
-                budgets = parse_budgets(opts.cache_budget, self.ranks)
             if self.plan.local:
                 self._prepare_model(opts.model, split)
             else:
                 check_reachable(self.plan)
-            command = self._rank_args(opts, seed, split, budgets)
+            command = self._rank_args(opts, seed, split, opts.budgets)
             self.plan.argv += command
             self._started = time.monotonic()
             self._say(f"starting {self.ranks} ranks…")
@@ -363,7 +359,7 @@ class ClusterClient(Client):
                 graceful = False
         if proc is not None:
             # With a disk tier the ranks spill what RAM holds and persist it: more time.
-            patience = 60.0 if (disk_budget_text(self.opts) or "0") != "0" else 5.0
+            patience = 60.0 if self.opts.disk_budget not in (None, 0) else 5.0
             end_process_group(proc, patience if graceful else 0.0)
         if self._link is not None:
             self._link.close()
@@ -429,7 +425,7 @@ class ClusterClient(Client):
             )
 
     def _rank_args(
-        self, opts: Any, seed: int, split: list[int] | None, budgets: list[int] | None
+        self, opts: ClusterOptions, seed: int, split: list[int] | None, budgets: list[int] | None
     ) -> list[str]:
         args = [
             "--model",
@@ -450,8 +446,8 @@ class ClusterClient(Client):
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
         # The disk tier (exokv.cache.tier_options): the ranks get what this chat decided.
-        args += ["--disk-budget", disk_budget_text(opts) or "0"]
-        if getattr(opts, "kv_bits", None) is not None:
+        args += ["--disk-budget", str(opts.disk_budget or 0)]
+        if opts.kv_bits is not None:
             args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]
         if self.plan.local:  # a pid means nothing on another host
             args += ["--front-end-pid", str(os.getpid())]
@@ -796,16 +792,3 @@ def _exit_cause(code: str | None) -> str:
         except ValueError:
             return f"was killed by signal {-n}"
     return f"exited with code {n}"
-
-
-def parse_split(text: str | None) -> list[int] | None:
-    """'3,1' -> [3, 1]: layers per rank, rank 0 first."""
-    if text is None:
-        return None
-    try:
-        split = [int(p) for p in text.split(",")]
-    except ValueError:
-        raise UsageError(f"invalid --split {text!r}: use whole numbers like 3,1") from None
-    if any(s < 1 for s in split):
-        raise UsageError(f"invalid --split {text!r}: every rank needs at least one layer")
-    return split

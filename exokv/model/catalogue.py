@@ -272,7 +272,7 @@ def models_table(found: list[dict[str, Any]]) -> Any:
     from rich import box
     from rich.table import Table
 
-    from exokv.config import format_size
+    from exokv.sizes import format_size
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
     table.add_column("name", no_wrap=True)
@@ -280,7 +280,7 @@ def models_table(found: list[dict[str, Any]]) -> Any:
         table.add_column(header, overflow="fold")
     table.add_column("size", justify="right", overflow="fold")
     for m in found:
-        size = format_size(m["size_bytes"]) if m.get("size_bytes") else "-"
+        size = format_size(m["size_bytes"], "decimal") if m.get("size_bytes") else "-"
         tensor = {True: "yes", False: "no"}.get(m.get("tensor"), "?")
         table.add_row(
             m["name"],

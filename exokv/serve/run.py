@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.chat.conversation import Conversation
-from exokv.chat.run import ChatOptions, keep_cache, started, store_hooks, validate
+from exokv.chat.run import ChatOptions, started, store_hooks, validate
 from exokv.errors import ExokvError, UsageError
 from exokv.serve import api
 
@@ -38,8 +38,8 @@ class ServeOptions(ChatOptions):
 
 
 def check(opts: ServeOptions) -> list[str]:
-    """Bounds of the server's own options (usage errors); returns warnings to print."""
-    validate(opts)
+    """Bounds of the server's own options (usage errors, after `validate`'s); returns
+    warnings to print."""
     if not 0 <= opts.port <= 65535:
         raise UsageError(f"--port {opts.port}: use 0-65535 (0: any free port)")
     if opts.queue < 1:
@@ -108,9 +108,10 @@ def run_serve(opts: ServeOptions) -> int:
     from exokv.serve.app import Service, build_app
     from exokv.serve.work import TurnQueue
 
+    cluster = validate(opts)
     for warning in check(opts):
         _say(f"warning: {warning}")
-    with ended_by_signals(), started(opts, kind="serve") as run:
+    with ended_by_signals(), started(opts, cluster, kind="serve") as run:
         client = run.client
         # No session locks: an API conversation is not opened like a chat's session.
         hooks = store_hooks(run, opts, locks=False)
@@ -139,7 +140,7 @@ def run_serve(opts: ServeOptions) -> int:
             api_key=opts.api_key,
             limits=api.Limits(body_bytes=opts.max_body),
             defaults=api.Defaults(max_tokens=opts.max_tokens, temperature=opts.temp),
-            use_cache=keep_cache(opts),
+            use_cache=cluster.keep_cache,
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
         )

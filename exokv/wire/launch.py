@@ -29,12 +29,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exokv.config import FORWARDED_ENV
 from exokv.errors import ExokvError, UsageError
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
-# Settings a rank on another machine should see as this one does (never secrets).
-FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG", "EXOKV_TEST_FAIL_AT")
 # What a rank prints through the launcher, read by the front end (both sides import this).
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.main.beat)

@@ -1,0 +1,100 @@
+"""The ranks' layout and cache options, parsed: what every layer below the command line gets.
+
+A front end (the chat, the server) checks and parses its flags once, at the boundary
+(`exokv.chat.run.validate`), into a `ClusterOptions`; the client, the cluster and the
+disk tier read its values and parse nothing again. The parsers here are the ones that
+need nothing but the text: their messages are the ones users see for a bad value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from exokv.errors import UsageError
+from exokv.sizes import parse_size
+
+AUTO: Literal["auto"] = "auto"  # --disk-budget auto: a share of the free space, per rank
+# A rank's disk tier: bytes, AUTO (worked out where the tier lives), or None: no tier.
+DiskBudget = int | Literal["auto"] | None
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How to start the ranks and what each keeps, as parsed values."""
+
+    model: str
+    ranks: int = 1  # -n as given: ranks on this machine (1 when hosts are named)
+    rank_count: int = 1  # the ranks in all: -n, or one per host of --hosts/--hostfile
+    # Handed to mlx.launch's planning as given: exokv.wire.launch reads the hostfile
+    # (its hosts are already counted and checked in rank_count).
+    hosts: str | None = None
+    hostfile: str | None = None
+    backend: str = "ring"
+    parallel: str = "pipeline"
+    split: list[int] | None = None  # layers per rank, rank 0 first
+    budgets: list[int] | None = None  # cache bytes per rank; None: each rank's default
+    memory_threshold: float = 0.9
+    max_kv_size: int | None = None
+    seed: int | None = None
+    no_cache: bool = False
+    # The tier each rank gets: None with --no-cache or when a rank's budget is 0.
+    disk_budget: DiskBudget = AUTO
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    starting_port: int | None = None
+    restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
+
+    @property
+    def keep_cache(self) -> bool:
+        """False with --no-cache, and with a budget of 0 on any rank: an entry must fit on
+        every rank (each holds its shard of it), so no entry can be kept anywhere."""
+        return not self.no_cache and 0 not in (self.budgets or [])
+
+    @property
+    def ranks_here(self) -> int:
+        """Ranks sharing this machine (and its disk): ranks on several hosts have their own."""
+        return 1 if (self.hosts or self.hostfile) else self.ranks
+
+
+def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
+    """'64MB,16MB' -> one budget per rank; a single value applies to every rank."""
+    if text is None:
+        return None
+    parts = [p for p in text.split(",")]
+    if any(not p.strip() for p in parts):
+        raise UsageError(f"invalid --cache-budget {text!r}: an empty value between commas")
+    sizes = [parse_size(p) for p in parts]
+    if len(sizes) == 1:
+        return sizes * ranks
+    if len(sizes) != ranks:
+        raise UsageError(
+            f"--cache-budget has {len(sizes)} values for {ranks} ranks: give one, or one per rank"
+        )
+    return sizes
+
+
+def parse_split(text: str | None) -> list[int] | None:
+    """'3,1' -> [3, 1]: layers per rank, rank 0 first."""
+    if text is None:
+        return None
+    try:
+        split = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise UsageError(f"invalid --split {text!r}: use whole numbers like 3,1") from None
+    if any(s < 1 for s in split):
+        raise UsageError(f"invalid --split {text!r}: every rank needs at least one layer")
+    return split
+
+
+def parse_disk_budget(text: str) -> int | Literal["auto"]:
+    """'20GB' -> bytes; 'auto' -> AUTO; '0' -> 0 (off)."""
+    text = text.strip()
+    if text == "0":
+        return 0
+    if text.lower() == AUTO:
+        return AUTO
+    try:
+        return parse_size(text)
+    except UsageError:
+        raise UsageError(f"--disk-budget {text!r}: use a size (20GB, 512MB), auto or 0") from None
