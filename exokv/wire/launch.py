@@ -12,7 +12,7 @@ run `exokv chat` must neither run nor shadow the standard library in a rank.
 The channel's token never appears on a command line or in an environment
 variable (both can be read by other users through `ps`): the front end writes
 one bootstrap line to the launcher's standard input, which the launcher
-forwards to the ranks, and only rank 0 reads it (see `exokv.rank.main`).
+forwards to the ranks, and only rank 0 reads it (see `exokv.rank.boot`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 FORWARDED_ENV = ("EXOKV_DEBUG", "EXOKV_FAKE_PRESSURE", "EXOKV_RANK_LOG", "EXOKV_TEST_FAIL_AT")
 # What a rank prints through the launcher, read by the front end (both sides import this).
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
-BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.main.beat)
+BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.boot.beat)
 SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
@@ -223,7 +223,7 @@ def nudge_ranks(proc: subprocess.Popen[bytes]) -> None:
     """One byte for every rank's stdin through the launcher: each rank has closed it.
 
     mlx.launch's per-rank I/O threads spin on an always-writable stdin until a write
-    fails; this write makes it fail, so they stop (see rank.release_stdin).
+    fails; this write makes it fail, so they stop (see exokv.rank.boot.release_stdin).
     """
     assert proc.stdin is not None
     try:
