@@ -21,11 +21,9 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,51 +215,6 @@ def _probe(name: str, timeout: float) -> str:
     except OSError as err:
         return f"{host}:{port}: {err.strerror or err}"
     return "" if greeting == b"SSH-" else f"{host}:{port}: no ssh server answered"
-
-
-def nudge_ranks(proc: subprocess.Popen[bytes]) -> None:
-    """One byte for every rank's stdin through the launcher: each rank has closed it.
-
-    mlx.launch's per-rank I/O threads spin on an always-writable stdin until a write
-    fails; this write makes it fail, so they stop (see exokv.rank.boot.release_stdin).
-    """
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(b"\n")
-        proc.stdin.flush()
-    except OSError:
-        pass
-
-
-def wait_for(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Whether `proc` ended within `timeout` seconds."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
-
-
-def end_process_group(proc: subprocess.Popen[bytes], patience: float = 0.0) -> None:
-    """End the launcher `proc` and every local rank it started (its process group).
-
-    `patience` seconds for them to leave on their own first (after a shutdown message);
-    then SIGTERM, then SIGKILL, and `proc`'s stdin closed.
-    """
-    wait_for(proc, patience)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
-        if wait_for(proc, 3.0) and sig == signal.SIGTERM:
-            time.sleep(0.2)  # the launcher is gone; its ranks may still be exiting
-    wait_for(proc, 1.0)
-    if proc.stdin is not None:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
 
 
 def launcher() -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -30,14 +31,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from exokv.config import debug_enabled
-from exokv.wire.launch import (
-    BEAT_MARK,
-    ERROR_MARK,
-    LaunchPlan,
-    end_process_group,
-    nudge_ranks,
-    wait_for,
-)
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, LaunchPlan
 
 SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
 # Checks come a fraction of a second apart; this much between two means this process was
@@ -137,9 +131,18 @@ class Supervisor:
         return self.proc.poll() if self.proc is not None else None
 
     def nudge(self) -> None:
-        """Stop the launcher spinning on the stdin of ranks that released it."""
-        if self.proc is not None:
-            nudge_ranks(self.proc)
+        """One byte for every rank's stdin through the launcher: each rank has closed it.
+
+        mlx.launch's per-rank I/O threads spin on an always-writable stdin until a write
+        fails; this write makes it fail, so they stop (see exokv.rank.boot.release_stdin).
+        """
+        if self.proc is None or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass
 
     def expect_beats(self) -> None:
         """From now on every rank must beat, one that never did too (the chat's ranks
@@ -218,7 +221,7 @@ class Supervisor:
         """
         if not settle:
             return Cause(cause)
-        if self.proc is not None and wait_for(self.proc, SETTLE_S):
+        if self._exited_within(SETTLE_S):
             self.drained(1.0)  # the launcher's last words reach the tails
         hosts = [h.ssh for h in self.plan.hosts]
         return diagnose(list(self.tails["stderr"]), cause, hosts)
@@ -229,12 +232,39 @@ class Supervisor:
             t.join(timeout=timeout)
 
     def end(self, patience: float = 0.0) -> None:
-        """End the launcher and every rank (its process group), after `patience` seconds
-        for them to leave on their own (a shutdown was asked for); then the drains."""
-        if self.proc is None:
+        """End the launcher and every local rank it started (its process group).
+
+        `patience` seconds for them to leave on their own first (after a shutdown
+        message); then SIGTERM, then SIGKILL, the launcher's stdin closed, and its
+        last lines drained.
+        """
+        proc = self.proc
+        if proc is None:
             return
-        end_process_group(self.proc, patience)
+        self._exited_within(patience)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            if self._exited_within(3.0) and sig == signal.SIGTERM:
+                time.sleep(0.2)  # the launcher is gone; its ranks may still be exiting
+        self._exited_within(1.0)
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
         self.drained(1.0)
+
+    def _exited_within(self, timeout: float) -> bool:
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def _drain(self, name: str, stream: IO[bytes]) -> None:
         tail = self.tails[name]
