@@ -23,12 +23,13 @@ import pytest
 from chat_helpers import Chat, home_with_models
 
 from exokv.chat.run import ChatOptions, validate
-from exokv.client.cluster import ClusterClient, diagnose
+from exokv.client.cluster import ClusterClient
 from exokv.config import FORWARDED_ENV
 from exokv.errors import UsageError
 from exokv.options import parse_split
 from exokv.records import TurnRequest
 from exokv.wire.launch import plan_launch, read_hostfile
+from exokv.wire.supervise import diagnose
 
 SCRIPT = [
     "Hello, who are you?",
@@ -188,13 +189,14 @@ def test_diagnose_names_the_rank_that_died_first() -> None:
         "[WARN] Node with rank 1 exited with code -9",
         "[WARN] Node with rank 0 exited with code -15",
     ]
-    assert diagnose(lines, "rank 0 closed the channel").startswith("rank 1 was killed by SIGKILL")
+    cause = diagnose(lines, "rank 0 closed the channel")
+    assert cause.text.startswith("rank 1 was killed by SIGKILL")
     failed = ['exokv-rank-error {"rank": 1, "message": "model not found"}', *lines[1:]]
     failed.append("[WARN] Node with rank 1 exited with code 1")
-    assert diagnose(failed, "x") == "rank 1 failed: model not found"
+    assert diagnose(failed, "x").text == "rank 1 failed: model not found"
     ssh = ["[WARN] Node with rank 1 exited with code 255"]
-    assert "ssh failed" in diagnose(ssh, "x", ["10.0.0.1", "mac2"])
-    assert "mac2" in diagnose(ssh, "x", ["10.0.0.1", "mac2"])
+    assert "ssh failed" in diagnose(ssh, "x", ["10.0.0.1", "mac2"]).text
+    assert "mac2" in diagnose(ssh, "x", ["10.0.0.1", "mac2"]).text
 
 
 # -- chats on two ranks ----------------------------------------------------------------

@@ -89,6 +89,7 @@ def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
     import psutil
 
     from exokv.client.cluster import HEARTBEAT_TIMEOUT, ClusterClient
+    from exokv.wire.supervise import Supervisor
 
     # A launcher stand-in whose child is "rank 1" (MLX_RANK in its environment).
     code = (
@@ -105,10 +106,11 @@ def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
         rank1 = psutil.Process(launcher.pid).children()[0]
         client = object.__new__(ClusterClient)
         now = time.monotonic()
-        client.plan = SimpleNamespace(local=True)
-        client._proc, client._link_lost, client._rank_pids = launcher, False, {}
-        client._beats = {0: now, 1: now - HEARTBEAT_TIMEOUT - 5}
-        client._last_seen = client._checked = now
+        ranks = Supervisor(SimpleNamespace(local=True), HEARTBEAT_TIMEOUT)
+        client._supervisor, client._link_lost = ranks, False
+        ranks.proc, ranks._rank_pids = launcher, {}
+        ranks.beats = {0: now, 1: now - HEARTBEAT_TIMEOUT - 5}
+        client._last_seen = ranks._checked = now
         assert client._trouble() == (None, False)  # silent but running: busy
         os.kill(rank1.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
@@ -117,9 +119,9 @@ def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
             time.sleep(0.05)
         cause, _ = client._trouble()
         assert cause is not None and cause.startswith("rank 1 stopped responding")
-        client.plan = SimpleNamespace(local=False)  # a remote rank has only its beat
+        ranks.plan = SimpleNamespace(local=False)  # a remote rank has only its beat
         os.kill(rank1.pid, signal.SIGCONT)
-        client._rank_pids = {}
+        ranks._rank_pids = {}
         assert client._trouble()[0] is not None
     finally:
         for p in psutil.Process(launcher.pid).children(recursive=True):
@@ -131,12 +133,14 @@ def test_a_silent_local_rank_is_dead_only_when_it_is_not_running() -> None:
 def _remote_client(beats: dict[int, float], checked: float) -> ClusterClient:
     from types import SimpleNamespace
 
-    from exokv.client.cluster import ClusterClient
+    from exokv.client.cluster import HEARTBEAT_TIMEOUT, ClusterClient
+    from exokv.wire.supervise import Supervisor
 
     client = object.__new__(ClusterClient)
-    client.plan = SimpleNamespace(local=False)  # remote ranks: only their beats count
-    client._proc, client._link_lost, client._rank_pids = None, False, {}
-    client._beats, client._last_seen, client._checked = beats, max(beats.values()), checked
+    # Remote ranks: only their beats count.
+    ranks = Supervisor(SimpleNamespace(local=False), HEARTBEAT_TIMEOUT)
+    client._supervisor, client._link_lost = ranks, False
+    ranks.beats, client._last_seen, ranks._checked = beats, max(beats.values()), checked
     return client
 
 
@@ -146,7 +150,8 @@ def test_a_check_after_the_front_end_itself_was_not_run_waits_for_the_next() -> 
     does not judge; the next, after the readers had their turn, does."""
     import time
 
-    from exokv.client.cluster import _SELF_STALL_S, HEARTBEAT_TIMEOUT
+    from exokv.client.cluster import HEARTBEAT_TIMEOUT
+    from exokv.wire.supervise import _SELF_STALL_S
 
     now = time.monotonic()
     stale = {0: now, 1: now - HEARTBEAT_TIMEOUT - 5}

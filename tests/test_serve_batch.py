@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from exokv.client.cluster import SLOW_TEXTS_ENV
+from exokv.config import TEST_SLOW_TEXTS
 from exokv.rank.textflow import WINDOW
 from exokv.sizes import parse_size
 from exokv.state.connection import db_path
@@ -90,7 +90,7 @@ def test_concurrent_requests_are_decoded_in_one_batch(
     env = {}
     if ranks == 2:
         args += ["-n", "2", "--starting-port", "26870"]
-        env[SLOW_TEXTS_ENV] = str(LAG_S)
+        env[TEST_SLOW_TEXTS.name] = str(LAG_S)
     with serving(home, *args, env=env) as s:
         # A first request holds the ranks (some seconds) while the eight arrive and
         # wait; when it ends they are taken together. With the front end's lag, the
@@ -158,7 +158,7 @@ def test_a_lone_stream_that_leaves_stops_within_a_few_steps_on_two_ranks(
     as a batch's, so the leaver's turn ends a few steps past what it was shown."""
     home = home_with_models(tmp_path / "h", models_dir, link=True)
     args = ["-n", "2", "--starting-port", "26880", "--batch", "1"]
-    with serving(home, *args, env={SLOW_TEXTS_ENV: "1.0"}) as s:  # 1 s over each message
+    with serving(home, *args, env={TEST_SLOW_TEXTS.name: "1.0"}) as s:  # 1 s over each message
         assert leave_mid_stream(s.client()) == 3
         gone = s.wait_log(lambda x: " /v1/" in x and " 499 " in x, timeout=120)
         completion = int(gone[0].split("completion=")[1].split()[0])

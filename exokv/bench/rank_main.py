@@ -27,7 +27,7 @@ from typing import IO, Any
 
 import mlx.core as mx
 
-from exokv.rank.main import beat, release_stdin, report_error
+from exokv.rank.boot import beat, launcher_rank, release_stdin, report_error
 
 PROGRESS_MARK = "exokv-bench-progress "
 DOC_MARK = "exokv-bench-doc "
@@ -47,7 +47,7 @@ PER_RANK_KEYS = (
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = launcher_rank()
     out = _private_stdout()
     try:
         if len(argv) != 1:

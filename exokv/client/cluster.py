@@ -1,19 +1,20 @@
 """ClusterClient: the front end's handle on ranks started by mlx.launch.
 
-It starts the launcher in its own process group (so Ctrl-C in the terminal
-reaches only the front end, and close() can end every rank at once), opens the
-channel, hands rank 0 the address and token through the launcher's stdin, and
-then speaks with rank 0 (exokv.wire.messages): a turn request out; text, progress and the
-result back; a stop when the user presses Ctrl-C.
+It opens the channel, has its Supervisor (exokv.wire.supervise) start the launcher
+in its own process group (so Ctrl-C in the terminal reaches only the front end, and
+close() can end every rank at once), hands rank 0 the address and token through the
+launcher's stdin, and then speaks with rank 0 (exokv.wire.messages): a turn request
+out; text, progress and the result back; a stop when the user presses Ctrl-C.
 
 Failure detection, each ending in one ExokvError that names the rank and cause:
 the launcher exiting, the channel closing, or a rank going quiet (every rank
-prints a heartbeat every few seconds, even while the model computes, and rank 0
-also sends one over the channel). During a request the waiting loop checks; in
-between (the user at the prompt, a script waiting for its next line) a watcher
-thread does, and wakes the main thread with SIGUSR1, whose handler raises the
-same one-line error there: the chat ends, exit 1, instead of offering a prompt
-that cannot work. Finished turns are already in the database.
+prints a heartbeat every few seconds, even while the model computes, which the
+Supervisor watches, and rank 0 also sends one over the channel). During a request
+the waiting loop checks; in between (the user at the prompt, a script waiting for
+its next line) a watcher thread does, and wakes the main thread with SIGUSR1,
+whose handler raises the same one-line error there: the chat ends, exit 1,
+instead of offering a prompt that cannot work. Finished turns are already in the
+database.
 """
 
 from __future__ import annotations
@@ -25,35 +26,29 @@ import json
 import os
 import queue
 import random
-import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from exokv.client import Client
+from exokv.config import slow_texts_hook
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.options import ClusterOptions
 from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 from exokv.wire import channel
 from exokv.wire.launch import (
-    BEAT_MARK,
-    ERROR_MARK,
     SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
-    end_process_group,
-    nudge_ranks,
     plan_launch,
     rank_command,
-    wait_for,
 )
 from exokv.wire.messages import (
     Draft,
@@ -76,21 +71,13 @@ from exokv.wire.messages import (
     Turn,
     TurnRefused,
 )
+from exokv.wire.supervise import Cause, Supervisor
 
 CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
-HEARTBEAT_TIMEOUT = 10.0  # rank 0 beats every 2 s; this stays inside the 15 s promise
-SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
+# Rank 0 beats every 2 s; this stays inside the 15 s promise to notice a lost rank.
+HEARTBEAT_TIMEOUT = 10.0
+CONSEQUENCE = "the chat cannot go on"  # follows a cause that only says how a rank ended
 _POLL_S = 0.25
-# Tests only: seconds the front end takes over each texts message (a front end that lags).
-SLOW_TEXTS_ENV = "EXOKV_TEST_SLOW_TEXTS"
-# Checks come _POLL_S apart; this much between two means this process was not run (a
-# loaded or paused machine): the beats sent meanwhile may not be read yet.
-_SELF_STALL_S = 2.0
-_NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
-# How a rank reports that another rank went away (a consequence, not the cause).
-_PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
 
 
 class ClusterClient(Client):
@@ -110,26 +97,20 @@ class ClusterClient(Client):
         self._closed = False
         self._state = threading.Lock()  # _closed and failure, between the watcher and main
         self._busy = 0  # requests in flight: their own waiting loop watches the ranks
-        self.failure: str | None = None  # why the ranks are gone, once they are
+        self.cause: Cause | None = None  # why the ranks are gone, once they are
+        self.failure: str | None = None  # the same as the chat says it
         self._raised = False
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._supervisor: Supervisor | None = None
         self._server: channel.ChannelServer | None = None
         self._link: channel.Connection | None = None
         self._inbox: queue.Queue[Message | None] = queue.Queue()
         self._last_seen = time.monotonic()
         self._link_lost = False
-        self._tails: dict[str, collections.deque[str]] = {
-            "stdout": collections.deque(maxlen=200),
-            "stderr": collections.deque(maxlen=200),
-        }
-        self._drains: list[threading.Thread] = []
         self._budgets: list[int | None] = []
-        self._beats: dict[int, float] = {}  # rank -> when its last stdout beat came
-        self._rank_pids: dict[int, Any] = {}  # local rank -> its psutil.Process
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
         self._rows: Any = None  # the batch in flight (exokv.client.batch.BatchRows)
-        self._slow_texts = float(os.environ.get(SLOW_TEXTS_ENV) or 0)
+        self._slow_texts = slow_texts_hook()  # tests only: a front end that lags
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
         self._drafts_over = threading.Condition()
@@ -156,6 +137,7 @@ class ClusterClient(Client):
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise
         self.ranks = self.plan.ranks
+        self._supervisor = Supervisor(self.plan, HEARTBEAT_TIMEOUT, on_beat=self._startup_beat)
         if split is not None and len(split) != self.ranks:
             raise UsageError(f"--split has {len(split)} values for {self.ranks} ranks")
         try:
@@ -350,23 +332,20 @@ class ClusterClient(Client):
             if self._closed:
                 return
             self._closed = True
-        proc = self._proc
         graceful = graceful and self._link is not None
         if graceful:
             try:
                 self._link.send(Shutdown())  # type: ignore[union-attr]
             except ExokvError:
                 graceful = False
-        if proc is not None:
+        if self._supervisor is not None:
             # With a disk tier the ranks spill what RAM holds and persist it: more time.
             patience = 60.0 if self.opts.disk_budget not in (None, 0) else 5.0
-            end_process_group(proc, patience if graceful else 0.0)
+            self._supervisor.end(patience if graceful else 0.0)
         if self._link is not None:
             self._link.close()
         if self._server is not None:
             self._server.close()
-        for t in self._drains:
-            t.join(timeout=1.0)
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     @property
@@ -465,36 +444,23 @@ class ClusterClient(Client):
             "addresses": channel_addresses(plan, self._server.port),
             "token": self._server.token,
         }
-        self._proc = subprocess.Popen(
-            plan.argv,
-            env={**os.environ, "TMPDIR": str(self._scratch)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: no stray Ctrl-C, one kill ends all
-        )
-        for name, stream in (("stdout", self._proc.stdout), ("stderr", self._proc.stderr)):
-            assert stream is not None
-            t = threading.Thread(target=self._drain, args=(name, stream), daemon=True)
-            t.start()
-            self._drains.append(t)
+        ranks = self._supervisor
+        assert ranks is not None
         # The launcher forwards its stdin to every rank; rank 0 reads this one line.
-        # The pipe stays open: at end of file mlx.launch would spin on its stdin.
-        assert self._proc.stdin is not None
-        self._proc.stdin.write((json.dumps(boot) + "\n").encode())
-        self._proc.stdin.flush()
+        ranks.start(
+            env={**os.environ, "TMPDIR": str(self._scratch)},
+            first_line=json.dumps(boot),
+            secret=self._server.token,
+        )
         deadline = time.monotonic() + CONNECT_TIMEOUT
         while self._link is None:
             self._link = self._server.wait(_POLL_S)
-            if self._link is None and self._proc.poll() is not None:
+            if self._link is None and ranks.poll() is not None:
                 self._fail("the ranks stopped before rank 0 connected")
             if time.monotonic() > deadline:
                 self._fail(f"rank 0 did not connect within {CONNECT_TIMEOUT:.0f} s")
         self._last_seen = time.monotonic()
-        # From here on every rank must beat (each started beating before rank 0 could
-        # connect): a rank that hangs while the model loads is named too.
-        self._beats = {r: self._last_seen for r in range(self.ranks)}
-        self._checked = self._last_seen  # the last liveness check (_trouble)
+        ranks.expect_beats()
         threading.Thread(target=self._read_link, daemon=True).start()
         while True:
             message = self._next()
@@ -504,7 +470,7 @@ class ClusterClient(Client):
                 self._budgets = list(message.budgets)
                 if message.notice:  # the ranks' stderr is not the user's
                     print(f"exokv: disk tier: {message.notice}", file=sys.stderr)
-                nudge_ranks(self._proc)  # every rank is past release_stdin by now
+                ranks.nudge()  # every rank is past release_stdin by now
                 break
         if threading.current_thread() is threading.main_thread():
             # Never restored: a wake-up still pending after close must not kill the process.
@@ -522,14 +488,14 @@ class ClusterClient(Client):
             with self._state:
                 if self._busy or self._closed:
                     continue
-            cause, settle = self._trouble()
-            if cause is None:
+            trouble, settle = self._trouble()
+            if trouble is None:
                 continue
-            message = self._diagnose(cause, settle)
+            cause = self._diagnose(trouble, settle)
             with self._state:
                 if self._closed or self._busy:
                     continue  # quitting anyway, or a request that will see it itself
-                self.failure = message
+                self.cause, self.failure = cause, cause.worded(CONSEQUENCE)
             self.close(graceful=False)
             if main.is_alive() and signal.getsignal(signal.SIGUSR1) == self._raise_failure:
                 signal.pthread_kill(main.ident, signal.SIGUSR1)  # type: ignore[arg-type]
@@ -600,52 +566,12 @@ class ClusterClient(Client):
         say more about it (see `_fail`)."""
         if self._link_lost:
             return "rank 0 closed the channel", True
-        if self._proc is not None and self._proc.poll() is not None:
+        ranks = self._supervisor
+        if ranks is None:
+            return None, False
+        if ranks.poll() is not None:
             return "the ranks stopped", True
-        now = time.monotonic()
-        checked, self._checked = self._checked, now
-        if now - checked > _SELF_STALL_S:
-            return None, False  # judged at the next check, once the readers have run
-        silent = [
-            r
-            for r, t in sorted(self._beats.items())
-            if now - t > HEARTBEAT_TIMEOUT and not self._running_here(r)
-        ]
-        if silent:
-            return (
-                f"rank {silent[0]} stopped responding "
-                f"(no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s; a stopped process or a "
-                "sleeping or unreachable host)"
-            ), False
-        if now - self._last_seen > HEARTBEAT_TIMEOUT and not self._running_here(0):
-            return f"rank 0 stopped responding (no heartbeat for {HEARTBEAT_TIMEOUT:.0f} s)", False
-        return None, False
-
-    def _running_here(self, rank: int) -> bool:
-        """Whether a silent rank on this machine is a running process: busy, not dead.
-
-        A loaded machine can leave a rank unscheduled for seconds, its beat threads
-        with it: on this project's two-core VM every process (a C program sleeping
-        5 ms at a time too) went unrun for up to 6.6 s several times a minute at load
-        10 to 20, and a rank's beat was seen silent for over 10 s (benchmarks/stalls.py;
-        nothing of exokv held the GIL: mx.eval releases it). Where the rank is a local
-        process, its state decides: stopped (SIGSTOP, a debugger) or gone is dead,
-        anything else is working. Remote ranks have only their heartbeat.
-        """
-        if not self.plan.local or self._proc is None:
-            return False
-        import psutil
-
-        try:
-            if rank not in self._rank_pids:
-                for p in psutil.Process(self._proc.pid).children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        if "MLX_RANK" in (env := p.environ()):
-                            self._rank_pids[int(env["MLX_RANK"])] = p
-            process = self._rank_pids[rank]
-            return process.status() not in _NOT_RUNNING
-        except (KeyError, ValueError, psutil.Error):
-            return False
+        return ranks.silent(channel_seen=self._last_seen), False
 
     def _send(self, message: Message, fail: bool = True) -> None:
         if self.failure:
@@ -662,42 +588,23 @@ class ClusterClient(Client):
                 self._fail("the channel to rank 0 broke")
             raise
 
-    def _fail(self, cause: str, settle: bool = True) -> None:
+    def _fail(self, trouble: str, settle: bool = True) -> None:
         """Find out which rank died and why, end everything, raise one line.
 
         `settle`: give the launcher a moment to notice the dead rank and say which
         it was; pointless when rank 0 hangs (nothing will exit by itself).
         """
-        message = self._diagnose(cause, settle)
+        cause = self._diagnose(trouble, settle)
         with self._state:
-            self.failure = self.failure or message
+            if self.cause is None:
+                self.cause, self.failure = cause, cause.worded(CONSEQUENCE)
         self.close(graceful=False)
         raise ExokvError(self.failure)
 
-    def _diagnose(self, cause: str, settle: bool) -> str:
-        proc = self._proc
-        if proc is not None and settle and wait_for(proc, SETTLE_S):
-            for t in self._drains:
-                t.join(timeout=1.0)  # the launcher's last words reach the tails
-        hosts = [h.ssh for h in self.plan.hosts]
-        return diagnose(list(self._tails["stderr"]), cause, hosts) if settle else cause
-
-    def _drain(self, name: str, stream: IO[bytes]) -> None:
-        tail = self._tails[name]
-        token = self._server.token if self._server else ""
-        for raw in iter(stream.readline, b""):
-            line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
-            beat = _BEAT.search(line)
-            if beat:
-                self._beats[int(beat.group(1))] = time.monotonic()
-                self._startup_beat(int(beat.group(1)), line.endswith(" loaded"))
-                continue
-            if token:
-                line = line.replace(token, "***")  # a pty may echo the bootstrap line
-            tail.append(line)
-            if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
-                print(f"[ranks {name}] {line}", file=sys.stderr)
-        stream.close()
+    def _diagnose(self, trouble: str, settle: bool) -> Cause:
+        if self._supervisor is None:
+            return Cause(trouble)
+        return self._supervisor.diagnose(trouble, settle)
 
 
 _IDLE = Heartbeat()  # a poll of `_next` that got nothing: a time to check, as after a beat
@@ -723,72 +630,3 @@ def _sweep_scratch() -> None:
             gone = True
         if gone:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None) -> str:
-    """One line naming the rank that failed first and why, from the launcher's output.
-
-    When one rank dies, the others fail in turn (a collective loses its peer) and
-    the launcher terminates whatever is left, so the first cause is picked in this
-    order: a rank killed by a signal, a rank's own error, a rank that exited with
-    an error code, and only then a rank that merely lost its peers.
-    """
-    errors: dict[int, str] = {}
-    exits: list[tuple[int, str]] = []
-    for line in stderr_lines:
-        if ERROR_MARK in line:
-            try:
-                data = json.loads(line.split(ERROR_MARK, 1)[1])
-                errors.setdefault(int(data["rank"]), str(data["message"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        match = _NODE_EXIT.search(line)
-        if match:
-            exits.append((int(match.group(1)), _exit_cause(match.group(2))))
-    for rank, why in exits:
-        if why.startswith("was killed"):
-            return f"rank {rank} {why}; the chat cannot go on"
-    own = {r: m for r, m in errors.items() if not _PEER_LOST.search(m)}
-    if exits and exits[0][1] == _TERMINATED_BY_SIGNAL and not own:
-        # SIGTERM is also how the launcher ends the other ranks, but only after the
-        # first one went: the first to go is the one someone (or something) terminated.
-        return f"rank {exits[0][0]} {exits[0][1]}; the chat cannot go on"
-    for rank, _ in exits:
-        if rank in own:
-            return f"rank {rank} failed: {own[rank]}"
-    if own:
-        rank = min(own)
-        return f"rank {rank} failed: {own[rank]}"
-    for rank, why in exits:
-        if why.startswith("exited") and rank not in errors:
-            host = hosts[rank] if hosts and rank < len(hosts) else ""
-            if why.endswith("code 255") and host not in ("", "127.0.0.1"):
-                # ssh's own failure code: the rank never started there.
-                return (
-                    f"rank {rank} could not be started on {host!r}: ssh failed (is it reachable?)"
-                )
-            return f"rank {rank} {why}; the chat cannot go on"
-    if errors:
-        rank = min(errors)
-        return f"rank {rank} failed: {errors[rank]} (another rank stopped answering)"
-    last = next((x for x in reversed(stderr_lines) if x.strip()), "")
-    return f"{cause}" + (f": {last}" if last else "")
-
-
-_TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
-# psutil states of a local rank that cannot be working (see _running_here).
-_NOT_RUNNING = ("stopped", "tracing-stop", "zombie", "dead")
-
-
-def _exit_cause(code: str | None) -> str:
-    if code is None:
-        return "terminated"
-    n = int(code)
-    if n == -signal.SIGTERM:
-        return _TERMINATED_BY_SIGNAL
-    if n < 0:
-        try:
-            return f"was killed by {signal.Signals(-n).name}"
-        except ValueError:
-            return f"was killed by signal {-n}"
-    return f"exited with code {n}"

@@ -30,6 +30,7 @@ from exokv.client.cluster import ClusterClient
 from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.wire.supervise import Cause
 
 T = TypeVar("T")
 BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one
@@ -50,7 +51,7 @@ class HealingClient:
         self._inner = start()
         self.ranks = self._inner.ranks
         self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
-        self._said: str | None = None  # the failure already said, once
+        self._said: Cause | None = None  # the failure already said, once
         self._lock = threading.Lock()  # _said and _busy, between the notifier and main
         self._busy = False  # a request is in flight: it says and heals a failure itself
         self._restarted: list[str] = []  # why, for the next turn's events
@@ -160,24 +161,23 @@ class HealingClient:
                 try:
                     return call(self._inner)
                 except ExokvError:
-                    failure = self._inner.failure
-                    if failure is None:
+                    cause = self._inner.cause
+                    if cause is None:
                         raise  # not the ranks: a refused turn, a message too large
-                self._heal(failure)
+                self._heal(cause)
         finally:
             with self._lock:
                 self._busy = False
 
-    def _say_once(self, failure: str, text: str) -> None:
+    def _say_once(self, cause: Cause, text: str) -> None:
         with self._lock:
-            if self._said == failure:
+            if self._said == cause:
                 return
-            self._said = failure
+            self._said = cause
         self._say(text)
 
-    def _heal(self, failure: str) -> None:
-        cause = failure.replace("; the chat cannot go on", "")
-        self._say_once(failure, f"{cause}; starting the ranks again")
+    def _heal(self, cause: Cause) -> None:
+        self._say_once(cause, f"{cause.text}; starting the ranks again")
         self._inner.close()
         last = ""
         for attempt in range(self.restarts):
@@ -191,10 +191,10 @@ class HealingClient:
             self._quiet_watcher()
             if self._replies:
                 inner.remember_replies(list(self._replies.items()))
-            self._restarted.append(f"{cause}; ranks started again (try {attempt + 1})")
+            self._restarted.append(f"{cause.text}; ranks started again (try {attempt + 1})")
             return
         tries = f"{self.restarts} tr{'y' if self.restarts == 1 else 'ies'}"
-        raise ExokvError(f"{cause}; the ranks did not start again in {tries}: {last}")
+        raise ExokvError(f"{cause.text}; the ranks did not start again in {tries}: {last}")
 
     def _quiet_watcher(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -205,13 +205,13 @@ class HealingClient:
     def _notice(self, inner: ClusterClient) -> None:
         """Say at once that the ranks failed while idle (the next request heals it)."""
         while inner is self._inner:
-            failure = inner.failure
-            if failure is not None:
+            cause = inner.cause
+            if cause is not None:
                 with self._lock:
                     busy = self._busy
                 if not busy:
-                    cause = failure.replace("; the chat cannot go on", "")
-                    self._say_once(failure, f"{cause}; the ranks start again with the next request")
+                    text = f"{cause.text}; the ranks start again with the next request"
+                    self._say_once(cause, text)
                 return
             time.sleep(0.25)
 

@@ -18,26 +18,34 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import queue
-import select
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from exokv.config import TEST_FAIL_AT, fail_at_hook, rank_log_enabled
 from exokv.errors import ExokvError, PromptTooLong
 from exokv.options import AUTO, parse_disk_budget
+from exokv.rank.boot import (
+    HEARTBEAT_S,
+    alive,
+    beat,
+    beat_loaded,
+    launcher_rank,
+    read_bootstrap,
+    release_stdin,
+    remove_scratch,
+    report_error,
+)
 from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
 from exokv.records import CacheFileReport
 from exokv.wire import channel, messages
-from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
 from exokv.wire.messages import (
     Batch,
     Draft,
@@ -46,7 +54,6 @@ from exokv.wire.messages import (
     Held,
     Message,
     Progress,
-    RankFailed,
     Ready,
     Remember,
     Report,
@@ -65,10 +72,7 @@ from exokv.wire.wake import Doorbell
 if TYPE_CHECKING:
     from exokv.collectives import Group
 
-HEARTBEAT_S = 2.0
-BOOTSTRAP_TIMEOUT = 60.0
 # Tests only: "RANK:PHASE" (PHASE prefill, decode or insert) makes that rank raise there.
-FAIL_AT_ENV = "EXOKV_TEST_FAIL_AT"
 
 
 class CountingGroup:
@@ -124,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = launcher_rank()
     link: channel.Connection | None = None
     # Beating (and watching the front end) from before the ring forms: a front end
     # killed while the ranks start must not leave them waiting for each other.
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         world = mx.distributed.init(backend=args.backend, strict=True)
         rank = world.rank()
-        boot = read_bootstrap(BOOTSTRAP_TIMEOUT) if rank == 0 else None
+        boot = read_bootstrap() if rank == 0 else None
         release_stdin()
         if boot is not None:
             link = channel.connect(boot["addresses"], boot["token"], {"ranks": world.size()})
@@ -141,113 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         report_error(rank, err, link)
         return 1
     finally:
-        if args.front_end_pid is not None and not _alive(args.front_end_pid):
-            _remove_scratch()  # the front end was killed: nobody else will
-
-
-def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
-    """Say "alive" on `fd` every few seconds, which the launcher relays to the front end.
-
-    Every rank does this, not just rank 0: a rank that hangs (a stopped process, a
-    Mac gone to sleep) leaves the others blocked in a collective, still alive and
-    beating on the channel; only its own silence names it. The beat comes from a
-    thread, and MLX releases the GIL while it computes, so a long prefill beats on.
-
-    And the other way round: when the front end (`front_end`, a pid on this host)
-    is gone — killed, or timed out by a script — the rank ends, so the launcher
-    ends too. The launcher runs in its own process group, which a signal to the
-    front end's group does not reach, so nothing else would stop it.
-    """
-    line = f"{BEAT_MARK}{rank}\n".encode()
-    while True:
-        if front_end is not None and not _alive(front_end):
-            _remove_scratch()
-            os._exit(1)
-        try:
-            os.write(fd, line)  # one small write: never split from, or into, other lines
-        except OSError:
-            os._exit(1)  # nobody reads us any more
-        time.sleep(HEARTBEAT_S)
-
-
-def _remove_scratch() -> None:
-    """The front end was killed and cannot remove the launcher's temporary folder (see
-    ClusterClient): a local rank, which inherited it as TMPDIR, does."""
-    scratch = os.environ.get("TMPDIR", "")
-    if os.path.basename(scratch).startswith(SCRATCH_PREFIX):
-        import shutil
-
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A killed front end is a zombie until its parent reaps it: gone all the same.
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def release_stdin() -> None:
-    """Close our end of the launcher's stdin pipe (nothing more is read from it).
-
-    mlx.launch select()s each rank's stdin for writing, which is always ready, so
-    its I/O threads spin (about a third of a core). Once the read end is closed,
-    its next write fails with EPIPE and it stops watching that pipe; the front
-    end sends one more byte once the ranks are ready to trigger exactly that.
-    """
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-
-
-def report_error(rank: int, err: BaseException, link: channel.Connection | None) -> None:
-    message = describe(err)
-    if os.environ.get("EXOKV_DEBUG", "") not in ("", "0"):
-        traceback.print_exc()
-    print(ERROR_MARK + json.dumps({"rank": rank, "message": message}), file=sys.stderr, flush=True)
-    if link is not None:
-        try:
-            link.send(RankFailed(rank, message))
-        except ExokvError:
-            pass
-
-
-def describe(err: BaseException) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if "Couldn't bind socket" in text and "98" in text:
-        return "port in use: pass another --starting-port"
-    if isinstance(err, ExokvError):
-        return text
-    return f"{type(err).__name__}: {text}"
-
-
-def read_bootstrap(timeout: float) -> dict[str, Any]:
-    """The one line the front end wrote to the launcher's stdin: addresses and token."""
-    fd = sys.stdin.fileno()
-    data = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in data:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise ExokvError("rank 0 got no channel address from the front end")
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            raise ExokvError("rank 0's standard input closed before the channel address came")
-        data += chunk
-    line = data.split(b"\n", 1)[0].strip()
-    boot = json.loads(line)
-    if not isinstance(boot, dict) or "token" not in boot or "addresses" not in boot:
-        raise ExokvError("rank 0 got a malformed bootstrap line")
-    return boot
+        if args.front_end_pid is not None and not alive(args.front_end_pid):
+            remove_scratch()  # the front end was killed: nobody else will
 
 
 def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: list[int] | None):
@@ -266,19 +165,19 @@ def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: lis
 
 
 def inject_failure(engine: Any, rank: int, spec: str) -> None:
-    """Tests only (FAIL_AT_ENV): make `engine` raise on `rank` when the turn reaches a
+    """Tests only (EXOKV_TEST_FAIL_AT): make `engine` raise on `rank` when the turn reaches a
     phase, as a real failure there would (a full disk, memory, a broken kernel)."""
     if not spec:
         return
     who, _, phase = spec.partition(":")
     methods = {"prefill": "_prefill", "decode": "_decode", "insert": "_insert"}
     if phase not in methods or not who.isdigit():
-        raise ExokvError(f"{FAIL_AT_ENV}={spec!r}: use RANK:{'|'.join(methods)}")
+        raise ExokvError(f"{TEST_FAIL_AT.name}={spec!r}: use RANK:{'|'.join(methods)}")
     if int(who) != rank:
         return
 
     def fail(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"injected failure in {phase} ({FAIL_AT_ENV})")
+        raise RuntimeError(f"injected failure in {phase} ({TEST_FAIL_AT.name})")
 
     setattr(engine, methods[phase], fail)
 
@@ -336,7 +235,7 @@ class Rank:
         # Rank 0: a batch's text, at the front end's pace (its `seen` messages).
         self.flow = TextFlow(link.send) if link is not None else None
         self.log_path: Path | None = None
-        if os.environ.get("EXOKV_RANK_LOG", "") not in ("", "0"):
+        if rank_log_enabled():
             from exokv.config import exokv_home
 
             self.log_path = exokv_home() / "ranks" / f"rank-{self.rank}.jsonl"
@@ -371,8 +270,7 @@ class Rank:
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
         model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
-        # A beat that also says the shard is loaded: the front end shows start-up progress.
-        os.write(1, f"{BEAT_MARK}{self.rank} loaded\n".encode())
+        beat_loaded(self.rank)
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
         from exokv.collectives import MlxGroup  # mlx-lm: imported after beat() has started
 
@@ -390,7 +288,7 @@ class Rank:
                 **tier_options(args, rank=self.rank, layout=self._layout()),
             ),
         )
-        inject_failure(engine, self.rank, os.environ.get(FAIL_AT_ENV, ""))
+        inject_failure(engine, self.rank, fail_at_hook())
         self.engine, self.group = engine, group
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, args.wake_host)

@@ -12,7 +12,7 @@ run `exokv chat` must neither run nor shadow the standard library in a rank.
 The channel's token never appears on a command line or in an environment
 variable (both can be read by other users through `ps`): the front end writes
 one bootstrap line to the launcher's standard input, which the launcher
-forwards to the ranks, and only rank 0 reads it (see `exokv.rank.main`).
+forwards to the ranks, and only rank 0 reads it (see `exokv.rank.boot`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,9 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +34,7 @@ LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 # What a rank prints through the launcher, read by the front end (both sides import this).
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
-BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.main.beat)
+BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.boot.beat)
 SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 
@@ -216,51 +214,6 @@ def _probe(name: str, timeout: float) -> str:
     except OSError as err:
         return f"{host}:{port}: {err.strerror or err}"
     return "" if greeting == b"SSH-" else f"{host}:{port}: no ssh server answered"
-
-
-def nudge_ranks(proc: subprocess.Popen[bytes]) -> None:
-    """One byte for every rank's stdin through the launcher: each rank has closed it.
-
-    mlx.launch's per-rank I/O threads spin on an always-writable stdin until a write
-    fails; this write makes it fail, so they stop (see rank.release_stdin).
-    """
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(b"\n")
-        proc.stdin.flush()
-    except OSError:
-        pass
-
-
-def wait_for(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Whether `proc` ended within `timeout` seconds."""
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
-
-
-def end_process_group(proc: subprocess.Popen[bytes], patience: float = 0.0) -> None:
-    """End the launcher `proc` and every local rank it started (its process group).
-
-    `patience` seconds for them to leave on their own first (after a shutdown message);
-    then SIGTERM, then SIGKILL, and `proc`'s stdin closed.
-    """
-    wait_for(proc, patience)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
-        if wait_for(proc, 3.0) and sig == signal.SIGTERM:
-            time.sleep(0.2)  # the launcher is gone; its ranks may still be exiting
-    wait_for(proc, 1.0)
-    if proc.stdin is not None:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
 
 
 def launcher() -> str:

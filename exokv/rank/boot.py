@@ -1,0 +1,143 @@
+"""A rank's side of its start and its end, as the front end's Supervisor expects them.
+
+What every rank program (the chat's `exokv.rank.main`, the bench's
+`exokv.bench.rank_main`) does around its real work: learn its rank from the
+launcher, beat on a standard stream so the front end knows it is alive (and end
+when the front end is gone), read the bootstrap line on rank 0, release the
+launcher's stdin, and turn a failure into the one marked line the front end
+reads (`exokv.wire.supervise`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import sys
+import time
+import traceback
+from typing import Any
+
+from exokv.config import debug_enabled
+from exokv.errors import ExokvError
+from exokv.wire import channel
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
+from exokv.wire.messages import RankFailed
+
+HEARTBEAT_S = 2.0
+BOOTSTRAP_TIMEOUT = 60.0
+
+
+def launcher_rank() -> int:
+    """This rank's number as the launcher set it, before the distributed group exists."""
+    return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+
+def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
+    """Say "alive" on `fd` every few seconds, which the launcher relays to the front end.
+
+    Every rank does this, not just rank 0: a rank that hangs (a stopped process, a
+    Mac gone to sleep) leaves the others blocked in a collective, still alive and
+    beating on the channel; only its own silence names it. The beat comes from a
+    thread, and MLX releases the GIL while it computes, so a long prefill beats on.
+
+    And the other way round: when the front end (`front_end`, a pid on this host)
+    is gone — killed, or timed out by a script — the rank ends, so the launcher
+    ends too. The launcher runs in its own process group, which a signal to the
+    front end's group does not reach, so nothing else would stop it.
+    """
+    line = f"{BEAT_MARK}{rank}\n".encode()
+    while True:
+        if front_end is not None and not alive(front_end):
+            remove_scratch()
+            os._exit(1)
+        try:
+            os.write(fd, line)  # one small write: never split from, or into, other lines
+        except OSError:
+            os._exit(1)  # nobody reads us any more
+        time.sleep(HEARTBEAT_S)
+
+
+def beat_loaded(rank: int, fd: int = 1) -> None:
+    """A beat that also says this rank's shard is loaded: the front end shows start-up progress."""
+    os.write(fd, f"{BEAT_MARK}{rank} loaded\n".encode())
+
+
+def remove_scratch() -> None:
+    """The front end was killed and cannot remove the launcher's temporary folder (see
+    ClusterClient): a local rank, which inherited it as TMPDIR, does."""
+    scratch = os.environ.get("TMPDIR", "")
+    if os.path.basename(scratch).startswith(SCRATCH_PREFIX):
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A killed front end is a zombie until its parent reaps it: gone all the same.
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def release_stdin() -> None:
+    """Close our end of the launcher's stdin pipe (nothing more is read from it).
+
+    mlx.launch select()s each rank's stdin for writing, which is always ready, so
+    its I/O threads spin (about a third of a core). Once the read end is closed,
+    its next write fails with EPIPE and it stops watching that pipe; the front
+    end sends one more byte once the ranks are ready to trigger exactly that.
+    """
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def report_error(rank: int, err: BaseException, link: channel.Connection | None) -> None:
+    message = describe(err)
+    if debug_enabled():
+        traceback.print_exc()
+    print(ERROR_MARK + json.dumps({"rank": rank, "message": message}), file=sys.stderr, flush=True)
+    if link is not None:
+        try:
+            link.send(RankFailed(rank, message))
+        except ExokvError:
+            pass
+
+
+def describe(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "Couldn't bind socket" in text and "98" in text:
+        return "port in use: pass another --starting-port"
+    if isinstance(err, ExokvError):
+        return text
+    return f"{type(err).__name__}: {text}"
+
+
+def read_bootstrap(timeout: float = BOOTSTRAP_TIMEOUT) -> dict[str, Any]:
+    """The one line the front end wrote to the launcher's stdin: addresses and token."""
+    fd = sys.stdin.fileno()
+    data = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise ExokvError("rank 0 got no channel address from the front end")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise ExokvError("rank 0's standard input closed before the channel address came")
+        data += chunk
+    line = data.split(b"\n", 1)[0].strip()
+    boot = json.loads(line)
+    if not isinstance(boot, dict) or "token" not in boot or "addresses" not in boot:
+        raise ExokvError("rank 0 got a malformed bootstrap line")
+    return boot

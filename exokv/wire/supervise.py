@@ -1,0 +1,352 @@
+"""Supervisor: the launcher and the ranks it started, watched from the front end.
+
+One per launch. It starts mlx.launch (`exokv.wire.launch` planned it: ranks on this
+machine, or over ssh through a hostfile) in its own process group, so Ctrl-C in the
+terminal reaches only the front end and one kill ends every rank; drains the
+launcher's stdout and stderr in threads, taking the ranks' heartbeats out (every
+rank beats every few seconds, even while the model computes: `exokv.rank.boot.beat`)
+and keeping the rest as a tail; judges whether every rank is alive; names the cause
+when the ranks fail; and ends the process group.
+
+The chat's ClusterClient and `exokv bench --ranks` both run their ranks through it;
+what differs between them (the timeouts, what counts as the result) they pass in or
+keep. A `Cause` names the rank and what happened to it; what that means (the chat
+ends, the ranks start again, the bench stops) each caller says in its own words.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from exokv.config import debug_enabled
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, LaunchPlan
+
+SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
+# Checks come a fraction of a second apart; this much between two means this process was
+# not run (a loaded or paused machine): the beats sent meanwhile may not be read yet.
+_SELF_STALL_S = 2.0
+_TAIL_LINES = 200
+_NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
+# How a rank reports that another rank went away (a consequence, not the cause).
+_PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
+_TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
+# psutil states of a local rank that cannot be working (see Supervisor.running_here).
+_NOT_RUNNING = ("stopped", "tracing-stop", "zombie", "dead")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why the ranks are gone, in one line that names the rank where it can.
+
+    `ended`: the line says only how a rank ended (killed by a signal, an exit code),
+    which reads as unfinished alone: the caller follows it with its consequence. A
+    rank's own error or a silent rank already reads as a whole sentence.
+    """
+
+    text: str
+    ended: bool = False
+
+    def worded(self, consequence: str) -> str:
+        """The line a user sees: `consequence` (say, "the chat cannot go on") where needed."""
+        return f"{self.text}; {consequence}" if self.ended else self.text
+
+
+class Supervisor:
+    """The launcher of `plan`, its output and its ranks' liveness.
+
+    `heartbeat_timeout`: the longest silence of a rank's beats before it counts as
+    lost. `start_timeout`: if given, every rank must have beaten once within this
+    long of the start (else judged from `expect_beats`). `on_beat(rank, loaded)` is
+    called for each beat; `on_line(stream, line)` for every other line, and a line
+    it returns True for is the caller's (not kept in the tail, not echoed).
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        heartbeat_timeout: float,
+        start_timeout: float | None = None,
+        on_beat: Callable[[int, bool], None] | None = None,
+        on_line: Callable[[str, str], bool] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.heartbeat_timeout = heartbeat_timeout
+        self.start_timeout = start_timeout
+        self._on_beat = on_beat
+        self._on_line = on_line
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tails: dict[str, collections.deque[str]] = {
+            "stdout": collections.deque(maxlen=_TAIL_LINES),
+            "stderr": collections.deque(maxlen=_TAIL_LINES),
+        }
+        self.beats: dict[int, float] = {}  # rank -> when its last beat came
+        self._drains: list[threading.Thread] = []
+        self._secret = ""
+        self._started = time.monotonic()
+        self._checked = self._started  # the last liveness check (see `silent`)
+        self._rank_pids: dict[int, Any] = {}  # local rank -> its psutil.Process
+
+    def start(
+        self, env: dict[str, str] | None = None, first_line: str | None = None, secret: str = ""
+    ) -> None:
+        """Start the launcher and its drains; `first_line` goes to its stdin, which it
+        forwards to every rank (rank 0 reads it: `exokv.rank.boot.read_bootstrap`).
+        `secret` (the channel's token) is masked in the tails: a pty may echo that line."""
+        self._secret = secret
+        self._started = self._checked = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.plan.argv,
+            env=env,
+            stdin=subprocess.PIPE,  # kept open: at end of file mlx.launch spins on it
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: no stray Ctrl-C, one kill ends all
+        )
+        for name, stream in (("stdout", self.proc.stdout), ("stderr", self.proc.stderr)):
+            assert stream is not None
+            t = threading.Thread(target=self._drain, args=(name, stream), daemon=True)
+            t.start()
+            self._drains.append(t)
+        if first_line is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write((first_line + "\n").encode())
+            self.proc.stdin.flush()
+
+    def poll(self) -> int | None:
+        """The launcher's exit code once it has exited."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def nudge(self) -> None:
+        """One byte for every rank's stdin through the launcher: each rank has closed it.
+
+        mlx.launch's per-rank I/O threads spin on an always-writable stdin until a write
+        fails; this write makes it fail, so they stop (see exokv.rank.boot.release_stdin).
+        """
+        if self.proc is None or self.proc.stdin is None:
+            return
+        try:
+            self.proc.stdin.write(b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+
+    def expect_beats(self) -> None:
+        """From now on every rank must beat, one that never did too (the chat's ranks
+        start beating before rank 0 can connect: a rank that hangs loading is named)."""
+        self._checked = now = time.monotonic()
+        self.beats = {r: now for r in range(self.plan.ranks)}
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def silent(self, channel_seen: float | None = None) -> str | None:
+        """The rank that stopped beating, if one did, as a cause; None while all beat.
+
+        `channel_seen`: when rank 0 last spoke over the front end's channel (the chat's
+        rank 0 beats there too); its silence is judged the same way.
+        """
+        now = time.monotonic()
+        checked, self._checked = self._checked, now
+        if now - checked > _SELF_STALL_S:
+            return None  # judged at the next check, once the readers have run
+        if self.start_timeout is not None and now - self._started > self.start_timeout:
+            missing = [r for r in range(self.plan.ranks) if r not in self.beats]
+            if missing:
+                return (
+                    f"rank {missing[0]} did not start within {self.start_timeout:.0f} s "
+                    "(the launcher or the distributed setup hangs)"
+                )
+        timeout = self.heartbeat_timeout
+        quiet = [
+            r
+            for r, t in sorted(self.beats.items())
+            if now - t > timeout and not self.running_here(r)
+        ]
+        if quiet:
+            return (
+                f"rank {quiet[0]} stopped responding "
+                f"(no heartbeat for {timeout:.0f} s; a stopped process or a "
+                "sleeping or unreachable host)"
+            )
+        if channel_seen is not None and now - channel_seen > timeout and not self.running_here(0):
+            return f"rank 0 stopped responding (no heartbeat for {timeout:.0f} s)"
+        return None
+
+    def running_here(self, rank: int) -> bool:
+        """Whether a silent rank on this machine is a running process: busy, not dead.
+
+        A loaded machine can leave a rank unscheduled for seconds, its beat threads
+        with it: on this project's two-core VM every process (a C program sleeping
+        5 ms at a time too) went unrun for up to 6.6 s several times a minute at load
+        10 to 20, and a rank's beat was seen silent for over 10 s (benchmarks/stalls.py;
+        nothing of exokv held the GIL: mx.eval releases it). Where the rank is a local
+        process, its state decides: stopped (SIGSTOP, a debugger) or gone is dead,
+        anything else is working. Remote ranks have only their heartbeat.
+        """
+        if not self.plan.local or self.proc is None:
+            return False
+        import psutil
+
+        try:
+            if rank not in self._rank_pids:
+                for p in psutil.Process(self.proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        if "MLX_RANK" in (env := p.environ()):
+                            self._rank_pids[int(env["MLX_RANK"])] = p
+            process = self._rank_pids[rank]
+            return process.status() not in _NOT_RUNNING
+        except (KeyError, ValueError, psutil.Error):
+            return False
+
+    # -- the cause, and the end ----------------------------------------------------------
+
+    def diagnose(self, cause: str, settle: bool = True) -> Cause:
+        """The cause of a failure first seen as `cause`.
+
+        `settle`: give the launcher a moment to notice the dead rank and say which it
+        was; pointless when a rank hangs (nothing will exit by itself).
+        """
+        if not settle:
+            return Cause(cause)
+        if self._exited_within(SETTLE_S):
+            self.drained(1.0)  # the launcher's last words reach the tails
+        hosts = [h.ssh for h in self.plan.hosts]
+        return diagnose(list(self.tails["stderr"]), cause, hosts)
+
+    def drained(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds per stream for the launcher's last lines."""
+        for t in self._drains:
+            t.join(timeout=timeout)
+
+    def end(self, patience: float = 0.0) -> None:
+        """End the launcher and every local rank it started (its process group).
+
+        `patience` seconds for them to leave on their own first (after a shutdown
+        message); then SIGTERM, then SIGKILL, the launcher's stdin closed, and its
+        last lines drained.
+        """
+        proc = self.proc
+        if proc is None:
+            return
+        self._exited_within(patience)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            if self._exited_within(3.0) and sig == signal.SIGTERM:
+                time.sleep(0.2)  # the launcher is gone; its ranks may still be exiting
+        self._exited_within(1.0)
+        if proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        self.drained(1.0)
+
+    def _exited_within(self, timeout: float) -> bool:
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _drain(self, name: str, stream: IO[bytes]) -> None:
+        tail = self.tails[name]
+        debug = debug_enabled()
+        for raw in iter(stream.readline, b""):
+            line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
+            if self._on_line is not None and self._on_line(name, line):
+                continue
+            beat = _BEAT.search(line)
+            if beat:
+                rank = int(beat.group(1))
+                self.beats[rank] = time.monotonic()
+                if self._on_beat is not None:
+                    self._on_beat(rank, line.endswith(" loaded"))
+                continue
+            if self._secret:
+                line = line.replace(self._secret, "***")
+            tail.append(line)
+            if debug:
+                print(f"[ranks {name}] {line}", file=sys.stderr)
+        stream.close()
+
+
+def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None) -> Cause:
+    """The rank that failed first and why, from the launcher's output (else `cause`).
+
+    When one rank dies, the others fail in turn (a collective loses its peer) and
+    the launcher terminates whatever is left, so the first cause is picked in this
+    order: a rank killed by a signal, a rank's own error, a rank that exited with
+    an error code, and only then a rank that merely lost its peers.
+    """
+    errors: dict[int, str] = {}
+    exits: list[tuple[int, str]] = []
+    for line in stderr_lines:
+        if ERROR_MARK in line:
+            try:
+                data = json.loads(line.split(ERROR_MARK, 1)[1])
+                errors.setdefault(int(data["rank"]), str(data["message"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        match = _NODE_EXIT.search(line)
+        if match:
+            exits.append((int(match.group(1)), _exit_cause(match.group(2))))
+    for rank, why in exits:
+        if why.startswith("was killed"):
+            return Cause(f"rank {rank} {why}", ended=True)
+    own = {r: m for r, m in errors.items() if not _PEER_LOST.search(m)}
+    if exits and exits[0][1] == _TERMINATED_BY_SIGNAL and not own:
+        # SIGTERM is also how the launcher ends the other ranks, but only after the
+        # first one went: the first to go is the one someone (or something) terminated.
+        return Cause(f"rank {exits[0][0]} {exits[0][1]}", ended=True)
+    for rank, _ in exits:
+        if rank in own:
+            return Cause(f"rank {rank} failed: {own[rank]}")
+    if own:
+        rank = min(own)
+        return Cause(f"rank {rank} failed: {own[rank]}")
+    for rank, why in exits:
+        if why.startswith("exited") and rank not in errors:
+            host = hosts[rank] if hosts and rank < len(hosts) else ""
+            if why.endswith("code 255") and host not in ("", "127.0.0.1"):
+                # ssh's own failure code: the rank never started there.
+                return Cause(
+                    f"rank {rank} could not be started on {host!r}: ssh failed (is it reachable?)"
+                )
+            return Cause(f"rank {rank} {why}", ended=True)
+    if errors:
+        rank = min(errors)
+        return Cause(f"rank {rank} failed: {errors[rank]} (another rank stopped answering)")
+    last = next((x for x in reversed(stderr_lines) if x.strip()), "")
+    return Cause(f"{cause}" + (f": {last}" if last else ""))
+
+
+def _exit_cause(code: str | None) -> str:
+    if code is None:
+        return "terminated"
+    n = int(code)
+    if n == -signal.SIGTERM:
+        return _TERMINATED_BY_SIGNAL
+    if n < 0:
+        try:
+            return f"was killed by {signal.Signals(-n).name}"
+        except ValueError:
+            return f"was killed by signal {-n}"
+    return f"exited with code {n}"
