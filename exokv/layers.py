@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.records",
             "exokv.sizes",
             "exokv.config",
+            "exokv.hosts",
             "exokv.options",
             "exokv.prompt",
             "exokv.tables",

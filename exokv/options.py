@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from exokv.errors import UsageError
+from exokv.hosts import HostList
 from exokv.sizes import parse_size
 
 AUTO: Literal["auto"] = "auto"  # --disk-budget auto: a share of the free space, per rank
@@ -26,10 +27,7 @@ class ClusterOptions:
     model: str
     ranks: int = 1  # -n as given: ranks on this machine (1 when hosts are named)
     rank_count: int = 1  # the ranks in all: -n, or one per host of --hosts/--hostfile
-    # Handed to mlx.launch's planning as given: exokv.wire.launch reads the hostfile
-    # (its hosts are already counted and checked in rank_count).
-    hosts: str | None = None
-    hostfile: str | None = None
+    hosts: HostList | None = None  # --hosts or --hostfile, read and checked; None: -n
     backend: str = "ring"
     parallel: str = "pipeline"
     split: list[int] | None = None  # layers per rank, rank 0 first
@@ -54,7 +52,7 @@ class ClusterOptions:
     @property
     def ranks_here(self) -> int:
         """Ranks sharing this machine (and its disk): ranks on several hosts have their own."""
-        return 1 if (self.hosts or self.hostfile) else self.ranks
+        return 1 if self.hosts is not None else self.ranks
 
 
 def parse_budgets(text: str | None, ranks: int) -> list[int] | None:

@@ -26,9 +26,10 @@ from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
 from exokv.config import FORWARDED_ENV
 from exokv.errors import UsageError
+from exokv.hosts import parse_hosts, read_hostfile
 from exokv.options import parse_split
 from exokv.records import TurnRequest
-from exokv.wire.launch import plan_launch, read_hostfile
+from exokv.wire.launch import plan_launch
 from exokv.wire.supervise import diagnose
 
 SCRIPT = [
@@ -97,7 +98,7 @@ def test_plan_remote_hosts_forward_settings_not_secrets(tmp_path: Path) -> None:
         )
     )
     plan = plan_launch(
-        ["py"], hostfile=str(hostfile), env={"EXOKV_TEST_FAKE_PRESSURE": "0.5", "X": "1"}
+        ["py"], hosts=read_hostfile(hostfile), env={"EXOKV_TEST_FAKE_PRESSURE": "0.5", "X": "1"}
     )
     assert plan.ranks == 2 and not plan.local and plan.bind_host != "0.0.0.0"
     assert "EXOKV_TEST_FAKE_PRESSURE=0.5" in plan.argv
@@ -124,11 +125,11 @@ def test_bad_hostfile_is_one_line_usage_error(tmp_path: Path, content: str, mess
 
 def test_bad_launch_options_fail_before_launching(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="does not exist"):
-        plan_launch(["py"], hostfile=str(tmp_path / "missing.json"))
+        read_hostfile(str(tmp_path / "missing.json"))
     with pytest.raises(UsageError, match="has no IP address"):
-        plan_launch(["py"], hosts="mac1,mac2", backend="ring")
+        plan_launch(["py"], hosts=parse_hosts("mac1,mac2"), backend="ring")
     with pytest.raises(UsageError, match="not both"):
-        plan_launch(["py"], ranks=2, hosts="10.0.0.1,10.0.0.2")
+        validate(ChatOptions(model="builtin:tiny", ranks=2, hosts="10.0.0.1,10.0.0.2"))
     with pytest.raises(UsageError):
         parse_split("3,x")
     with pytest.raises(UsageError):
@@ -155,7 +156,7 @@ def test_unreachable_host_fails_before_launching(monkeypatch) -> None:
         closed = s.getsockname()[1]
     ports = {"10.0.0.1": sshd.getsockname()[1], "10.0.0.2": closed}
     monkeypatch.setattr(launch, "ssh_target", lambda name: ("127.0.0.1", ports[name]))
-    plan = plan_launch(["py"], hosts="10.0.0.1,10.0.0.2", starting_port=25000)
+    plan = plan_launch(["py"], hosts=parse_hosts("10.0.0.1,10.0.0.2"), starting_port=25000)
     with pytest.raises(ExokvError, match="rank 1's host '10.0.0.2' cannot be reached over ssh"):
         launch.check_reachable(plan, timeout=2)
     sshd.close()
@@ -358,8 +359,7 @@ def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
         json.dumps([{"ssh": "mac-a", "ips": ["10.0.0.1"]}, {"ssh": "mac-b", "ips": ["10.0.0.2"]}])
     )
     opts = ChatOptions(model="builtin:tiny", hostfile=str(hostfile), cache_budget="8MB,2MB")
-    assert opts.rank_count() == 2
-    validate(opts)  # one budget per host: no "2 values for 1 ranks"
+    assert validate(opts).rank_count == 2  # one budget per host: no "2 values for 1 ranks"
 
 
 @pytest.mark.timeout(90)

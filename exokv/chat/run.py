@@ -12,6 +12,7 @@ from typing import Any
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
 from exokv.client import Client, make_client
 from exokv.errors import UsageError
+from exokv.hosts import HostList, parse_hosts, read_hostfile
 from exokv.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
 
 
@@ -45,15 +46,15 @@ class ChatOptions:
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
 
-    def rank_count(self) -> int:
-        """The ranks in all; reads and checks a hostfile (one line for a bad one)."""
-        if self.hosts:
-            return len([h for h in self.hosts.split(",") if h.strip()])
+    def host_list(self) -> HostList | None:
+        """--hosts or --hostfile, read and checked (one line for a bad one); None: -n."""
+        if (self.hosts or self.hostfile) and self.ranks > 1:
+            raise UsageError("use -n for ranks on this machine, or --hosts/--hostfile, not both")
+        if self.hosts and self.hostfile:
+            raise UsageError("use --hosts or --hostfile, not both")
         if self.hostfile:
-            from exokv.wire.launch import read_hostfile
-
-            return len(read_hostfile(self.hostfile)[0])
-        return self.ranks
+            return read_hostfile(self.hostfile)
+        return parse_hosts(self.hosts) if self.hosts else None
 
 
 # The largest integer SQLite stores (budgets and sizes end up in the database).
@@ -79,13 +80,14 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         raise UsageError("--ranks must be at least 1")
     if opts.max_kv_size is not None and not 1 <= opts.max_kv_size <= SQLITE_MAX_INT:
         raise UsageError(f"--max-kv-size must be between 1 and {SQLITE_MAX_INT}")
-    ranks = opts.rank_count()
+    hosts = opts.host_list()
+    ranks = opts.ranks if hosts is None else len(hosts.hosts)
     budgets = parse_budgets(opts.cache_budget, ranks)
     if any(b > SQLITE_MAX_INT for b in budgets or []):
         raise UsageError(f"--cache-budget {opts.cache_budget}: larger than {SQLITE_MAX_INT} bytes")
     if opts.split is not None and ranks == 1:
         raise UsageError("--split spreads layers over ranks: it needs -n 2 or more, or --hosts")
-    if not (opts.hosts or opts.hostfile) and opts.ranks > 1:
+    if hosts is None and opts.ranks > 1:
         import psutil
 
         room = psutil.virtual_memory().available // RANK_MEMORY_FLOOR
@@ -105,8 +107,7 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         model=opts.model,
         ranks=opts.ranks,
         rank_count=ranks,
-        hosts=opts.hosts,
-        hostfile=opts.hostfile,
+        hosts=hosts,
         backend=opts.backend,
         parallel=opts.parallel,
         split=split,

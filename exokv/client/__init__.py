@@ -96,7 +96,9 @@ class Client(Protocol):
 def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = None) -> Client:
     """The client `opts` asks for: the engine in this process for one local rank, else
     ranks started by mlx.launch. `progress` hears the ranks' start-up, one line at a time."""
-    if opts.rank_count == 1 and not opts.hostfile:
+    # One rank runs here unless a hostfile names its machine (a --hosts of one name
+    # runs here too, as it always has).
+    if opts.rank_count == 1 and (opts.hosts is None or opts.hosts.hostfile is None):
         from exokv.cache.tier_options import tier_options
         from exokv.client.local import LocalClient
         from exokv.rank.engine import EngineOptions

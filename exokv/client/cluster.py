@@ -128,7 +128,6 @@ class ClusterClient(Client):
                 rank_command(),
                 ranks=opts.ranks,
                 hosts=opts.hosts,
-                hostfile=opts.hostfile,
                 backend=opts.backend,
                 starting_port=opts.starting_port,
                 scratch=self._scratch,

@@ -2,8 +2,8 @@
 
 The ranks are always started by mlx's own launcher. This module only decides
 its arguments: `-n` for ranks on this machine, `--hosts` or `--hostfile` for
-several machines, the backend and the first port. A hostfile is checked here so
-a bad one is a one-line error before anything is started.
+several machines (read and checked before, by exokv.hosts), the backend and the
+first port.
 
 Ranks start with an import path that leaves out the working folder (see
 `rank_command`): a `secrets.py` or `concurrent.py` where the user happens to
@@ -17,18 +17,18 @@ forwards to the ranks, and only rank 0 reads it (see `exokv.rank.boot`).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from exokv.config import FORWARDED_ENV
 from exokv.errors import ExokvError, UsageError
+from exokv.hosts import Host, HostList, is_ip
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
@@ -36,12 +36,6 @@ DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.boot.beat)
 SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
-
-
-@dataclass
-class Host:
-    ssh: str
-    ips: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -57,93 +51,44 @@ class LaunchPlan:
     starting_port: int
 
 
-def parse_hosts(text: str) -> list[Host]:
-    names = [h.strip() for h in text.split(",")]
-    if not all(names):
-        raise UsageError(f"invalid --hosts {text!r}: an empty name between commas")
-    return [Host(ssh=h, ips=[h] if _is_ip(h) else []) for h in names]
-
-
-def read_hostfile(path: str | os.PathLike[str]) -> tuple[list[Host], str]:
-    """The hosts and backend of an mlx hostfile; a bad file is a one-line UsageError.
-
-    Accepts mlx's format: a JSON list of hosts, or an object with "hosts" (and
-    optionally "backend" and "envs"); each host has "ssh" and optionally "ips".
-    """
-    p = Path(path).expanduser()
-    where = f"hostfile {str(p)!r}"
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{where} does not exist") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"cannot read {where}: {err}") from None
-    except ValueError as err:
-        raise UsageError(f"{where} is not valid JSON ({err})") from None
-    backend = ""
-    if isinstance(data, dict):
-        backend = data.get("backend", "") or ""
-        entries = data.get("hosts")
-        if not isinstance(backend, str):
-            raise UsageError(f'{where}: "backend" must be a string')
-        envs = data.get("envs", [])
-        if not isinstance(envs, list) or not all(isinstance(e, str) for e in envs):
-            raise UsageError(f'{where}: "envs" must be a list of strings')
-    else:
-        entries = data
-    if not isinstance(entries, list) or not entries:
-        raise UsageError(f'{where}: expected a non-empty list of hosts (or {{"hosts": [...]}})')
-    hosts = []
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not isinstance(entry.get("ssh"), str) or not entry["ssh"]:
-            raise UsageError(f'{where}: host {i} needs an "ssh" name')
-        ips = entry.get("ips", [])
-        if not isinstance(ips, list) or not all(isinstance(a, str) and _is_ip(a) for a in ips):
-            raise UsageError(f'{where}: host {i} ("{entry["ssh"]}") has "ips" that are not IPs')
-        hosts.append(Host(ssh=entry["ssh"], ips=list(ips)))
-    return hosts, backend
-
-
 def plan_launch(
     command: list[str],
     ranks: int = 1,
-    hosts: str | None = None,
-    hostfile: str | None = None,
+    hosts: HostList | None = None,
     backend: str = "ring",
     starting_port: int | None = None,
     env: dict[str, str] | None = None,
     scratch: Path | None = None,
 ) -> LaunchPlan:
-    """The mlx.launch invocation that runs `command` (a python argv) on every rank.
+    """The mlx.launch invocation that runs `command` (a python argv) on every rank: on
+    `hosts` (parsed and checked by exokv.hosts) or else `ranks` ranks on this machine.
 
     `scratch`: a folder of ours where a hostfile is written when hosts given by
     name need their IPs filled in for the ring backend (mlx.launch refuses names).
     """
-    if (hosts or hostfile) and ranks > 1:
-        raise UsageError("use -n for ranks on this machine, or --hosts/--hostfile, not both")
-    if hosts and hostfile:
-        raise UsageError("use --hosts or --hostfile, not both")
     args = [launcher()]
-    if hostfile:
-        host_list, file_backend = read_hostfile(hostfile)
-        if file_backend and backend == "ring":
+    if hosts is not None and hosts.hostfile is not None:
+        if hosts.backend and backend == "ring":
             # --backend defaults to ring; a hostfile that names its backend wins over the default.
-            backend = file_backend
-        args += ["--hostfile", str(Path(hostfile).expanduser())]
-    elif hosts:
-        host_list = parse_hosts(hosts)
-        args += ["--hosts", ",".join(h.ssh for h in host_list)]
-    else:
-        host_list = [Host(LOOPBACK, [LOOPBACK]) for _ in range(ranks)]
+            backend = hosts.backend
+        args += ["--hostfile", str(hosts.hostfile)]
+    elif hosts is not None:
+        args += ["--hosts", ",".join(h.ssh for h in hosts.hosts)]
+    # A copy: the addresses looked up below are this launch's, not the options'.
+    host_list = (
+        [Host(h.ssh, list(h.ips)) for h in hosts.hosts]
+        if hosts is not None
+        else [Host(LOOPBACK, [LOOPBACK]) for _ in range(ranks)]
+    )
+    if hosts is None:
         args += ["-n", str(ranks)]
     if backend == "ring" and any(not h.ips for h in host_list):
         # `mac-studio.local` is what people type: look its address up, as ssh would.
         for h in host_list:
             if not h.ips:
                 h.ips = [resolve_host(h.ssh)]
-        envs = _hostfile_envs(hostfile) if hostfile else []
-        written = _write_hostfile(host_list, envs, scratch)
-        flag = "--hostfile" if hostfile else "--hosts"
+        written = _write_hostfile(host_list, hosts.envs if hosts else [], scratch)
+        flag = "--hostfile" if hosts is not None and hosts.hostfile is not None else "--hosts"
         args[args.index(flag) : args.index(flag) + 2] = ["--hostfile", str(written)]
     local = all(h.ssh == LOOPBACK for h in host_list)
     if starting_port is None:
@@ -267,7 +212,7 @@ def route_to(host: Host) -> str:
 def resolve_host(name: str) -> str:
     """The IPv4 address ssh would connect to for `name` (its ssh config applied)."""
     target, _ = ssh_target(name)
-    if _is_ip(target):
+    if is_ip(target):
         return target
     try:
         found = socket.getaddrinfo(target, None, socket.AF_INET, socket.SOCK_STREAM)
@@ -277,11 +222,6 @@ def resolve_host(name: str) -> str:
             'give its "ips" in a --hostfile'
         ) from None
     return str(found[0][4][0])
-
-
-def _hostfile_envs(path: str) -> list[str]:
-    data = json.loads(Path(path).expanduser().read_text())  # read_hostfile checked it
-    return list(data.get("envs", [])) if isinstance(data, dict) else []
 
 
 def _write_hostfile(hosts: list[Host], envs: list[str], scratch: Path | None) -> Path:
@@ -314,12 +254,4 @@ def _port_free(port: int) -> bool:
             s.bind((LOOPBACK, port))
         except OSError:
             return False
-    return True
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
     return True
