@@ -357,3 +357,12 @@ class ChatHooks:
 
     def save_cache(self, chat: ChatController) -> str:
         return "saving KV caches is not available in this mode"
+
+    def attach(
+        self, warn: Callable[[str], None] | None = None, note: Callable[[str], None] | None = None
+    ) -> None:
+        """Where the hooks' own lines go once the REPL draws the screen; kept in memory:
+        nothing to say."""
+
+    def finish(self, chat: ChatController) -> None:
+        """On quit; kept in memory: nothing to save."""

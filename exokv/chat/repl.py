@@ -268,9 +268,7 @@ def run_repl(
             renderer = Renderer(Console(stderr=True, highlight=False))
     renderer = renderer or Renderer()
     renderer.banner(banner_info(chat, client, opts))
-    attach = getattr(chat.hooks, "attach", None)
-    if attach is not None:
-        attach(warn=renderer.warning, note=renderer.note)
+    chat.hooks.attach(warn=renderer.warning, note=renderer.note)
     session: PromptSession[str] = PromptSession(
         history=_history() if input is None else InMemoryHistory(),
         completer=ChatCompleter(chat),
@@ -296,9 +294,7 @@ def run_repl(
         finally:
             if watcher is not None:
                 watcher.close()
-        finish = getattr(chat.hooks, "finish", None)
-        if finish is not None:
-            finish(chat)
+        chat.hooks.finish(chat)
     renderer.note("bye")
     return 0
 
