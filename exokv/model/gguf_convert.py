@@ -105,18 +105,31 @@ def gguf_config(arch: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dic
     config["rope_scaling"] = _rope_scaling(arch, meta)
     if ROPE_FREQS in tensors:
         config["rope_scaling"] = _llama3_rope(meta, config, tensors[ROPE_FREQS])
-    for gguf_key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        value = meta.get(f"tokenizer.ggml.{gguf_key}")
-        if value is not None:
-            config[name] = value_of(value)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        config["bos_token_id"] = value_of(bos)
+    ends = end_of_turn_ids(meta)
+    if ends:
+        # mlx-lm stops on every id listed here (its TokenizerWrapper's eos_token_ids).
+        config["eos_token_id"] = ends[0] if len(ends) == 1 else ends
     pad = meta.get("tokenizer.ggml.padding_token_id")
-    config["pad_token_id"] = value_of(pad) if pad is not None else config.get("eos_token_id")
+    config["pad_token_id"] = value_of(pad) if pad is not None else (ends[0] if ends else None)
     if arch == "gemma3":
         config.update(_gemma3_fields(meta, config))
     if arch == "qwen2":
         # mlx-lm's qwen2 always has q/k/v biases; a file without them cannot be loaded.
         config["attention_bias"] = True
     return config
+
+
+def end_of_turn_ids(meta: dict[str, Any]) -> list[int]:
+    """EOS, then the end-of-turn and end-of-message tokens where the file names them."""
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and value_of(value) not in ids:
+            ids.append(value_of(value))
+    return ids
 
 
 def _rope_scaling(arch: str, meta: dict[str, Any]) -> dict[str, Any] | None:
