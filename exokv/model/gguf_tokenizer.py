@@ -48,30 +48,68 @@ def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
-    backend.save(str(out / "tokenizer.json"))
-    tokens = spec["tokens"]
 
     def token(field: str) -> str | None:
-        index = spec.get(field)
-        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+        named = _special(spec, field)
+        return named[0] if named else None
 
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     if add_bos is None:
         # As llama.cpp does: a sentencepiece vocabulary that does not say adds BOS.
         add_bos = spec.get("tokenizer_type") == "llama"
+    add_eos = meta.get("tokenizer.ggml.add_eos_token")
+    bos = _special(spec, "bos_token_id") if value_of(add_bos) else None
+    eos = _special(spec, "eos_token_id") if add_eos is not None and value_of(add_eos) else None
+    _add_specials(backend, bos, eos)
+    backend.save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos_token_id"),
         "eos_token": token("eos_token_id"),
         "unk_token": token("unk_token_id"),
         "pad_token": token("pad_token_id"),
-        "add_bos_token": bool(value_of(add_bos)),
+        "add_bos_token": bos is not None,
+        "add_eos_token": eos is not None,
         "clean_up_tokenization_spaces": False,
     }
     template = meta.get("tokenizer.chat_template")
     if template is not None:
         tokenizer_config["chat_template"] = text(template)
     builtin.write_json(out / "tokenizer_config.json", tokenizer_config)
+
+
+def _special(spec: dict[str, Any], field: str) -> tuple[str, int] | None:
+    """(token, id) of the metadata's token ``field`` (bos_token_id, ...), None if it names none."""
+    index, tokens = spec.get(field), spec["tokens"]
+    return (tokens[index], index) if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+
+def _add_specials(backend: Any, bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> None:
+    """BOS before and EOS after every encoding, as the file's add_bos/add_eos_token say.
+
+    In tokenizer.json itself: with add_bos_token in tokenizer_config.json alone,
+    transformers 5 loads the saved post-processor and adds nothing. transformers' builders set an
+    empty TemplateProcessing (sentencepiece) or a ByteLevel one (GPT-2 style, which
+    adds no tokens): the first is replaced, the second kept ahead of ours.
+    """
+    if bos is None and eos is None:
+        return  # the builder's post-processor as it is: such files tokenize as before
+    from tokenizers import processors
+
+    def sequence(name: str, type_id: int) -> str:
+        head = f"{bos[0]}:{type_id} " if bos else ""
+        tail = f" {eos[0]}:{type_id}" if eos else ""
+        return f"{head}${name}:{type_id}{tail}"
+
+    single = sequence("A", 0)
+    pair = f"{single} {sequence('B', 1)}"
+    specials = [t for t in (bos, eos) if t is not None]
+    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    existing = backend.post_processor
+    if existing is None or isinstance(existing, processors.TemplateProcessing):
+        backend.post_processor = template
+    else:
+        backend.post_processor = processors.Sequence([existing, template])
 
 
 def quiet_transformers() -> None:
