@@ -17,7 +17,7 @@ from exokv.config import machine_models_dir
 from exokv.errors import ExokvError
 
 # Bump when the conversion changes, so cached directories are converted again.
-CONVERT_VERSION = 1
+CONVERT_VERSION = 2
 CACHE = "gguf"
 
 
