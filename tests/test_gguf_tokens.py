@@ -28,10 +28,21 @@ WRITES_BOS = (
 NO_BOS = WRITES_BOS.removeprefix("{{ bos_token }}")
 
 
-def _write(path: Path, add_bos: bool | None, add_eos: bool = False, template: str = NO_BOS) -> Path:
+# A GPT-2 style (byte-level) vocabulary: "\u0120" is a space in its byte alphabet.
+BYTE_PIECES = ["\u0120", "h", "e", "l", "o", "w", "r", "d", "he", "ll"]
+
+
+def _write(
+    path: Path,
+    add_bos: bool | None,
+    add_eos: bool = False,
+    template: str = NO_BOS,
+    model: str = "llama",
+) -> Path:
     import gguf
 
-    tokens = SPECIAL + PIECES
+    pieces = PIECES if model == "llama" else BYTE_PIECES
+    tokens = SPECIAL + pieces
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)
@@ -43,11 +54,14 @@ def _write(path: Path, add_bos: bool | None, add_eos: bool = False, template: st
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(len(tokens))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(SPECIAL) + [-float(i) for i in range(len(PIECES))])
-    types = [UNKNOWN] + [CONTROL] * (len(SPECIAL) - 1) + [NORMAL] * len(PIECES)
+    if model == "llama":
+        writer.add_token_scores([0.0] * len(SPECIAL) + [-float(i) for i in range(len(pieces))])
+    else:
+        writer.add_token_merges(["h e", "l l"])
+    types = [UNKNOWN] + [CONTROL] * (len(SPECIAL) - 1) + [NORMAL] * len(pieces)
     writer.add_token_types(types)
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(BOS)
@@ -105,8 +119,21 @@ def test_bos_is_added_once_when_the_file_says(
     assert EOS not in ids, ids
 
 
-def test_no_bos_when_the_file_says_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = _tokenizer(tmp_path, monkeypatch, add_bos=False)
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_bos_is_added_once_to_either_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    tokenizer = _tokenizer(tmp_path, monkeypatch, add_bos=True, model=model)
+    ids = list(tokenizer.encode("hello world"))
+    assert ids[0] == BOS and ids.count(BOS) == 1, ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hello world"
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_no_bos_when_the_file_says_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    tokenizer = _tokenizer(tmp_path, monkeypatch, add_bos=False, model=model)
     ids = list(tokenizer.encode("hello world"))
     assert BOS not in ids and ids, ids
 

@@ -88,9 +88,9 @@ def _add_specials(backend: Any, bos: tuple[str, int] | None, eos: tuple[str, int
     """BOS before and EOS after every encoding, as the file's add_bos/add_eos_token say.
 
     In tokenizer.json itself: with add_bos_token in tokenizer_config.json alone,
-    transformers 5 loads the saved post-processor and adds nothing. transformers' builders set an
-    empty TemplateProcessing (sentencepiece) or a ByteLevel one (GPT-2 style, which
-    adds no tokens): the first is replaced, the second kept ahead of ours.
+    transformers 5 loads the saved post-processor and adds nothing. transformers'
+    builders (sentencepiece and GPT-2 style alike) set an empty TemplateProcessing,
+    which is replaced; any other post-processor is kept ahead of ours.
     """
     if bos is None and eos is None:
         return  # the builder's post-processor as it is: such files tokenize as before
