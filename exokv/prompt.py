@@ -52,7 +52,6 @@ class PromptRenderer:
         self._rendered: OrderedDict[tuple[int, int], _Rendered] = OrderedDict()
         self.templated = 0  # template calls made (for tests: what a render cost)
         self.encoded = 0  # characters encoded
-        self._bos = added_bos(tokenizer)
 
     # -- replies' exact tokens ------------------------------------------------------
 
@@ -151,32 +150,13 @@ class PromptRenderer:
         if not messages:
             return ""
         self.templated += 1
-        return chat_text(self.tokenizer, messages, self._bos)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
 
     def _encode(self, text: str) -> list[int]:
         self.encoded += len(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-
-
-def chat_text(tokenizer: Any, messages: Sequence[Message], bos: str | None) -> str:
-    """The chat template's output, to be encoded without special tokens.
-
-    So BOS is only where the text writes it; ``bos`` (from ``added_bos``) is written
-    first when the template does not, so a tokenizer that adds BOS gets it once, as
-    llama.cpp does, whether or not its template writes ``{{ bos_token }}``.
-    """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    return text if bos is None or text.startswith(bos) else bos + text
-
-
-def added_bos(tokenizer: Any) -> str | None:
-    """The BOS token's text if the tokenizer puts BOS before what it encodes, else None."""
-    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
-    if not isinstance(bos, str) or bos_id is None:
-        return None
-    with_specials = list(tokenizer.encode("a", add_special_tokens=True))
-    without = list(tokenizer.encode("a", add_special_tokens=False))
-    return bos if with_specials[:1] == [bos_id] and without[:1] != [bos_id] else None
 
 
 def _prefix_keys(messages: list[Message]) -> list[tuple[int, int]] | None:

@@ -71,7 +71,6 @@ def _write(
     if add_bos is not None:
         writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(add_eos)
-    writer.add_chat_template(template)
     rng = np.random.default_rng(0)
 
     def weight(*shape: int) -> np.ndarray:
@@ -149,17 +148,3 @@ def test_eos_is_appended_when_the_file_says(
 def test_every_end_of_turn_token_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = _tokenizer(tmp_path, monkeypatch, add_bos=True)
     assert {EOS, EOT, EOM} <= set(tokenizer.eos_token_ids), tokenizer.eos_token_ids
-
-
-@pytest.mark.parametrize("template", [WRITES_BOS, NO_BOS], ids=["writes-bos", "no-bos"])
-@pytest.mark.parametrize("add_bos", [True, False])
-def test_a_rendered_chat_has_bos_once_whatever_the_template_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str, add_bos: bool
-) -> None:
-    from exokv.prompt import PromptRenderer
-
-    tokenizer = _tokenizer(tmp_path, monkeypatch, add_bos=add_bos, template=template)
-    ids = PromptRenderer(tokenizer).render([{"role": "user", "content": "hello world"}])
-    # The template's own BOS is kept; the file's add_bos adds one only where it is missing.
-    expected = 1 if add_bos or template == WRITES_BOS else 0
-    assert ids.count(BOS) == expected and (ids[0] == BOS) == bool(expected), ids

@@ -46,7 +46,6 @@ from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache.prefix_cache import cache_length
 from exokv.collectives import Group
-from exokv.prompt import added_bos, chat_text
 from exokv.rank.engine import Engine, EngineOptions, decode, prefill
 from exokv.records import TurnRequest
 
@@ -95,7 +94,7 @@ Render = Callable[[Sequence[dict[str, str]]], list[int]]
 
 def render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> list[int]:
     """The plain chat template as text, then the tokenizer (for warming up and sizing)."""
-    text = chat_text(tokenizer, messages, added_bos(tokenizer))
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
