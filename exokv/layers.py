@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.tables",
         ),
     ),
-    ("below the cache", ("exokv.collectives", "exokv.state", "exokv.model")),
+    ("below the cache", ("exokv.collectives", "exokv.state", "exokv.model", "exokv.hostprobe")),
     ("cache", ("exokv.cache",)),
     ("wire", ("exokv.wire",)),
     ("rank", ("exokv.rank",)),

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen2
+from ssh_hosts import ssh_hosts  # noqa: F401 - the two ssh hosts, for any test module
 
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored,
 # and so would every exokv it starts (Python installs no KeyboardInterrupt handler for
