@@ -29,6 +29,8 @@ class TurnRequest:
     # Seed the sampler for this turn alone (exokv serve's per-request seed); the chat's
     # --seed seeds the ranks once, so that each /retry samples anew.
     sample_seed: int | None = None
+    # Sessions pinned with /pin: their cache entries are evicted after every other's.
+    pins: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -240,7 +240,8 @@ def evictions_table(
 
 
 def sessions_table(rows: Sequence[dict[str, Any]], width: int) -> RenderableType:
-    """`/sessions` and `exokv sessions list`: `*` marks the chat's current session."""
+    """`/sessions` and `exokv sessions list`: `*` marks the chat's current session, `pinned`
+    a session pinned with /pin."""
     columns = [
         Column("Session", "left"),
         Column("Turns"),
@@ -253,6 +254,8 @@ def sessions_table(rows: Sequence[dict[str, Any]], width: int) -> RenderableType
     for r in rows:
         name = Text(("* " if r.get("current") else "  ") if "current" in r else "")
         name.append(r["name"], style="bold" if r.get("current") else "")
+        if r.get("pinned"):
+            name.append(" pinned", style="cyan")
         cells.append(
             [
                 name,

@@ -397,3 +397,29 @@ def test_plan_over_the_ram_leaf_order_equals_the_ram_only_full_walk(
     assert got == expected
     # Lazy: no more of the RAM-leaf order is read than is evicted, plus one (and pins).
     assert len(taken) <= len(got) + 1 + len(pinned)
+
+
+def test_pinned_entries_go_after_every_unpinned_one():
+    # 1 and 3 are pinned and the oldest: every unpinned entry goes first, then they do.
+    entries = [
+        Entry(1, None, last_used=1, pinned=True),
+        Entry(2, None, last_used=5),
+        Entry(3, None, last_used=2, pinned=True),
+        Entry(4, None, last_used=3),
+    ]
+    assert ids(one_rank(entries, [10] * 4, budget=25)) == [4, 2]
+    assert ids(one_rank(entries, [10] * 4, budget=0)) == [4, 2, 1, 3]
+
+
+def test_a_pinned_parent_exposed_by_the_plan_waits_for_the_unpinned_leaves():
+    # 1 (pinned) loses its only child 2 (pinned) and becomes a leaf: still after 3 and 4.
+    entries = [
+        Entry(1, None, last_used=1, pinned=True),
+        Entry(2, 1, last_used=2, pinned=True),
+        Entry(3, None, last_used=8),
+        Entry(4, None, last_used=9),
+    ]
+    assert ids(one_rank(entries, [10] * 4, budget=0)) == [3, 4, 2, 1]
+    # An unpinned parent exposed by evicting its child goes in LRU order among the unpinned.
+    entries = [Entry(1, None, 1), Entry(2, 1, 2), Entry(3, None, 9, pinned=True)]
+    assert ids(one_rank(entries, [10] * 3, budget=0)) == [2, 1, 3]

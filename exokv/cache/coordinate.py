@@ -10,7 +10,8 @@ to bring every rank within its budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from exokv.cache.disk_tier import DiskTier
@@ -81,12 +82,21 @@ class Coordinator:
         self.last: Gathered | None = None
         self._rates: list[dict[StorageClass, int]] | None = None  # gathered outside a turn
         self.tier: DiskTier | None = None  # the disk tier under RAM, if any (set_tier)
+        # Sessions pinned with /pin: their entries go after every other (each turn's
+        # request carries them, so every rank holds the same set).
+        self.pins: frozenset[str] = frozenset()
 
     def set_tier(self, tier: DiskTier) -> None:
         self.tier = tier
         self.cache.tier = tier
         tier.rates = self.all_rates()
         tier.node_bytes = self.node_bytes
+
+    def set_pins(self, sessions: Sequence[str]) -> None:
+        """The sessions pinned now (a turn's request says: the same on every rank)."""
+        self.pins = frozenset(sessions)
+        if self.tier is not None:
+            self.tier.pins = self.pins
 
     # -- bytes on every rank, from the tree's counts --------------------------------
 
@@ -187,7 +197,7 @@ class Coordinator:
             RankLoad(cache_bytes=b, budget=load.budget, pressure=0.0, ram=load.ram)
             for b, load in zip(self.held_bytes(), g.loads, strict=True)
         ]
-        self._evict(loads, decision, events, pinned=set(live))
+        self._evict(loads, decision, events, kept=set(live))
         path = [n for n in live if n.payload is not None]
         while path and self._over():
             node = path[-1]
@@ -237,17 +247,17 @@ class Coordinator:
         loads: list[RankLoad],
         decision: int,
         events: list[CacheEvent],
-        pinned: set[Node] | None = None,
+        kept: set[Node] | None = None,
     ) -> None:
-        """Evict by the plan, the same entries on every rank."""
-        pinned = pinned or set()
+        """Evict by the plan, the same entries on every rank; `kept` are not candidates."""
         rates = self.last.rates
         planned = plan_tree(
             self.cache.tree,
             lambda node: _bytes(self.cache.counts(node), rates),
             loads,
             self.threshold,
-            pinned,
+            kept or set(),
+            self.pins,
         )
         pressures = [load.pressure for load in self.last.loads]
         # The plan is complete before anything is evicted: the leaf order it read changes.
@@ -349,24 +359,34 @@ def plan_tree(
     sizes_of: Callable[[Node], list[int]],
     loads: Sequence[RankLoad],
     threshold: float,
-    pinned: set[Node] | frozenset[Node] = frozenset(),
+    kept: set[Node] | frozenset[Node] = frozenset(),
+    pins: frozenset[str] = frozenset(),
 ) -> list[Eviction]:
     """`policy.plan_lru` over what the tree holds resident (in RAM), read lazily from
     the tree's own LRU order of resident leaves, so the cost is the evictions', not
     the tree's size. Without a disk tier every node is resident: the tree's leaves.
     On-disk nodes are not entries: a RAM node whose children are all on disk is a
-    leaf, and a parent becomes one when its last RAM child goes."""
+    leaf, and a parent becomes one when its last RAM child goes. `kept` nodes are
+    never evicted; the leaves of `pins` sessions come after every other leaf (a pass
+    over the LRU order for each; only with pins is the second one taken)."""
 
     def entry(node: Node) -> Entry:
         parent = node.parent.id if node.parent is not None and node.parent.parent else None
-        return Entry(node.id, parent, node.last_used, node.locks > 0 or node in pinned)
+        locked = node.locks > 0 or node in kept
+        return Entry(node.id, parent, node.last_used, locked, node.session in pins)
 
     def entry_of(node_id: int) -> Entry | None:
         node = tree.find(node_id)
         return None if node is None else entry(node)
 
+    def leaves(pinned: bool) -> Iterator[Entry]:
+        for n in tree.lru_leaves():
+            if n not in kept and (n.session in pins) == pinned:
+                yield entry(n)
+
+    in_order = itertools.chain(leaves(False), leaves(True)) if pins else leaves(False)
     return plan_lru(
-        (entry(n) for n in tree.lru_leaves() if n not in pinned),
+        in_order,
         entry=entry_of,
         children=lambda node_id: tree.find(node_id).resident_children,
         sizes_of=lambda node_id: sizes_of(tree.find(node_id)),

@@ -72,6 +72,7 @@ class DiskTier:
         self.stopped = ""  # why spilling stopped (agreed); "" while it goes on
         self.events: list[CacheEvent] = []
         self.decision = 0
+        self.pins: frozenset[str] = frozenset()  # pinned sessions (Coordinator.set_pins)
         self.node_bytes: Callable[[Node], list[int]] = lambda n: [0] * group.size
         self._warn = warn or (lambda text: print(f"exokv: warning: {text}", file=sys.stderr))
         self.spills = self.loads = self.drops = 0
@@ -120,16 +121,26 @@ class DiskTier:
         self.cache.evict(node)
 
     def _make_room(self, size: list[int], node: Node) -> bool:
-        """Drop on-disk leaves, least recently used first, until `size` more fits on
-        every rank's disk. The tree keeps them in order, so no walk (a leaf is never
-        an ancestor of `node`)."""
+        """Drop on-disk leaves, least recently used first (a pinned session's after every
+        other), until `size` more fits on every rank's disk. The tree keeps them in
+        order, so no walk (a leaf is never an ancestor of `node`)."""
         while not self._fits(size):
-            victim = next((n for n in self.cache.tree.lru_nonresident() if n is not node), None)
+            victim = self._oldest_on_disk(node)
             if victim is not None:
                 self.drop(victim, "disk budget")
             elif not self._forget_oldest_copy(node):
                 return False
         return True
+
+    def _oldest_on_disk(self, node: Node) -> Node | None:
+        pinned: Node | None = None
+        for n in self.cache.tree.lru_nonresident():
+            if n is node:
+                continue
+            if n.session not in self.pins:
+                return n
+            pinned = pinned or n
+        return pinned
 
     def _forget_oldest_copy(self, node: Node) -> bool:
         """Free the disk a /save copy holds (its node stays in RAM); False if none.

@@ -20,6 +20,13 @@ class Entry:
     parent: int | None
     last_used: int
     locked: bool = False
+    pinned: bool = False  # a pinned conversation's (/pin): evicted after every unpinned entry
+
+    @property
+    def order(self) -> tuple[bool, int, int]:
+        """Its place in the eviction order: unpinned before pinned, then least recently
+        used first (ties: lower id first)."""
+        return (self.pinned, self.last_used, self.id)
 
 
 @dataclass(frozen=True)
@@ -52,12 +59,14 @@ def plan_lru(
     ranks: Sequence[RankLoad],
     threshold: float,
 ) -> list[Eviction]:
-    """Which entries to evict, in order: least recently used unlocked leaves first.
+    """Which entries to evict, in order: unlocked leaves by `Entry.order` (every
+    unpinned one before any pinned one, least recently used first).
 
     Costs O(evictions x log) however many entries there are, so the caller hands
     over its entries lazily:
-    - leaves: the unlocked leaves, least recently used first (by (last_used, id));
-      only as many are taken as are evicted, plus one.
+    - leaves: the unlocked leaves in `Entry.order` (unpinned ones least recently used
+      first, then pinned ones the same way); only as many are taken as are evicted,
+      plus one.
     - entry(id): the entry `id` (an evicted entry's parent); None if it is not
       one (the tree's root).
     - children(id): how many children the entry has before any eviction.
@@ -69,7 +78,7 @@ def plan_lru(
     """
     stream = iter(leaves)
     upcoming = next(stream, None)
-    exposed: list[tuple[int, int, Entry]] = []  # parents made leaves by this plan
+    exposed: list[tuple[tuple[bool, int, int], Entry]] = []  # parents made leaves by this plan
     left: dict[int, int] = {}  # children a parent still has
     held = [r.cache_bytes for r in ranks]
     freed = [0] * len(ranks)
@@ -78,8 +87,8 @@ def plan_lru(
         reason = _worst_rank(ranks, held, freed, threshold)
         if reason is None:
             return evictions
-        if exposed and (upcoming is None or exposed[0][:2] < (upcoming.last_used, upcoming.id)):
-            victim = heapq.heappop(exposed)[2]
+        if exposed and (upcoming is None or exposed[0][0] < upcoming.order):
+            victim = heapq.heappop(exposed)[1]
         elif upcoming is not None:
             victim, upcoming = upcoming, next(stream, None)
         else:
@@ -90,7 +99,7 @@ def plan_lru(
             n = (children(parent.id) if n is None else n) - 1
             left[parent.id] = n
             if n == 0 and not parent.locked:
-                heapq.heappush(exposed, (parent.last_used, parent.id, parent))
+                heapq.heappush(exposed, (parent.order, parent))
         sizes = sizes_of(victim.id)
         if len(sizes) != len(ranks):
             raise ValueError("sizes_of must give one number per rank")
@@ -118,7 +127,7 @@ def plan(
             children[e.parent] += 1
     leaves = sorted(
         (e for e in entries if children[e.id] == 0 and not e.locked),
-        key=lambda e: (e.last_used, e.id),
+        key=lambda e: e.order,
     )
     return plan_lru(
         leaves,

@@ -28,10 +28,12 @@ COMMANDS = {
     "/stats": "the cache on each rank",
     "/evictions": "the latest evictions",
     "/save": "save this conversation's KV cache",
+    "/pin": "/pin [NAME]  keep this (or NAME's) cache: evicted after every unpinned one",
+    "/unpin": "/unpin [NAME]  let this (or NAME's) cache be evicted like any other",
     "/quit": "leave (the conversation and its KV cache are saved)",
 }
 # Commands that take an argument: Tab completes them with the space after.
-TAKES_ARGUMENT = {"/new", "/switch", "/system", "/set", "/sessions", "/retry"}
+TAKES_ARGUMENT = {"/new", "/switch", "/system", "/set", "/sessions", "/retry", "/pin", "/unpin"}
 RECENT_SESSIONS = 20
 
 
@@ -185,6 +187,8 @@ class ChatController:
         if name == "/save":
             message = self.hooks.save_cache(self)
             return Outcome(name, message, error=self.hooks.save_failed)
+        if name in ("/pin", "/unpin"):
+            return self._pin(name, arg)
         guess = nearest_command(name)
         hint = f"did you mean {guess}? " if guess else ""
         return Outcome(
@@ -203,6 +207,20 @@ class ChatController:
         turns = plural(self.current.turns, "turn")
         extra = f"; {self._opened_detail}" if self._opened_detail else ""
         return Outcome("/switch", f"switched to {arg!r} ({turns}{extra})")
+
+    def _pin(self, name: str, arg: str) -> Outcome:
+        target = arg or self.current.name
+        if target not in self.known_sessions():
+            return Outcome(name, f"no session {target!r}; /sessions lists them", error=True)
+        pin = name == "/pin"
+        if (target in self.hooks.pins()) == pin:
+            return Outcome(name, f"{target!r} is {'already' if pin else 'not'} pinned")
+        self.hooks.set_pinned(target, pin)
+        if pin:
+            return Outcome(
+                name, f"pinned {target!r}: its cache is evicted after every unpinned one"
+            )
+        return Outcome(name, f"unpinned {target!r}: its cache is evicted like any other")
 
     def _system(self, arg: str) -> Outcome:
         conv = self.current
@@ -288,6 +306,7 @@ class ChatController:
             temp=self.settings.temp if temp is None else temp,
             seed=self.settings.seed,
             use_cache=self.settings.use_cache,
+            pins=sorted(self.hooks.pins()),
         )
         try:
             result = self.client.turn(request, on_text=on_text, on_progress=on_progress)
@@ -328,6 +347,19 @@ class ChatHooks:
 
     save_failed = False  # set by save_cache: the last /save did not write the cache
 
+    def __init__(self) -> None:
+        self._pins: set[str] = set()
+
+    def pins(self) -> set[str]:
+        """The pinned sessions (/pin): every turn's request carries them to the ranks."""
+        return set(self._pins)
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        if pinned:
+            self._pins.add(name)
+        else:
+            self._pins.discard(name)
+
     def load(self, name: str) -> Conversation | None:
         return None
 
@@ -345,7 +377,11 @@ class ChatHooks:
         pass
 
     def list_sessions(self, chat: ChatController) -> list[dict[str, Any]]:
-        return [{"name": c.name, "turns": c.turns} for c in chat.sessions.values()]
+        pins = self.pins()
+        return [
+            {"name": c.name, "turns": c.turns, "pinned": c.name in pins}
+            for c in chat.sessions.values()
+        ]
 
     def stats(self, chat: ChatController) -> list[dict[str, Any]]:
         last = chat.last_result

@@ -44,6 +44,7 @@ class StoreHooks(ChatHooks):
         max_kv_size: int | None = None,
         locks: SessionLocks | None = None,
     ) -> None:
+        super().__init__()  # pins of sessions not stored yet wait there for their first turn
         self.store = store
         self.max_kv_size = max_kv_size
         self._options_written: set[str] = set()  # sessions whose settings are stored
@@ -130,6 +131,16 @@ class StoreHooks(ChatHooks):
     def stored_sessions(self) -> list[str]:
         return self.store.session_names()
 
+    def pins(self) -> set[str]:
+        return set(self.store.pinned_sessions()) | self._pins
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        # A session with no turn has no row yet: its pin is written with its first turn.
+        if self.store.set_pinned(name, pinned):
+            self._pins.discard(name)
+        else:
+            super().set_pinned(name, pinned)
+
     def _sync_system(self, conv: Conversation) -> None:
         if self._system.get(conv.name, _UNSET) != conv.system:
             self.store.ensure_session(conv.name, self.model, conv.system or "")
@@ -151,6 +162,8 @@ class StoreHooks(ChatHooks):
             # The session's first turn created it: it remembers this run's settings.
             self.store.set_session_options(conv.name, self.max_kv_size)
             self._options_written.add(conv.name)
+        if conv.name in self._pins:
+            self.set_pinned(conv.name, True)
         self._dirty.add(conv.name)
 
     def forget(self, name: str) -> None:
@@ -209,6 +222,7 @@ class StoreHooks(ChatHooks):
                 "cached_tokens": r["cached_tokens"],
                 "model": r["model"],
                 "last_used": r["last_used"],
+                "pinned": r.get("pinned", False),
             }
             for r in self.store.sessions()
         ]
@@ -219,6 +233,7 @@ class StoreHooks(ChatHooks):
         for conv in chat.sessions.values():
             if conv.name not in stored:  # opened in this run, no turn yet
                 row = {"name": conv.name, "turns": conv.turns, "tokens": 0, "cached_tokens": 0}
+                row["pinned"] = conv.name in self._pins
                 row["model"] = self.model
                 rows.insert(0, {**row, "last_used": None})
         for row in rows:

@@ -183,6 +183,7 @@ class Engine:
                 context=self.context,
             )
         self.decision += 1
+        self.coord.set_pins(request.pins)
         events, self.draft_events = self.draft_events, []
         use_cache = request.use_cache
         overhead = time.perf_counter()

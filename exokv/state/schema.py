@@ -178,12 +178,19 @@ def _v5_disk_tier(db: sqlite3.Connection) -> None:
     )
 
 
+def _v6_pins(db: sqlite3.Connection) -> None:
+    # /pin: a pinned session's cache entries are evicted after every other's. Kept
+    # here, so a pin outlives the chat that set it.
+    db.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+
+
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1,
     _v2,
     _v3,
     _v4_session_options,
     _v5_disk_tier,
+    _v6_pins,
 ]
 LATEST = len(MIGRATIONS)
 

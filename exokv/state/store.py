@@ -333,6 +333,19 @@ class Store:
         with self._write() as db:
             db.execute("UPDATE sessions SET max_kv_size = ? WHERE name = ?", (max_kv_size, session))
 
+    def set_pinned(self, session: str, pinned: bool) -> bool:
+        """Pin or unpin a stored session; False if there is no such session."""
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE sessions SET pinned = ? WHERE name = ?", (int(pinned), session)
+            )
+            return cur.rowcount > 0
+
+    def pinned_sessions(self) -> list[str]:
+        with self.snapshot() as db:
+            rows = db.execute("SELECT name FROM sessions WHERE pinned ORDER BY name")
+            return [r[0] for r in rows]
+
     def rename_session(self, old: str, new: str) -> None:
         """Rename a session; its saved KV cache directory follows it on this machine."""
         with self._write() as db:
