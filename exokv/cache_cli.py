@@ -191,6 +191,7 @@ def entries(
         Column("Tokens"),
         Column("Depth", priority=2),
         Column("Tier", "left", priority=1),
+        Column("Pinned", "left", priority=2),
         *[Column(f"Bytes r{k}", priority=0 if k == 0 else 3) for k in range(width)],
         Column("Hits", priority=1),
         Column("Last used", "left", priority=1),
@@ -200,7 +201,14 @@ def entries(
         sizes = [format_size(r["bytes"][k]) if k < len(r["bytes"]) else "-" for k in range(width)]
         parent = "-" if r["parent"] is None else str(r["parent"])
         row = [str(r["id"]), parent, r["session"], tables.num(r["tokens"]), tables.num(r["depth"])]
-        row += [r.get("tier", "ram"), *sizes, tables.num(r["hits"]), tables.when(r["last_used"])]
+        pinned = "yes" if r.get("pinned") else ""
+        row += [
+            r.get("tier", "ram"),
+            pinned,
+            *sizes,
+            tables.num(r["hits"]),
+            tables.when(r["last_used"]),
+        ]
         cells.append([*([str(r["run"])] if many else []), *row])
     console = _console()
     table = tables.fit(columns, cells, console.width)

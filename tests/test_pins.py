@@ -85,3 +85,15 @@ def test_pin_commands_say_what_they_did(tmp_path: Path, models_dir: Path) -> Non
     assert "not pinned" in chat.send("/unpin")["message"]
     code, err = chat.finish()
     assert code == 0, err
+
+
+def test_cache_entries_show_the_pins(tmp_path: Path, models_dir: Path) -> None:
+    from chat_helpers import cache_json
+
+    home = home_with_models(tmp_path / "h", models_dir)
+    run_script(home, ["/new a", A, "/pin", "/new b", B], "--model", "builtin:tiny")
+    rows = cache_json(home, "entries")["entries"]
+    assert {r["session"]: r["pinned"] for r in rows if r["session"] in "ab"} == {
+        "a": True,
+        "b": False,
+    }

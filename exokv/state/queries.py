@@ -217,6 +217,7 @@ def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[d
     """Live entries of the current runs: the rows of `exokv cache entries --json`."""
     if db is None:
         return []
+    pins = pinned_sessions(db)
     out = []
     for run in current_runs(db):
         for e in _live_entries(db, run["id"]):
@@ -235,12 +236,21 @@ def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[d
                     "bytes": sizes,
                     "total_bytes": sum(sizes),
                     "tier": e["tier"],
+                    "pinned": e["session"] in pins,
                     "hits": e["hits"],
                     "created": iso(e["created"]),
                     "last_used": iso(e["last_used"]),
                 }
             )
     return out
+
+
+def pinned_sessions(db: sqlite3.Connection) -> set[str]:
+    """The sessions pinned with /pin (none in a database older than pins)."""
+    try:
+        return {r[0] for r in db.execute("SELECT name FROM sessions WHERE pinned")}
+    except sqlite3.OperationalError:
+        return set()
 
 
 def pressure(
