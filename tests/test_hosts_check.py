@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -262,3 +263,21 @@ def test_a_malformed_hostfile_is_one_usage_error(
 ) -> None:
     with pytest.raises(UsageError, match=says):
         read_hostfile(_write(tmp_path, {**ETHERNET, **change}))
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_port_taken_on_a_host_fails_the_link_test_in_one_line(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
+    """The link test starts the ranks on their real ports: one taken on exokv-b is named."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"hosts": [{"ssh": n, "ips": [ip]} for n, ip in HOSTS.items()]}))
+    with socket.socket() as taken:
+        taken.bind((HOSTS["exokv-b"], 28811))  # rank 1's ring port
+        taken.listen()
+        proc = _check(ssh_hosts, tmp_path, "--hostfile", str(hostfile), "--starting-port", "28810")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    problems = [x for x in proc.stdout.splitlines() if x.startswith("link test: ")]
+    assert len(problems) == 1, proc.stdout
+    assert "rank 1" in problems[0] and "--starting-port" in problems[0], problems[0]
+    assert all(" failed" in x for x in proc.stdout.splitlines() if x.startswith("exokv-"))

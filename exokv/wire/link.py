@@ -21,7 +21,7 @@ from pathlib import Path
 from exokv.errors import ExokvError
 from exokv.hosts import HostList
 from exokv.wire.launch import SCRATCH_PREFIX, LaunchPlan, plan_launch, rank_command
-from exokv.wire.supervise import Supervisor
+from exokv.wire.supervise import Cause, Supervisor, diagnose
 
 LINK_MODULE = "exokv.rank.link_main"
 LINK_MARK = "exokv-link "  # exokv.rank.link_main's line (the rank layer is above this one)
@@ -72,6 +72,18 @@ def measure_link(hosts: HostList, backend: str = "ring", starting_port: int | No
         return _run(plan)
 
 
+def _cause(ranks: Supervisor, trouble: str) -> Cause:
+    """Why the ranks ended, from both of the launcher's streams.
+
+    mlx.launch runs a remote rank under `ssh -tt`, whose pseudo-terminal merges the
+    rank's stderr into its stdout: a remote rank's one-line error arrives on the
+    launcher's stdout, where the Supervisor's own diagnosis does not look.
+    """
+    ranks.diagnose(trouble)  # the launcher's last words reach the tails
+    lines = [*ranks.tails["stderr"], *ranks.tails["stdout"]]
+    return diagnose(lines, trouble, [h.ssh for h in ranks.plan.hosts])
+
+
 def _ports(plan: LaunchPlan) -> str:
     if plan.backend.startswith("jaccl"):
         return f"{plan.starting_port} (coordinator)"
@@ -114,7 +126,7 @@ def _run(plan: LaunchPlan) -> Link:
                 if not lines.empty():
                     continue  # the figures came just before the exit
                 trouble = f"the ranks ended (launcher exit {code}) without figures"
-                link.error = ranks.diagnose(trouble).worded("no link figures")
+                link.error = _cause(ranks, trouble).worded("no link figures")
                 return link
             silent = ranks.silent()
             if silent is not None:
