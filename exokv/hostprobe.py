@@ -39,6 +39,7 @@ class ModelPresence:
     status: str
     detail: str  # one line: where it is, or why it is not
     path: str = ""
+    fix: str = ""  # what to do there when it is missing
     fetch_files: int | None = None  # what a chat would download onto this host
     fetch_bytes: int | None = None
 
@@ -168,12 +169,14 @@ def model_presence(name: str) -> ModelPresence:
     if local.is_dir():
         if (local / "config.json").is_file():
             return ModelPresence(name, "here", "a model directory", str(local))
-        return ModelPresence(name, "missing", f"{local} has no config.json")
+        fix = "convert it with `mlx_lm.convert`, or copy the model to that path there"
+        return ModelPresence(name, "missing", f"{local} has no config.json", fix=fix)
     if local.exists():
         return _gguf_presence(name, lambda: local)
     if "@" in name or resolve._HF_REPO.match(name):
         return _hub_presence(name)
-    return ModelPresence(name, "missing", f"no such directory or file: {local}")
+    fix = "copy it to the same path there"
+    return ModelPresence(name, "missing", f"no such directory or file: {local}", fix=fix)
 
 
 def _ollama_blob(ref: str) -> Path:
@@ -220,7 +223,8 @@ def _hub_presence(name: str) -> ModelPresence:
         return ModelPresence(name, "here", where, str(snapshot))
     # Where exokv.model.hub's per-host plan plugs in: a repo the hub has becomes
     # "fetch" with the files and bytes this host would download.
-    return ModelPresence(name, "missing", f"not in this host's Hugging Face cache ({cache})")
+    where = f"not in this host's Hugging Face cache ({cache})"
+    return ModelPresence(name, "missing", where, fix=f"run `hf download {repo}` there")
 
 
 def _working_set() -> int | None:

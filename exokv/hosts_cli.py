@@ -21,7 +21,7 @@ from rich.console import Console
 
 from exokv import tables
 from exokv.errors import UsageError
-from exokv.hostprobe import PACKAGES, HostFacts
+from exokv.hostprobe import PACKAGES, HostFacts, probe
 from exokv.hosts import HostList, jaccl_problems, parse_hosts, read_hostfile
 from exokv.sizes import format_size
 from exokv.tables import Column
@@ -41,6 +41,7 @@ FRONT_END = "the front end"
 class Problem:
     host: str  # the ssh name; "" for the ranks together (the link)
     text: str  # what is wrong and what to do, one line
+    kind: str = "host"  # "ssh", "version", "model", "hostfile", "link" or "host"
 
     def line(self) -> str:
         return f"{self.host}: {self.text}" if self.host else self.text
@@ -130,17 +131,17 @@ def run_check(
     # mlx.launch runs a rank on 127.0.0.1 without ssh: so is it asked here.
     names = [None if h.ssh == LOOPBACK else h.ssh for h in host_list.hosts]
     answers = ask_hosts(names, timeout=timeout, model=model)
-    front_end = ask_hosts([None])[0].facts
-    assert front_end is not None  # this machine always answers
+    front_end = probe()
     report = Report(front_end, host_list, answers, None)
-    report.problems += [Problem("", line) for line in jaccl_problems(host_list)]
+    report.problems += [Problem("", x, "hostfile") for x in jaccl_problems(host_list)]
     for host, answer in zip(host_list.hosts, answers, strict=True):
         report.problems += host_problems(host.ssh, answer, front_end)
-    everyone = all(a.facts is not None for a in answers)
-    if link and everyone and len(host_list.hosts) > 1 and not report.problems:
+    # The ranks need every host, and the same code on each; not the model.
+    ready = not any(p.kind != "model" for p in report.problems)
+    if link and ready and len(host_list.hosts) > 1:
         report.link = measure_link(host_list, backend, starting_port)
         if not report.link.ok:
-            report.problems.append(Problem("", f"link test: {report.link.error}"))
+            report.problems.append(Problem("", f"link test: {report.link.error}", "link"))
     return report
 
 
@@ -153,6 +154,7 @@ def host_problems(host: str, answer: Answer, front_end: HostFacts) -> list[Probl
                     host,
                     f"cannot be reached over ssh ({answer.error}): check that "
                     f"`ssh {host}` works from here without a password",
+                    "ssh",
                 )
             ]
         return [Problem(host, answer.error)]
@@ -166,6 +168,7 @@ def host_problems(host: str, answer: Answer, front_end: HostFacts) -> list[Probl
                 f"Python {there} there, {here} on {FRONT_END}: the ranks run the same "
                 f"python ({sys.executable}); install Python {here} there, with the same "
                 "environment at the same path",
+                "version",
             )
         )
     for name in PACKAGES:
@@ -175,23 +178,19 @@ def host_problems(host: str, answer: Answer, front_end: HostFacts) -> list[Probl
         fix = f"pip install {name}=={want} there"
         if not has:
             out.append(
-                Problem(host, f"{name} is not installed there ({want} on {FRONT_END}): {fix}")
+                Problem(
+                    host, f"{name} is not installed there ({want} on {FRONT_END}): {fix}", "version"
+                )
             )
         else:
-            out.append(Problem(host, f"{name} {has} there, {want} on {FRONT_END}: {fix}"))
+            out.append(
+                Problem(host, f"{name} {has} there, {want} on {FRONT_END}: {fix}", "version")
+            )
     presence = facts.model
     if presence is not None and not presence.ok:
-        out.append(Problem(host, f"model {presence.name}: {presence.detail}{_model_fix(presence)}"))
+        fix = f": {presence.fix}" if presence.fix else ""
+        out.append(Problem(host, f"model {presence.name}: {presence.detail}{fix}", "model"))
     return out
-
-
-def _model_fix(presence: Any) -> str:
-    if presence.status != "missing":
-        return ""
-    name = presence.name
-    if "/" in name and not name.startswith(("/", ".", "~")) and not os.path.exists(name):
-        return f": run `hf download {name.partition('@')[0]}` there"
-    return ": copy it to the same path there"
 
 
 def _minor(version: str) -> str:

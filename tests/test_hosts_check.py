@@ -281,3 +281,32 @@ def test_a_rank_port_taken_on_a_host_fails_the_link_test_in_one_line(
     assert len(problems) == 1, proc.stdout
     assert "rank 1" in problems[0] and "--starting-port" in problems[0], problems[0]
     assert all(" failed" in x for x in proc.stdout.splitlines() if x.startswith("exokv-"))
+
+
+@pytest.mark.timeout(90)
+def test_a_host_that_never_answers_cannot_hang_the_check(
+    ssh_hosts: SshHosts, tmp_path: Path
+) -> None:
+    """An ssh to exokv-mute that connects and then hangs (a wrapper that sleeps): the
+    check ends at --timeout with one line for it, and the other host's row complete."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "ssh"
+    wrapper.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = exokv-mute ] && exec sleep 600; done\n'
+        f'exec {ssh_hosts.bin_dir / "ssh"} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    proc = _check(
+        ssh_hosts,
+        tmp_path,
+        *("--hosts", "exokv-b,exokv-mute", "--timeout", "4", "--no-link", "--json"),
+        PATH=f"{bin_dir}:{ssh_hosts.env()['PATH']}",
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [p["line"] for p in doc["problems"]] == [
+        "exokv-mute: cannot be reached over ssh (no answer within 4 s): check that "
+        "`ssh exokv-mute` works from here without a password"
+    ]
+    assert doc["hosts"][0]["reachable"] and doc["hosts"][0]["versions"]
