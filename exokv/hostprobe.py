@@ -85,7 +85,8 @@ class HostFacts:
         known = {k: data[k] for k in (f.name for f in fields(cls)) if k in data}
         model = known.get("model")
         if isinstance(model, dict):
-            known["model"] = ModelPresence(**model)
+            names = {f.name for f in fields(ModelPresence)}
+            known["model"] = ModelPresence(**{k: v for k, v in model.items() if k in names})
         return cls(**known)
 
 

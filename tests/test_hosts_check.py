@@ -310,3 +310,80 @@ def test_a_host_that_never_answers_cannot_hang_the_check(
         "`ssh exokv-mute` works from here without a password"
     ]
     assert doc["hosts"][0]["reachable"] and doc["hosts"][0]["versions"]
+
+
+def test_versions_are_compared_as_the_ranks_need_them() -> None:
+    """Python by major.minor; exokv, mlx and mlx-lm exactly; a package missing there is said so."""
+    from dataclasses import replace
+
+    from exokv.hostprobe import probe
+    from exokv.hosts_cli import host_problems
+    from exokv.wire.facts import Answer
+
+    front = probe()
+    major, minor, _ = front.python.split(".")
+    patch_only = replace(front, python=f"{major}.{minor}.999")
+    assert host_problems("m2", Answer("m2", patch_only), front) == []
+    older = replace(
+        front,
+        python=f"{major}.{int(minor) - 1}.0",
+        versions={**front.versions, "mlx-lm": ""},
+    )
+    lines = [p.line() for p in host_problems("m2", Answer("m2", older), front)]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"m2: Python {major}.{int(minor) - 1} there, {major}.{minor} on")
+    want = front.versions["mlx-lm"]
+    assert lines[1] == (
+        f"m2: mlx-lm is not installed there ({want} on the front end): "
+        f"pip install mlx-lm=={want} there"
+    )
+
+
+def test_facts_from_another_exokv_are_read() -> None:
+    """An older exokv's probe lacks the newer fields; a newer one's has more: both parse."""
+    from dataclasses import asdict
+
+    from exokv.hostprobe import HostFacts, probe
+
+    facts = asdict(probe("builtin:tiny"))
+    older = {k: v for k, v in facts.items() if k not in ("disk_total", "model")}
+    assert HostFacts.from_json(json.dumps(older)).model is None
+    newer = {**facts, "gpu": "M4", "model": {**facts["model"], "shards": 3}}
+    assert HostFacts.from_json(json.dumps(newer)).model.status in ("here", "first-use")
+
+
+def test_where_a_model_stands_is_found_without_side_effects(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exokv.hostprobe import model_presence
+
+    monkeypatch.setenv("EXOKV_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("HF_HOME", "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model")
+    _cached_repo(tmp_path, REPO)  # under HOME; HF_HUB_CACHE points elsewhere first
+    assert model_presence(REPO).status == "missing"
+    monkeypatch.delenv("HF_HUB_CACHE")
+    here = model_presence(REPO)
+    assert here.status == "here" and here.detail.startswith("in the Hugging Face cache (1 files")
+    seen = {
+        name: (p.status, p.fix)
+        for name in [str(model), str(tmp_path / "empty"), str(tmp_path / "gone"), "builtin:tiny"]
+        for p in [model_presence(name)]
+    }
+    assert seen[str(model)] == ("here", "")
+    assert (
+        seen[str(tmp_path / "empty")][0] == "missing"
+        and "mlx_lm.convert" in seen[str(tmp_path / "empty")][1]
+    )
+    assert seen[str(tmp_path / "gone")] == ("missing", "copy it to the same path there")
+    assert seen["builtin:tiny"] == ("first-use", "")
+    assert not (tmp_path / "home" / "models").exists()  # nothing was generated
+    assert model_presence(str(tmp_path / "notes.txt")).status == "invalid"
+    assert model_presence("builtin:nope").status == "invalid"
