@@ -18,8 +18,7 @@ import time
 from typing import Any
 
 from exokv.rank.boot import beat, launcher_rank, release_stdin, report_error
-
-LINK_MARK = "exokv-link "
+from exokv.wire.link import LINK_MARK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from exokv.wire.launch import SCRATCH_PREFIX, LaunchPlan, plan_launch, rank_comm
 from exokv.wire.supervise import Cause, Supervisor, diagnose
 
 LINK_MODULE = "exokv.rank.link_main"
-LINK_MARK = "exokv-link "  # exokv.rank.link_main's line (the rank layer is above this one)
+LINK_MARK = "exokv-link "  # rank 0's line with the figures (exokv.rank.link_main prints it)
 START_TIMEOUT_S = 60.0  # ssh, the launcher and python's start on every host
 RING_TIMEOUT_S = 30.0  # once every rank runs: the ring forms and the all_sums finish
 HEARTBEAT_TIMEOUT_S = 20.0
