@@ -313,6 +313,9 @@ def _mount_subcommands() -> None:
 
     app.add_typer(cache_cli.cache_app, name="cache")
     app.add_typer(sessions_app, name="sessions")
+    from exokv.hosts_cli import hosts_app
+
+    app.add_typer(hosts_app, name="hosts")
     from exokv.bench_cli import bench
 
     app.command()(bench)

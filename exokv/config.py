@@ -107,6 +107,15 @@ TEST_FAKE_PRESSURE = Setting(
     forwarded=True,
     test=True,
 )
+TEST_FAKE_VERSIONS = Setting(
+    "EXOKV_TEST_FAKE_VERSIONS",
+    "path of a JSON file of versions (~ is each host's own HOME)",
+    "none",
+    "a host whose file exists reports those versions (exokv.hostprobe), as a host with "
+    "other installs would",
+    forwarded=True,
+    test=True,
+)
 
 SETTINGS: tuple[Setting, ...] = (
     HOME,
@@ -118,6 +127,7 @@ SETTINGS: tuple[Setting, ...] = (
     TEST_FAIL_AT,
     TEST_SLOW_TEXTS,
     TEST_FAKE_PRESSURE,
+    TEST_FAKE_VERSIONS,
 )
 # What a rank on another machine should see as this one does.
 FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
@@ -185,3 +195,8 @@ def fake_pressure_hook(rank: int) -> float | None:
     except ValueError:
         raise UsageError(f"{TEST_FAKE_PRESSURE.name}={text!r} is not a list of fractions") from None
     return values[rank] if rank < len(values) else values[-1]
+
+
+def fake_versions_hook() -> str | None:
+    """EXOKV_TEST_FAKE_VERSIONS as set (a path, not yet expanded); None when unset."""
+    return TEST_FAKE_VERSIONS.text()

@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.bench_cli",
             "exokv.cache_cli",
             "exokv.sessions_cli",
+            "exokv.hosts_cli",
             "exokv.completion",
         ),
     ),

@@ -51,6 +51,7 @@ _exokv_completion() {
             "exokv:cache") path="exokv cache" ;;
             "exokv:chat") path="exokv chat" ;;
             "exokv:completions") path="exokv completions" ;;
+            "exokv:hosts") path="exokv hosts" ;;
             "exokv:models") path="exokv models" ;;
             "exokv:serve") path="exokv serve" ;;
             "exokv:sessions") path="exokv sessions" ;;
@@ -64,6 +65,8 @@ _exokv_completion() {
             "exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             "exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
             "exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port"|"exokv chat:--restarts") skip=1 ;;
+            "exokv hosts:check") path="exokv hosts check" ;;
+            "exokv hosts check:--hostfile"|"exokv hosts check:--hosts"|"exokv hosts check:--model"|"exokv hosts check:-m"|"exokv hosts check:--backend"|"exokv hosts check:--starting-port"|"exokv hosts check:--timeout") skip=1 ;;
             "exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--batch"|"exokv serve:--batch-wait"|"exokv serve:--drain-timeout"|"exokv serve:--max-body") skip=1 ;;
             "exokv sessions:list") path="exokv sessions list" ;;
             "exokv sessions:rename") path="exokv sessions rename" ;;
@@ -85,6 +88,8 @@ _exokv_completion() {
             "exokv chat:--backend") COMPREPLY=($(compgen -W "ring jaccl mpi" -- "$cur")) ;;
             "exokv chat:--parallel") COMPREPLY=($(compgen -W "pipeline tensor" -- "$cur")) ;;
             "exokv chat:--session") _exokv_values session ;;
+            "exokv hosts check:--hostfile") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
+            "exokv hosts check:--model"|"exokv hosts check:-m") _exokv_values model ;;
             "exokv serve:--model"|"exokv serve:-m") _exokv_values model ;;
             "exokv serve:--hostfile") compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")) ;;
             "exokv serve:--backend") COMPREPLY=($(compgen -W "ring jaccl mpi" -- "$cur")) ;;
@@ -102,7 +107,7 @@ _exokv_completion() {
     fi
     local subs="" opts=""
     case "$path" in
-        "exokv") subs="bench cache chat completions models serve sessions"
+        "exokv") subs="bench cache chat completions hosts models serve sessions"
             opts="--version -V --help" ;;
         "exokv bench") subs=""
             opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --kv-bits --kv-group-size --help" ;;
@@ -122,6 +127,10 @@ _exokv_completion() {
             opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --disk-budget --kv-bits --kv-group-size --session --json --starting-port --restarts --help" ;;
         "exokv completions") subs=""
             opts="--help" ;;
+        "exokv hosts") subs="check"
+            opts="--help" ;;
+        "exokv hosts check") subs=""
+            opts="--hostfile --hosts --model -m --backend --starting-port --no-link --timeout --json --help" ;;
         "exokv models") subs=""
             opts="--json --help" ;;
         "exokv serve") subs=""

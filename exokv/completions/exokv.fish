@@ -18,6 +18,8 @@ function __exokv_path
                 set p "exokv chat"
             case "exokv:completions"
                 set p "exokv completions"
+            case "exokv:hosts"
+                set p "exokv hosts"
             case "exokv:models"
                 set p "exokv models"
             case "exokv:serve"
@@ -43,6 +45,10 @@ function __exokv_path
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
             case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
+                set skip 1
+            case "exokv hosts:check"
+                set p "exokv hosts check"
+            case "exokv hosts check:--hostfile" "exokv hosts check:--hosts" "exokv hosts check:--model" "exokv hosts check:-m" "exokv hosts check:--backend" "exokv hosts check:--starting-port" "exokv hosts check:--timeout"
                 set skip 1
             case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
@@ -70,6 +76,7 @@ complete -c exokv -n '__exokv_at exokv' -a 'bench' -d 'Compare cold, carried, ml
 complete -c exokv -n '__exokv_at exokv' -a 'cache' -d 'Inspect the prefix cache: stats, entries, pressure, evictions'
 complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT'
 complete -c exokv -n '__exokv_at exokv' -a 'completions' -d 'Print the shell completion script for bash, zsh or fish (install lines in the README)'
+complete -c exokv -n '__exokv_at exokv' -a 'hosts' -d 'Check the hosts of a hostfile before a chat: versions, memory, model, link'
 complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the default model, the builtins and the models found locally (HF cache, ollama)'
 complete -c exokv -n '__exokv_at exokv' -a 'serve' -d 'Serve the model over an OpenAI-compatible HTTP API, with the chat'\''s ranks and cache'
 complete -c exokv -n '__exokv_at exokv' -a 'sessions' -d 'The stored conversations: list, show, rm, rename'
@@ -140,6 +147,17 @@ complete -c exokv -n '__exokv_at exokv chat' -l restarts -x -d 'a rank that dies
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv completions' -a 'bash zsh fish'
 complete -c exokv -n '__exokv_at exokv completions' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv hosts' -a 'check' -d 'Check every host: ssh, versions, memory, disk, the model, and the link between them'
+complete -c exokv -n '__exokv_at exokv hosts' -l help -d 'Show this message and exit'
+complete -c exokv -n '__exokv_at exokv hosts check' -l hostfile -r -F -d 'mlx hostfile (JSON), as mlx.distributed_config writes'
+complete -c exokv -n '__exokv_at exokv hosts check' -l hosts -x -d 'a,b,... one rank per host'
+complete -c exokv -n '__exokv_at exokv hosts check' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'also check that this model is on every host'
+complete -c exokv -n '__exokv_at exokv hosts check' -l backend -x -d 'ring|jaccl|mpi (a hostfile'\''s wins)'
+complete -c exokv -n '__exokv_at exokv hosts check' -l starting-port -x -d 'first port for the link test'\''s ranks'
+complete -c exokv -n '__exokv_at exokv hosts check' -l no-link -d 'skip the link test (no ranks start)'
+complete -c exokv -n '__exokv_at exokv hosts check' -l timeout -x -d 'seconds each host gets to answer'
+complete -c exokv -n '__exokv_at exokv hosts check' -l json -d 'print one JSON document'
+complete -c exokv -n '__exokv_at exokv hosts check' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv models' -l json -d 'one JSON document'
 complete -c exokv -n '__exokv_at exokv models' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv serve' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id'

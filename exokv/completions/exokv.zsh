@@ -24,6 +24,7 @@ _exokv() {
             "exokv:cache") cmdpath="exokv cache" ;;
             "exokv:chat") cmdpath="exokv chat" ;;
             "exokv:completions") cmdpath="exokv completions" ;;
+            "exokv:hosts") cmdpath="exokv hosts" ;;
             "exokv:models") cmdpath="exokv models" ;;
             "exokv:serve") cmdpath="exokv serve" ;;
             "exokv:sessions") cmdpath="exokv sessions" ;;
@@ -37,6 +38,8 @@ _exokv() {
             ("exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             ("exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
             ("exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port"|"exokv chat:--restarts") skip=1 ;;
+            "exokv hosts:check") cmdpath="exokv hosts check" ;;
+            ("exokv hosts check:--hostfile"|"exokv hosts check:--hosts"|"exokv hosts check:--model"|"exokv hosts check:-m"|"exokv hosts check:--backend"|"exokv hosts check:--starting-port"|"exokv hosts check:--timeout") skip=1 ;;
             ("exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--batch"|"exokv serve:--batch-wait"|"exokv serve:--drain-timeout"|"exokv serve:--max-body") skip=1 ;;
             "exokv sessions:list") cmdpath="exokv sessions list" ;;
             "exokv sessions:rename") cmdpath="exokv sessions rename" ;;
@@ -57,6 +60,8 @@ _exokv() {
             ("exokv chat:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
             ("exokv chat:--parallel") compadd -- 'pipeline' 'tensor' ;;
             ("exokv chat:--session") _exokv_values session ;;
+            ("exokv hosts check:--hostfile") _files ;;
+            ("exokv hosts check:--model"|"exokv hosts check:-m") _exokv_values model ;;
             ("exokv serve:--model"|"exokv serve:-m") _exokv_values model ;;
             ("exokv serve:--hostfile") _files ;;
             ("exokv serve:--backend") compadd -- 'ring' 'jaccl' 'mpi' ;;
@@ -75,7 +80,7 @@ _exokv() {
     local -a subs opts
     case "$cmdpath" in
         "exokv")
-            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT' 'completions:Print the shell completion script for bash, zsh or fish (install lines in the README)' 'models:List the default model, the builtins and the models found locally (HF cache, ollama)' 'serve:Serve the model over an OpenAI-compatible HTTP API, with the chat'\''s ranks and cache' 'sessions:The stored conversations: list, show, rm, rename')
+            subs=('bench:Compare cold, carried, mlx-lm-lru and exokv on the same conversations' 'cache:Inspect the prefix cache: stats, entries, pressure, evictions' 'chat:Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT' 'completions:Print the shell completion script for bash, zsh or fish (install lines in the README)' 'hosts:Check the hosts of a hostfile before a chat: versions, memory, model, link' 'models:List the default model, the builtins and the models found locally (HF cache, ollama)' 'serve:Serve the model over an OpenAI-compatible HTTP API, with the chat'\''s ranks and cache' 'sessions:The stored conversations: list, show, rm, rename')
             opts=('--version:print the version and exit' '-V:print the version and exit' '--help:Show this message and exit') ;;
         "exokv bench")
             subs=()
@@ -104,6 +109,12 @@ _exokv() {
         "exokv completions")
             subs=()
             opts=('--help:Show this message and exit') ;;
+        "exokv hosts")
+            subs=('check:Check every host: ssh, versions, memory, disk, the model, and the link between them')
+            opts=('--help:Show this message and exit') ;;
+        "exokv hosts check")
+            subs=()
+            opts=('--hostfile:mlx hostfile (JSON), as mlx.distributed_config writes' '--hosts:a,b,... one rank per host' '--model:also check that this model is on every host' '-m:also check that this model is on every host' '--backend:ring|jaccl|mpi (a hostfile'\''s wins)' '--starting-port:first port for the link test'\''s ranks' '--no-link:skip the link test (no ranks start)' '--timeout:seconds each host gets to answer' '--json:print one JSON document' '--help:Show this message and exit') ;;
         "exokv models")
             subs=()
             opts=('--json:one JSON document' '--help:Show this message and exit') ;;
