@@ -32,7 +32,23 @@ from pathlib import Path
 import pytest
 
 SSHD = "/usr/sbin/sshd"
-SSH_PORT = 28022
+SSH_PORTS = range(28022, 28100, 7)  # the first one free on both addresses is used
+
+
+def _free_port() -> int:
+    """A port free on every host's address: two suites running at once (worktrees)
+    each get their own sshd."""
+    for port in SSH_PORTS:
+        try:
+            for ip in HOSTS.values():
+                with socket.socket() as s:
+                    s.bind((ip, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port for the test sshd in {SSH_PORTS}")
+
+
 HOSTS = {"exokv-a": "127.0.0.1", "exokv-b": "127.0.0.2"}
 
 
@@ -64,7 +80,8 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     subprocess.run([*keygen, "-f", str(base / "host_key")], check=True, timeout=30)
     subprocess.run([*keygen, "-f", str(base / "id")], check=True, timeout=30)
     shutil.copy(base / "id.pub", base / "authorized_keys")
-    listen = "".join(f"ListenAddress {ip}:{SSH_PORT}\n" for ip in HOSTS.values())
+    port = _free_port()
+    listen = "".join(f"ListenAddress {ip}:{port}\n" for ip in HOSTS.values())
     homes = {name: base / f"home-{name}" for name in HOSTS}
     for home in homes.values():
         home.mkdir()
@@ -84,7 +101,7 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     sent = f"  SetEnv PYTHONPATH={pythonpath}\n" if pythonpath else ""
     aliases = "".join(f"Host {name}\n  HostName {ip}\n" for name, ip in HOSTS.items())
     (base / "ssh_config").write_text(
-        f"{aliases}Host exokv-*\n  Port {SSH_PORT}\n  User {getpass.getuser()}\n"
+        f"{aliases}Host exokv-*\n  Port {port}\n  User {getpass.getuser()}\n"
         f"  IdentityFile {base / 'id'}\n  IdentitiesOnly yes\n  BatchMode yes\n{sent}"
         "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
     )
@@ -102,7 +119,7 @@ def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshHosts]:
     )
     try:
         deadline = time.monotonic() + 15
-        while not all(_greets(ip, SSH_PORT) for ip in HOSTS.values()):
+        while not all(_greets(ip, port) for ip in HOSTS.values()):
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
                 why = (server.communicate(timeout=5)[1] or b"").decode().strip().splitlines()
