@@ -14,7 +14,8 @@ from typing import Any
 from exokv.config import exokv_home
 from exokv.errors import ExokvError
 from exokv.model import builtin, smollm2, zoo
-from exokv.model.resolve import BUILTIN_NAMES, BUILTIN_PREFIX, generated_marker, hf_cache_dir
+from exokv.model.hub import hf_cache_dir
+from exokv.model.resolve import BUILTIN_NAMES, BUILTIN_PREFIX, generated_marker
 
 
 def _dir_size(path: Path) -> int:
@@ -292,3 +293,9 @@ def models_table(found: list[dict[str, Any]]) -> Any:
             size,
         )
     return table
+
+
+def main() -> int:
+    """This host's list_models() as one JSON document: `exokv models --hosts` runs it on each."""
+    print(json.dumps(list_models()))
+    return 0
