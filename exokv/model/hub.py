@@ -394,8 +394,9 @@ def hub_error(err: BaseException, repo: str, revision: str | None, file: str = "
     ):
         what = f" (downloading {file})" if file else ""
         return _Unreachable(
-            f"cannot reach the hub at {where} for model '{repo}'{what}: {one_line(err)}"[:300]
-            + "; check the network (or HF_ENDPOINT), then run again: a download resumes"
+            f"model '{repo}' not found whole in the Hugging Face cache, and cannot reach the "
+            f"hub at {where}{what}: {one_line(err)}"[:300]
+            + "; check the network (or HF_ENDPOINT), then run again: finished files are kept"
         )
     if isinstance(err, errors.RevisionNotFoundError):
         return ExokvError(f"model '{repo}' has no revision {revision!r} on the hub at {where}")
