@@ -246,3 +246,18 @@ def test_the_standin_answers_get_safetensors_metadata(
         layer_shard(n) for n in range(4)
     }
     assert meta.weight_map["model.layers.3.mlp.up_proj.weight"] == layer_shard(3)
+
+
+@pytest.mark.timeout(180)
+def test_the_server_fetches_the_model_before_it_serves(
+    tmp_path: Path, standin_hub: StandinHub
+) -> None:
+    from serve_helpers import raw, serving
+
+    env = _env(tmp_path / "hf", standin_hub.url)
+    with serving(tmp_path / "h", "--model", REPO, env=env) as server:
+        assert any(f"of {REPO} from {standin_hub.url}" in x for x in server.log), server.log
+        body = {"model": REPO, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        status, _, answer = raw(server.base + "/chat/completions", json.dumps(body).encode())
+    assert status == 200 and answer["choices"][0]["message"]["content"], answer
+    assert _held(tmp_path / "hf") == sorted(standin_hub.files)

@@ -121,6 +121,8 @@ def test_each_host_fetches_only_the_shards_of_its_layers(
     for host in doc["hosts"]:
         entry = {m["name"]: m for m in host["models"]}[REPO]
         assert entry["kind"] == "huggingface" and host["error"] is None
+        held = {"exokv-a": 4, "exokv-b": 4}[host["host"]]  # a: 1-3 + shared, b: 0-2 + shared
+        assert (entry["shards_held"], entry["shards_total"]) == (held, 5)
         sizes[host["host"]] = entry["size_bytes"]
     shard_bytes = {name: len(standin_hub.files[name]) for name in standin_hub.files}
     assert sizes["exokv-a"] == sum(shard_bytes[f] for f in _held(a))

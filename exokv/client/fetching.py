@@ -150,7 +150,7 @@ class _HostProgress:
                 if fetched
                 else "nothing to fetch"
             )
-            if self.bars is None:
+            if i not in self.tasks:  # a bar says it on a terminal
                 self.say(f"{host}: has the {len(event.get('files', []))} files it needs ({what})")
 
     def close(self) -> None:

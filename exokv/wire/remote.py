@@ -6,7 +6,8 @@ once, with a time limit. The command is the ranks' own (`launch.rank_command`:
 the same python path, the working folder off sys.path), reached the way
 mlx.launch reaches a host: plain `ssh HOST CMD` in batch mode, so a host that
 would ask for a password fails at once instead of waiting at a prompt. Remote
-hosts get only the forwarded settings in their environment, as ranks do.
+hosts get only the forwarded settings and a hostfile's envs in their environment,
+as ranks do.
 """
 
 from __future__ import annotations
