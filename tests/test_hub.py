@@ -261,3 +261,25 @@ def test_the_server_fetches_the_model_before_it_serves(
         status, _, answer = raw(server.base + "/chat/completions", json.dumps(body).encode())
     assert status == 200 and answer["choices"][0]["message"]["content"], answer
     assert _held(tmp_path / "hf") == sorted(standin_hub.files)
+
+
+@pytest.mark.timeout(60)
+def test_a_dry_run_says_what_a_host_would_fetch(hf_env: Path, standin_hub: StandinHub) -> None:
+    """`python -m exokv.model.fetcher --dry-run`, as `hosts check` can run it on a host."""
+    from exokv.model import fetcher
+
+    args = ["--model", REPO, "--ranks", "2", "--host-ranks", "1", "--split", "3,1", "--dry-run"]
+    standin_hub.gets.clear()
+    out = subprocess.run(
+        [sys.executable, "-c", f"from exokv.model.fetcher import main; main({args!r})"],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
+        timeout=60,
+    )
+    done = json.loads(out.stdout.splitlines()[-1])
+    would = [NON_LAYER_SHARD, layer_shard(0)]
+    assert done["event"] == "done" and done["fetched"] == would, out
+    assert done["bytes"] == sum(len(standin_hub.files[f]) for f in would)
+    assert not any(f.endswith(".safetensors") for f in standin_hub.downloaded())
+    assert fetcher.main(["--model", "not a repo"]) == 1

@@ -5,7 +5,8 @@ host's own Hugging Face cache (exokv.model.hub) and prints one JSON object a lin
 ``plan`` (the files it will fetch, their bytes), ``bytes`` (done/total, a few
 times a second), ``file`` (one finished), then ``done`` (the snapshot, what was
 fetched) or ``error`` (one line) with exit code 1. The front end
-(exokv.client.fetching) shows them per host.
+(exokv.client.fetching) shows them per host. ``--dry-run`` fetches no weights, and
+``done`` lists the ones that would be fetched (what `hosts check` can report).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host-ranks", default="0", help="this host's ranks (0,2); '' : none")
     parser.add_argument("--split", default=None, help="layers per rank, rank 0 first")
     parser.add_argument("--parallel", default="pipeline")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="fetch no weights: say which would be fetched"
+    )
     return parser.parse_args(argv)
 
 
@@ -47,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         parallel=args.parallel,
     )
     try:
-        got = hub.fetch(*name, want, commit=args.commit, progress=_say, bars=False)
+        got = hub.fetch(
+            *name, want, commit=args.commit, progress=_say, bars=False, dry_run=args.dry_run
+        )
     except ExokvError as err:
         _say({"event": "error", "message": str(err)})
         return 1

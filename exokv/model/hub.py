@@ -265,13 +265,16 @@ def fetch(
     commit: str | None = None,
     progress: Progress | None = None,
     bars: bool = True,
+    dry_run: bool = False,
 ) -> Fetched:
     """Make the snapshot of ``repo`` at ``revision`` hold what ``want`` needs; one line on failure.
 
     ``commit`` pins the commit the revision names (the front end resolves it once, so
     every host fetches the same one). ``progress`` gets events: ``plan`` (the files to
     fetch and their bytes), ``bytes`` (done/total) and ``file`` (one finished).
-    ``bars``: huggingface_hub's own progress bars on stderr.
+    ``bars``: huggingface_hub's own progress bars on stderr. ``dry_run``: the weight
+    files are not fetched, ``fetched`` and ``bytes`` say what would be (config,
+    tokenizer and index files are: they say which shards a host needs).
     """
     want = want or Want()
     rev = revision or DEFAULT_REVISION
@@ -310,6 +313,8 @@ def fetch(
     needed = want.files(listing, snapshot)
     missing = [f for f in needed if not (snapshot / f).is_file()]
     total = sum(listing.get(f, 0) for f in missing)
+    if dry_run:
+        return Fetched(snapshot, commit, missing, total, needed)
     if progress is not None:
         progress({"event": "plan", "files": missing, "bytes": total, "commit": commit})
     _download(repo, commit, missing, listing, progress, bars)
