@@ -130,12 +130,12 @@ def files_for(
 def rank_layers(layers: int, split: list[int] | None, ranks: int, rank: int) -> range:
     """The decoder layers pipeline rank ``rank`` runs, as mlx-lm's pipeline places them:
     rank 0 the LAST ones; ``split`` lists layers per rank, rank 0 first (None: even,
-    the low ranks taking the extra layers)."""
-    if split is None:
-        base, extra = divmod(layers, ranks)
-        split = [base + (1 if r < extra else 0) for r in range(ranks)]
-    start = sum(split[rank + 1 :])
-    return range(start, start + split[rank])
+    the low ranks taking the extra layers). exokv.model.pipeline's own rule, which
+    the ranks load by."""
+    from exokv.model.pipeline import even_split, local_range
+
+    start, end = local_range(split or even_split(layers, ranks), rank)
+    return range(start, end)
 
 
 def host_layers(
