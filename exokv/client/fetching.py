@@ -127,6 +127,8 @@ class _HostProgress:
                 transient=False,
             )
             self.bars.start()
+            # Lines go above the bars while they run, not through them.
+            self.say = lambda text: self.bars.console.print(f"exokv: {text}", highlight=False)
 
     def line(self, i: int, text: str) -> None:
         event = _event(text)
