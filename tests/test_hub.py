@@ -21,14 +21,6 @@ from hub_standin import COMMIT, NON_LAYER_SHARD, REPO, StandinHub, layer_shard, 
 from exokv.model import hub
 
 SCRIPT = ["Hello there", "Tell me about the sea"]
-META = [
-    "config.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-]
 
 
 # -- which files a host fetches (pure) --------------------------------------------------
