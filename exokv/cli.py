@@ -264,20 +264,57 @@ def serve(
 
 
 @app.command()
-def models(json_out: bool = typer.Option(False, "--json", help="one JSON document")) -> None:
-    """List the default model, the builtins and the models found locally (HF cache, ollama)."""
+def models(
+    json_out: bool = typer.Option(False, "--json", help="one JSON document"),
+    hosts: str = typer.Option(None, "--hosts", help="a,b,... list what each host holds"),
+    hostfile: str = typer.Option(None, "--hostfile", help="mlx hostfile (JSON): each host's"),
+) -> None:
+    """List the default model, the builtins and the models found locally (HF cache, ollama);
+    with --hosts/--hostfile, what each host holds, read on that host."""
     import json
 
     from rich.console import Console
 
     from exokv.model.catalogue import list_models, models_table
 
+    if hosts or hostfile:
+        _models_per_host(hosts, hostfile, json_out)
+        return
     found = list_models()
     if json_out:
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
     print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
+
+
+def _models_per_host(hosts: str | None, hostfile: str | None, json_out: bool) -> None:
+    import json
+
+    from rich.console import Console
+
+    from exokv.client.listing import models_on_hosts
+    from exokv.errors import UsageError
+    from exokv.hosts import parse_hosts, read_hostfile
+    from exokv.model.catalogue import models_table
+
+    if hosts and hostfile:
+        raise UsageError("use --hosts or --hostfile, not both")
+    found = models_on_hosts(read_hostfile(hostfile) if hostfile else parse_hosts(hosts or ""))
+    if json_out:
+        doc = [{"host": f.host, "models": f.models, "error": f.error or None} for f in found]
+        print(json.dumps({"hosts": doc}, indent=2))
+    else:
+        console = Console()
+        for f in found:
+            if f.models is not None:
+                console.print(f"[bold]{f.host}[/bold]")
+                console.print(models_table(f.models))
+    failed = [f for f in found if f.models is None]
+    for f in failed:
+        print(f"exokv: {f.host}: could not list its models: {f.error}", file=sys.stderr)
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()

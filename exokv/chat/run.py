@@ -11,6 +11,7 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
 from exokv.client import Client, make_client
+from exokv.client.fetching import fetch_onto_hosts
 from exokv.errors import UsageError
 from exokv.hosts import HostList, parse_hosts, read_hostfile
 from exokv.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
@@ -184,6 +185,7 @@ def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> I
     try:
         if opts.session:
             locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
+        fetch_onto_hosts(cluster.model, cluster.hosts, cluster.split, cluster.parallel)
         client = make_client(cluster, progress=_startup_progress())
         run_id: int | None = None
         try:

@@ -14,7 +14,8 @@ from typing import Any
 from exokv.config import exokv_home
 from exokv.errors import ExokvError
 from exokv.model import builtin, smollm2, zoo
-from exokv.model.resolve import BUILTIN_NAMES, BUILTIN_PREFIX, generated_marker, hf_cache_dir
+from exokv.model.hub import hf_cache_dir
+from exokv.model.resolve import BUILTIN_NAMES, BUILTIN_PREFIX, generated_marker
 
 
 def _dir_size(path: Path) -> int:
@@ -202,8 +203,21 @@ def _hf_models() -> list[dict[str, Any]]:
         newest = max(repo.revisions, key=lambda r: r.last_modified)
         entry = _local_entry(repo.repo_id, "huggingface", Path(newest.snapshot_path))
         if entry is not None:
-            found.append(entry)
+            found.append({**entry, **_shards_held(Path(newest.snapshot_path))})
     return found
+
+
+def _shards_held(path: Path) -> dict[str, int | None]:
+    """How many of the index's weight files this host holds (a host fetches only its
+    layers' shards); None without an index."""
+    try:
+        names = set(
+            json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {"shards_held": None, "shards_total": None}
+    held = sum(1 for n in names if (path / n).is_file())
+    return {"shards_held": held, "shards_total": len(names)}
 
 
 def list_models() -> list[dict[str, Any]]:
@@ -215,7 +229,8 @@ def list_models() -> list[dict[str, Any]]:
     size_bytes (on disk; None until then), params, model_type, what its family
     supports: family, cache_kind (slices|snapshots|mixed), pipeline (mlx-lm|generic),
     tensor; quantization (e.g. '4-bit'; None for float weights) and source (where it
-    comes from; None for local and generated models).
+    comes from; None for local and generated models). Hugging Face models add
+    shards_held/shards_total: the index's weight files here (None without an index).
     """
     models: list[dict[str, Any]] = [_smollm2_entry()]
     for short in BUILTIN_NAMES:
@@ -292,3 +307,9 @@ def models_table(found: list[dict[str, Any]]) -> Any:
             size,
         )
     return table
+
+
+def main() -> int:
+    """This host's list_models() as one JSON document: `exokv models --hosts` runs it on each."""
+    print(json.dumps(list_models()))
+    return 0

@@ -3,7 +3,8 @@
 mlx-lm's sharded loader loads with ``strict=False`` (a rank needs only its own
 layers) and finds the weight files with a glob on the model path, so a path
 holding ``[1]`` finds no file at all and a checkpoint short of a file loads
-silently: the rank runs on random weights. Here the weights go through the same
+silently: the rank runs on random weights. (A host may hold only the weight files
+of its ranks' layers, exokv.model.hub: the glob finds those.) Here the weights go through the same
 ``load_model`` (so sanitize, quantization and the model classes are mlx-lm's), but
 from a glob-safe path, and every parameter the rank will use must have been
 loaded from the checkpoint with its shape, or the load stops with one line.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -24,9 +24,9 @@ import mlx.core as mx
 
 from exokv.errors import ExokvError, UsageError, one_line
 from exokv.model import pipeline
+from exokv.model.hub import layer_of
 
 _GLOB_CHARS = "*?["
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def load_checkpoint(
@@ -140,7 +140,7 @@ def _check_complete(
     wrong = sorted(k for k in needed if k in seen and seen[k] != needed[k])
     if not missing and not wrong:
         return
-    files = _missing_files(path)
+    files = _missing_files(path, missing)
     if missing:
         what = f"no weights for {len(missing)} of its {len(needed)} parameters (e.g. {missing[0]})"
     else:
@@ -153,11 +153,13 @@ def _check_complete(
     )
 
 
-def _missing_files(path: Path) -> list[str]:
-    """Weight files that model.safetensors.index.json names but that are not there."""
+def _missing_files(path: Path, missing: list[str]) -> list[str]:
+    """The weight files model.safetensors.index.json names for ``missing`` that are not
+    there (a host that fetched only its layers' files lacks the others' by design)."""
     try:
         index = json.loads((path / "model.safetensors.index.json").read_text())
-        names = set(index["weight_map"].values())
+        weight_map = index["weight_map"]
+        names = {weight_map[k] for k in missing if k in weight_map} or set(weight_map.values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
     return sorted(n for n in names if not (path / n).is_file())
@@ -165,8 +167,8 @@ def _missing_files(path: Path) -> list[str]:
 
 def _in_range(key: str, start: int, end: int) -> bool:
     """Shared weights (embeddings, norm, head) and the layers in [start, end)."""
-    m = _LAYER.search(key)
-    return m is None or start <= int(m.group(1)) < end
+    layer = layer_of(key)
+    return layer is None or start <= layer < end
 
 
 def _layer_count(model: Any) -> int:

