@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.config import exokv_home, fake_versions_hook
+from exokv.errors import ExokvError
 from exokv.sizes import format_size
 
 
@@ -144,7 +145,7 @@ def _fake_versions() -> dict[str, str]:
 def model_presence(name: str) -> ModelPresence:
     """Where `name` (a --model value) stands on this host, found without side effects:
     the same kinds, in the same order, as exokv.model.resolve.resolve_model."""
-    from exokv.model import resolve, smollm2
+    from exokv.model import hub, resolve, smollm2
 
     name = name.strip()
     if not name:
@@ -159,7 +160,7 @@ def model_presence(name: str) -> ModelPresence:
         return _gguf_presence(name, lambda: _ollama_blob(name[len(resolve.OLLAMA_PREFIX) :]))
     if name.startswith(resolve.BUILTIN_PREFIX):
         try:
-            short = resolve._builtin_name(name)  # the one list of builtin and zoo names
+            short = resolve.builtin_name(name)  # the one list of builtin and zoo names
         except Exception as err:  # noqa: BLE001 - UsageError: its line says which names exist
             return ModelPresence(name, "invalid", str(err))
         assert short is not None
@@ -174,7 +175,7 @@ def model_presence(name: str) -> ModelPresence:
         return ModelPresence(name, "missing", f"{local} has no config.json", fix=fix)
     if local.exists():
         return _gguf_presence(name, lambda: local)
-    if "@" in name or resolve._HF_REPO.match(name):
+    if hub.parse_name(name) is not None:
         return _hub_presence(name)
     fix = "copy it to the same path there"
     return ModelPresence(name, "missing", f"no such directory or file: {local}", fix=fix)
@@ -203,29 +204,26 @@ def _gguf_presence(name: str, blob: Any) -> ModelPresence:
 
 
 def _hub_presence(name: str) -> ModelPresence:
-    """A hub repo (ORG/NAME[@REVISION]) in this host's Hugging Face cache."""
-    from huggingface_hub import try_to_load_from_cache
+    """A hub repo (ORG/NAME[@REVISION]): whole in this host's Hugging Face cache, or what
+    a chat would fetch onto it (the hub asked for its file list; only the small config,
+    tokenizer and index files are downloaded, to read which shards the model has)."""
+    from exokv.model import hub
 
-    from exokv.model.resolve import hf_cache_dir
-
-    repo, _, revision = name.partition("@")
-    cache = hf_cache_dir()
+    parsed = hub.parse_name(name)
+    assert parsed is not None
+    repo, revision = parsed
     try:
-        config = try_to_load_from_cache(
-            repo, "config.json", cache_dir=str(cache), revision=revision or None
-        )
-    except Exception as err:  # noqa: BLE001 - a malformed repo id: huggingface_hub's line
-        return ModelPresence(name, "invalid", f"not a Hugging Face repo id: {err}")
-    if isinstance(config, str):
-        snapshot = Path(config).parent
-        files = [p for p in snapshot.rglob("*") if p.is_file()]
-        size = sum(p.stat().st_size for p in files)
-        where = f"in the Hugging Face cache ({len(files)} files, {format_size(size)})"
-        return ModelPresence(name, "here", where, str(snapshot))
-    # Where exokv.model.hub's per-host plan plugs in: a repo the hub has becomes
-    # "fetch" with the files and bytes this host would download.
-    where = f"not in this host's Hugging Face cache ({cache})"
-    return ModelPresence(name, "missing", where, fix=f"run `hf download {repo}` there")
+        plan = hub.fetch(repo, revision, hub.Want(), bars=False, dry_run=True)
+    except ExokvError as err:  # unreachable, no such repo or revision: the hub's one line
+        where = f"not in this host's Hugging Face cache ({hub.hf_cache_dir()}): {err}"
+        return ModelPresence(name, "missing", where, fix=f"run `hf download {repo}` there")
+    if not plan.fetched:
+        where = f"in the Hugging Face cache ({len(plan.files)} files)"
+        return ModelPresence(name, "here", where, str(plan.path))
+    where = "a chat fetches the files its layers need (at most these)"
+    return ModelPresence(
+        name, "fetch", where, fetch_files=len(plan.fetched), fetch_bytes=plan.bytes
+    )
 
 
 def _working_set() -> int | None:

@@ -387,3 +387,30 @@ def test_where_a_model_stands_is_found_without_side_effects(
     assert not (tmp_path / "home" / "models").exists()  # nothing was generated
     assert model_presence(str(tmp_path / "notes.txt")).status == "invalid"
     assert model_presence("builtin:nope").status == "invalid"
+
+
+@pytest.mark.timeout(120)
+def test_a_repo_the_hub_has_is_what_a_chat_would_fetch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not cached but on the hub: not a problem, and the column says what would come."""
+    from hub_standin import REPO as HUB_REPO
+    from hub_standin import standin
+
+    from exokv.hostprobe import model_presence
+
+    served = standin(tmp_path / "hub").start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", served.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        presence = model_presence(HUB_REPO)
+        weights = [f for f in served.files if f.endswith(".safetensors")]
+        assert presence.ok and presence.status == "fetch"
+        assert presence.fetch_files == len(weights)
+        assert presence.fetch_bytes == sum(len(served.files[f]) for f in weights)
+        assert presence.summary().startswith(f"would fetch {len(weights)} files, ")
+        assert not served.downloaded() & set(weights)  # no weight was downloaded
+    finally:
+        served.stop()

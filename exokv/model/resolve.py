@@ -37,7 +37,7 @@ def _builtin_list() -> str:
     return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES) + " or builtin:<family>-tiny"
 
 
-def _builtin_name(name: str) -> str | None:
+def builtin_name(name: str) -> str | None:
     """'builtin:tiny' -> 'tiny', 'builtin:llama-tiny' -> 'llama-tiny'; None if not a builtin."""
     if not name.startswith(BUILTIN_PREFIX):
         return None
@@ -77,7 +77,7 @@ def resolve_model(name: str) -> Path:
 
         blob = ollama.blob_of(name[len(OLLAMA_PREFIX) :])
         return _converted(name, lambda: ensure_gguf_model(blob, label=name), converted_dir(blob))
-    short = _builtin_name(name)
+    short = builtin_name(name)
     if short is not None:
         try:
             return _ensure(short)
@@ -187,7 +187,7 @@ def model_id(name: str) -> str:
         if marker is None:
             raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
         return f"{smollm2.NAME}@{marker['fingerprint'][:12]}"
-    short = _builtin_name(name.strip())
+    short = builtin_name(name.strip())
     if short is not None:
         marker = generated_marker(short)
         if marker is None:
