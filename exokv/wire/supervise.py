@@ -203,7 +203,7 @@ class Supervisor:
                 return None  # busy: a long step, or its beat thread left unrun
             return (
                 f"rank {rank} on {host!r} is wedged: its process runs but has said nothing "
-                f"for {quiet:.0f} s (the limit is {self.wedged_after:.0f} s)"
+                f"for over {self.wedged_after:.0f} s"
             )
         why = {
             STOPPED: f"its process on {host!r} is stopped",
