@@ -148,7 +148,9 @@ def test_a_stopped_remote_rank_is_dead_and_replaced(
     time.sleep(1.0)  # the turn's files and journal record are written after its reply
     stopped = _rank_process(home, 1)
     stopped.suspend()
-    chat.when("rank 1 stopped responding", timeout=60)
+    at = time.monotonic()
+    dead = chat.when("rank 1 stopped responding", timeout=60)
+    print(f"rank 1 declared dead {dead - at:.1f} s after its SIGSTOP")  # -s shows it
     turns += [chat.send(line) for line in SCRIPT[1:]]
     assert chat.finish() == 0, chat.said()
     said = [x for x in chat.lines() if "rank 1" in x and "again" in x]
