@@ -166,7 +166,8 @@ class Supervisor:
     # -- liveness ------------------------------------------------------------------------
 
     def silent(self, channel_seen: float | None = None) -> str | None:
-        """The rank that stopped beating, if one did, as a cause; None while all beat.
+        """The rank that is dead or wedged, if one is, as a cause; None while every rank
+        beats or is busy (the rule: the module docstring).
 
         `channel_seen`: when rank 0 last spoke over the front end's channel (the chat's
         rank 0 beats there too); its silence is judged the same way.
