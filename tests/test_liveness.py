@@ -215,3 +215,20 @@ def test_a_watcher_whose_session_ends_ends_its_rank_even_a_stopped_one(how: str)
         rank.watcher.wait(10)
     finally:
         rank.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_wedged_limit_that_is_no_number_is_one_line(tmp_path, models_dir) -> None:
+    from chat_helpers import home_with_models, run_exokv
+
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    proc = run_exokv(
+        ["chat", "-m", "builtin:tiny", "-n", "2", "--starting-port", "28730"],
+        home,
+        "hi\n",
+        env={"EXOKV_TEST_WEDGED_S": "soon"},
+    )
+    err = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode != 0 and err == [
+        "exokv: error: EXOKV_TEST_WEDGED_S='soon' is not a number of seconds"
+    ], err
