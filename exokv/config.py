@@ -117,6 +117,23 @@ TEST_FAKE_VERSIONS = Setting(
     test=True,
 )
 
+TEST_HOLD_BEAT = Setting(
+    "EXOKV_TEST_HOLD_BEAT",
+    "RANK:SECONDS",
+    "none",
+    "that rank's heartbeat thread stops for that long once its shard is loaded, while "
+    "the rank works on (a beat starved by a long kernel or a loaded machine)",
+    forwarded=True,
+    test=True,
+)
+TEST_WEDGED_S = Setting(
+    "EXOKV_TEST_WEDGED_S",
+    "seconds",
+    "600",
+    "how long a running rank may stay silent before the front end reports it wedged",
+    test=True,
+)
+
 SETTINGS: tuple[Setting, ...] = (
     HOME,
     MODELS,
@@ -128,6 +145,8 @@ SETTINGS: tuple[Setting, ...] = (
     TEST_SLOW_TEXTS,
     TEST_FAKE_PRESSURE,
     TEST_FAKE_VERSIONS,
+    TEST_HOLD_BEAT,
+    TEST_WEDGED_S,
 )
 # What a rank on another machine should see as this one does.
 FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
@@ -200,3 +219,30 @@ def fake_pressure_hook(rank: int) -> float | None:
 def fake_versions_hook() -> str | None:
     """EXOKV_TEST_FAKE_VERSIONS as set (a path, not yet expanded); None when unset."""
     return TEST_FAKE_VERSIONS.text()
+
+
+# A running rank silent this long is wedged, not busy: longer than any step exokv runs
+# (a prefill step, a decode step and a cache save take seconds; a shard loads before
+# the ranks are judged this way), short enough that a chat does not hang for good.
+WEDGED_S = 600.0
+
+
+def wedged_limit() -> float:
+    """The seconds a running rank may stay silent (EXOKV_TEST_WEDGED_S shortens it for tests)."""
+    text = TEST_WEDGED_S.text()
+    try:
+        return float(text) if text else WEDGED_S
+    except ValueError:
+        raise UsageError(f"{TEST_WEDGED_S.name}={text!r} is not a number of seconds") from None
+
+
+def hold_beat_hook(rank: int) -> float:
+    """The seconds EXOKV_TEST_HOLD_BEAT holds `rank`'s heartbeat (0: not this rank, or unset)."""
+    text = TEST_HOLD_BEAT.text()
+    if not text:
+        return 0.0
+    try:
+        who, seconds = text.split(":")
+        return float(seconds) if int(who) == rank else 0.0
+    except ValueError:
+        raise UsageError(f"{TEST_HOLD_BEAT.name}={text!r} is not RANK:SECONDS") from None

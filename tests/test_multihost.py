@@ -54,13 +54,15 @@ def _chat(
 
 
 def _ranks_left(home: Path) -> list[int]:
-    """Processes still running with this test's home: ranks that outlived the chat."""
+    """Processes still running with this test's home: ranks (or their watchers) that
+    outlived the chat."""
     deadline = time.monotonic() + 15
     while True:
         left = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             try:
-                if "exokv.rank.main" in " ".join(p.info["cmdline"] or []) and (
+                command = " ".join(p.info["cmdline"] or [])
+                if ("exokv.rank.main" in command or "exokv.wire.watcher" in command) and (
                     p.environ().get("EXOKV_HOME") == str(home)
                 ):
                     left.append(p.pid)

@@ -13,19 +13,23 @@ from __future__ import annotations
 import json
 import os
 import select
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any
 
-from exokv.config import debug_enabled
+from exokv.config import debug_enabled, hold_beat_hook
 from exokv.errors import ExokvError
 from exokv.wire import channel
-from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX, rank_command
 from exokv.wire.messages import RankFailed
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
+_loaded = threading.Event()  # this rank's shard is loaded (see beat_loaded)
+_watcher: subprocess.Popen[bytes] | None = None  # kept: reaped when it ends, never waited on
 
 
 def launcher_rank() -> int:
@@ -45,9 +49,18 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     is gone — killed, or timed out by a script — the rank ends, so the launcher
     ends too. The launcher runs in its own process group, which a signal to the
     front end's group does not reach, so nothing else would stop it.
+
+    First it starts this rank's watcher (exokv.wire.watcher): the host's word on
+    whether the rank runs, for the times this thread itself is not run.
     """
+    global _watcher
+    _watcher = watch(rank)
     line = f"{BEAT_MARK}{rank}\n".encode()
+    hold = hold_beat_hook(rank)
     while True:
+        if hold and _loaded.is_set():
+            _hold_beat(rank, hold)
+            hold = 0.0
         if front_end is not None and not alive(front_end):
             remove_scratch()
             os._exit(1)
@@ -60,7 +73,31 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
 
 def beat_loaded(rank: int, fd: int = 1) -> None:
     """A beat that also says this rank's shard is loaded: the front end shows start-up progress."""
+    _loaded.set()
     os.write(fd, f"{BEAT_MARK}{rank} loaded\n".encode())
+
+
+def watch(rank: int) -> subprocess.Popen[bytes]:
+    """Start the watcher of this process (rank `rank`) on this host: it shares our stderr,
+    not our stdin (rank 0's bootstrap line is ours), and has no MLX_RANK of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "OMPI_COMM_WORLD_RANK")}
+    return subprocess.Popen(
+        [*rank_command(module="exokv.wire.watcher"), str(rank), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+    )
+
+
+def _hold_beat(rank: int, seconds: float) -> None:
+    """EXOKV_TEST_HOLD_BEAT: this thread unrun for `seconds` while the rank works on."""
+    print(
+        f"exokv-test: rank {rank} holds its heartbeat for {seconds:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    time.sleep(seconds)
+    print(f"exokv-test: rank {rank} beats again", file=sys.stderr, flush=True)
 
 
 def remove_scratch() -> None:

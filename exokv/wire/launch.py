@@ -35,6 +35,7 @@ DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
 # What a rank prints through the launcher, read by the front end (both sides import this).
 ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its one-line error
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.boot.beat)
+STATE_MARK = "exokv-state "  # stderr lines: the rank process as its host sees it (wire/watcher)
 SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
 
 

@@ -5,8 +5,16 @@ machine, or over ssh through a hostfile) in its own process group, so Ctrl-C in 
 terminal reaches only the front end and one kill ends every rank; drains the
 launcher's stdout and stderr in threads, taking the ranks' heartbeats out (every
 rank beats every few seconds, even while the model computes: `exokv.rank.boot.beat`)
-and keeping the rest as a tail; judges whether every rank is alive; names the cause
-when the ranks fail; and ends the process group.
+and their watchers' state lines (each rank's host says every second whether the
+rank process runs: `exokv.wire.watcher`), keeping the rest as a tail; judges whether
+every rank is alive; names the cause when the ranks fail; and ends the process group.
+
+The rule, the same for every rank, on this machine or another: a heartbeat within
+`heartbeat_timeout` is alive. A later one is judged by what the rank's host last
+said, if it said it within that same bound: running is busy (a long step, a beat
+thread left unrun), until the silence passes the wedged limit (`wedged_after`,
+`exokv.config.WEDGED_S`), when the rank is reported wedged; stopped or gone is
+dead; and no word from the host either (a host asleep, ssh gone) is dead too.
 
 The chat's ClusterClient and `exokv bench --ranks` both run their ranks through it;
 what differs between them (the timeouts, what counts as the result) they pass in or
@@ -17,7 +25,6 @@ ends, the ranks start again, the bench stops) each caller says in its own words.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import re
@@ -30,8 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from exokv.config import debug_enabled
-from exokv.wire.launch import BEAT_MARK, ERROR_MARK, LaunchPlan
+from exokv.config import debug_enabled, wedged_limit
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, STATE_MARK, LaunchPlan
+from exokv.wire.watcher import GONE, RUNNING, STOPPED, state_of
 
 SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
 # Checks come a fraction of a second apart; this much between two means this process was
@@ -41,11 +49,10 @@ _TAIL_LINES = 200
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
+_STATE = re.compile(re.escape(STATE_MARK) + r"(\d+) (\w+) (\d+)")
 # How a rank reports that another rank went away (a consequence, not the cause).
 _PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
 _TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
-# psutil states of a local rank that cannot be working (see Supervisor.running_here).
-_NOT_RUNNING = ("stopped", "tracing-stop", "zombie", "dead")
 
 
 @dataclass(frozen=True)
@@ -68,11 +75,13 @@ class Cause:
 class Supervisor:
     """The launcher of `plan`, its output and its ranks' liveness.
 
-    `heartbeat_timeout`: the longest silence of a rank's beats before it counts as
-    lost. `start_timeout`: if given, every rank must have beaten once within this
-    long of the start (else judged from `expect_beats`). `on_beat(rank, loaded)` is
-    called for each beat; `on_line(stream, line)` for every other line, and a line
-    it returns True for is the caller's (not kept in the tail, not echoed).
+    `heartbeat_timeout`: the longest silence of a rank's beats (and of its host's
+    word on it) before it counts as lost; `wedged_after`: the longest silence of a
+    rank whose host says it runs (the module docstring has the rule). `start_timeout`:
+    if given, every rank must have beaten once within this long of the start (else
+    judged from `expect_beats`). `on_beat(rank, loaded)` is called for each beat;
+    `on_line(stream, line)` for every other line, and a line it returns True for is
+    the caller's (not kept in the tail, not echoed).
     """
 
     def __init__(
@@ -82,9 +91,11 @@ class Supervisor:
         start_timeout: float | None = None,
         on_beat: Callable[[int, bool], None] | None = None,
         on_line: Callable[[str, str], bool] | None = None,
+        wedged_after: float | None = None,
     ) -> None:
         self.plan = plan
         self.heartbeat_timeout = heartbeat_timeout
+        self.wedged_after = wedged_limit() if wedged_after is None else wedged_after
         self.start_timeout = start_timeout
         self._on_beat = on_beat
         self._on_line = on_line
@@ -98,7 +109,9 @@ class Supervisor:
         self._secret = ""
         self._started = time.monotonic()
         self._checked = self._started  # the last liveness check (see `silent`)
-        self._rank_pids: dict[int, Any] = {}  # local rank -> its psutil.Process
+        # rank -> (what its host's watcher last said, when, the rank's pid there)
+        self.states: dict[int, tuple[str, float, int]] = {}
+        self._processes: dict[int, Any] = {}  # a rank on this machine -> its psutil.Process
 
     def start(
         self, env: dict[str, str] | None = None, first_line: str | None = None, secret: str = ""
@@ -153,7 +166,8 @@ class Supervisor:
     # -- liveness ------------------------------------------------------------------------
 
     def silent(self, channel_seen: float | None = None) -> str | None:
-        """The rank that stopped beating, if one did, as a cause; None while all beat.
+        """The rank that is dead or wedged, if one is, as a cause; None while every rank
+        beats or is busy (the rule: the module docstring).
 
         `channel_seen`: when rank 0 last spoke over the front end's channel (the chat's
         rank 0 beats there too); its silence is judged the same way.
@@ -169,47 +183,64 @@ class Supervisor:
                     f"rank {missing[0]} did not start within {self.start_timeout:.0f} s "
                     "(the launcher or the distributed setup hangs)"
                 )
-        timeout = self.heartbeat_timeout
-        quiet = [
-            r
-            for r, t in sorted(self.beats.items())
-            if now - t > timeout and not self.running_here(r)
-        ]
-        if quiet:
-            return (
-                f"rank {quiet[0]} stopped responding "
-                f"(no heartbeat for {timeout:.0f} s; a stopped process or a "
-                "sleeping or unreachable host)"
-            )
-        if channel_seen is not None and now - channel_seen > timeout and not self.running_here(0):
-            return f"rank 0 stopped responding (no heartbeat for {timeout:.0f} s)"
+        signs = sorted(self.beats.items())
+        if channel_seen is not None:
+            signs.append((0, channel_seen))  # rank 0's beats over the channel
+        for rank, last in signs:
+            cause = self._judge(rank, now - last, now)
+            if cause is not None:
+                return cause
         return None
 
-    def running_here(self, rank: int) -> bool:
-        """Whether a silent rank on this machine is a running process: busy, not dead.
+    def _judge(self, rank: int, quiet: float, now: float) -> str | None:
+        """The cause for a rank silent for `quiet` seconds, or None: alive or busy."""
+        timeout = self.heartbeat_timeout
+        if quiet <= timeout:
+            return None
+        state = self.host_state(rank, now)
+        host = self._host(rank)
+        if state == RUNNING:
+            if quiet <= self.wedged_after:
+                return None  # busy: a long step, or its beat thread left unrun
+            return (
+                f"rank {rank} on {host!r} is wedged: its process runs but has said nothing "
+                f"for over {self.wedged_after:.0f} s"
+            )
+        why = {
+            STOPPED: f"its process on {host!r} is stopped",
+            GONE: f"its process on {host!r} has gone",
+        }.get(state or "", f"and no word from its host {host!r}: asleep or unreachable")
+        return f"rank {rank} stopped responding (no heartbeat for {timeout:.0f} s; {why})"
 
-        A loaded machine can leave a rank unscheduled for seconds, its beat threads
-        with it: on this project's two-core VM every process (a C program sleeping
-        5 ms at a time too) went unrun for up to 6.6 s several times a minute at load
-        10 to 20, and a rank's beat was seen silent for over 10 s (benchmarks/stalls.py;
-        nothing of exokv held the GIL: mx.eval releases it). Where the rank is a local
-        process, its state decides: stopped (SIGSTOP, a debugger) or gone is dead,
-        anything else is working. Remote ranks have only their heartbeat.
+    def host_state(self, rank: int, now: float | None = None) -> str | None:
+        """What `rank`'s host says of its process (running, stopped, gone); None when
+        its watcher said nothing within the heartbeat timeout.
+
+        A rank on this machine is asked of the OS directly (the pid its watcher
+        named), with the watcher's own test: that answer never waits on the launcher
+        relaying a line (a loaded machine leaves every process unrun for seconds:
+        benchmarks/stalls.py measured up to 6.6 s at load 10 to 20).
         """
-        if not self.plan.local or self.proc is None:
-            return False
-        import psutil
+        said = self.states.get(rank)
+        if said is None:
+            return None
+        state, when, pid = said
+        if self.plan.local and state != GONE:
+            import psutil
 
-        try:
-            if rank not in self._rank_pids:
-                for p in psutil.Process(self.proc.pid).children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        if "MLX_RANK" in (env := p.environ()):
-                            self._rank_pids[int(env["MLX_RANK"])] = p
-            process = self._rank_pids[rank]
-            return process.status() not in _NOT_RUNNING
-        except (KeyError, ValueError, psutil.Error):
-            return False
+            try:
+                process = self._processes.get(rank)
+                if process is None or process.pid != pid:
+                    process = self._processes[rank] = psutil.Process(pid)
+            except psutil.Error:
+                return GONE
+            return state_of(process)
+        now = time.monotonic() if now is None else now
+        return state if now - when <= self.heartbeat_timeout else None
+
+    def _host(self, rank: int) -> str:
+        hosts = self.plan.hosts
+        return hosts[rank].ssh if rank < len(hosts) else f"rank {rank}'s host"
 
     # -- the cause, and the end ----------------------------------------------------------
 
@@ -272,6 +303,11 @@ class Supervisor:
         for raw in iter(stream.readline, b""):
             line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
             if self._on_line is not None and self._on_line(name, line):
+                continue
+            said = _STATE.search(line)
+            if said:
+                rank, state, pid = int(said.group(1)), said.group(2), int(said.group(3))
+                self.states[rank] = (state, time.monotonic(), pid)
                 continue
             beat = _BEAT.search(line)
             if beat:
