@@ -133,3 +133,29 @@ def test_a_rank_killed_on_the_other_host_is_replaced(
     assert len(restarted) == 1, turns[1]["events"]
     assert turns[1]["cached_tokens"] == reference[1]["cached_tokens"] > 0  # warm from disk
     assert _ranks_left(home) == []
+
+
+@pytest.mark.timeout(200)
+def test_a_remote_ranks_own_error_is_the_line_the_chat_shows(
+    tmp_path: Path, models_dir: Path, ssh_hosts: SshHosts
+) -> None:
+    """Under `ssh -tt` a remote rank's stderr reaches the launcher's stdout: its one-line
+    error is still the one the chat shows, not "rank 1 exited with code 1"."""
+    home = home_with_models(tmp_path / "h", models_dir)
+    hostfile = _hostfile(tmp_path / "hosts.json", home, True)
+    env = {
+        **ssh_hosts.env(EXOKV_HOME=str(home), EXOKV_TEST_FAIL_AT="1:prefill"),
+    }
+    env.pop("EXOKV_DEBUG", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "exokv", "chat", "-m", "builtin:tiny", "--json", "--restarts", "0"]
+        + ["--hostfile", str(hostfile), "--starting-port", "28440"],
+        input=b"Hello there\n",
+        capture_output=True,
+        env=env,
+        timeout=150,
+    )
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert "rank 1 failed: RuntimeError: injected failure in prefill" in err, err
+    assert _ranks_left(home) == []

@@ -255,7 +255,10 @@ class Supervisor:
         if self._exited_within(SETTLE_S):
             self.drained(1.0)  # the launcher's last words reach the tails
         hosts = [h.ssh for h in self.plan.hosts]
-        return diagnose(list(self.tails["stderr"]), cause, hosts)
+        # A remote rank runs under `ssh -tt`, whose pseudo-terminal merges its stderr
+        # into the launcher's stdout: its one-line error arrives there.
+        relayed = [x for x in self.tails["stdout"] if ERROR_MARK in x]
+        return diagnose([*relayed, *self.tails["stderr"]], cause, hosts)
 
     def drained(self, timeout: float) -> None:
         """Wait up to `timeout` seconds per stream for the launcher's last lines."""
