@@ -21,7 +21,7 @@ from pathlib import Path
 from exokv.errors import ExokvError
 from exokv.hosts import HostList
 from exokv.wire.launch import SCRATCH_PREFIX, LaunchPlan, plan_launch, rank_command
-from exokv.wire.supervise import Cause, Supervisor, diagnose
+from exokv.wire.supervise import Cause, Supervisor
 
 LINK_MODULE = "exokv.rank.link_main"
 LINK_MARK = "exokv-link "  # rank 0's line with the figures (exokv.rank.link_main prints it)
@@ -73,15 +73,9 @@ def measure_link(hosts: HostList, backend: str = "ring", starting_port: int | No
 
 
 def _cause(ranks: Supervisor, trouble: str) -> Cause:
-    """Why the ranks ended, from both of the launcher's streams.
-
-    mlx.launch runs a remote rank under `ssh -tt`, whose pseudo-terminal merges the
-    rank's stderr into its stdout: a remote rank's one-line error arrives on the
-    launcher's stdout, where the Supervisor's own diagnosis does not look.
-    """
-    ranks.diagnose(trouble)  # the launcher's last words reach the tails
-    lines = [*ranks.tails["stderr"], *ranks.tails["stdout"]]
-    return diagnose(lines, trouble, [h.ssh for h in ranks.plan.hosts])
+    """Why the ranks ended (a remote rank's own error included: the Supervisor reads it
+    where `ssh -tt` puts it)."""
+    return ranks.diagnose(trouble)
 
 
 def _ports(plan: LaunchPlan) -> str:
