@@ -107,6 +107,13 @@ TEST_FAKE_PRESSURE = Setting(
     forwarded=True,
     test=True,
 )
+TEST_HOST_MEMORY = Setting(
+    "EXOKV_TEST_HOST_MEMORY",
+    "sizes, one per rank (24GB,8GB) or one for all",
+    "each host's own",
+    "the memory placement sees for each rank, each a host of its own: uneven Macs on one machine",
+    test=True,
+)
 
 SETTINGS: tuple[Setting, ...] = (
     HOME,
@@ -118,6 +125,7 @@ SETTINGS: tuple[Setting, ...] = (
     TEST_FAIL_AT,
     TEST_SLOW_TEXTS,
     TEST_FAKE_PRESSURE,
+    TEST_HOST_MEMORY,
 )
 # What a rank on another machine should see as this one does.
 FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
@@ -185,3 +193,19 @@ def fake_pressure_hook(rank: int) -> float | None:
     except ValueError:
         raise UsageError(f"{TEST_FAKE_PRESSURE.name}={text!r} is not a list of fractions") from None
     return values[rank] if rank < len(values) else values[-1]
+
+
+def host_memory_hook(ranks: int) -> list[int] | None:
+    """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
+    from exokv.sizes import parse_size
+
+    text = TEST_HOST_MEMORY.text()
+    if not text:
+        return None
+    try:
+        values = [parse_size(v) for v in text.split(",")]
+    except UsageError:
+        raise UsageError(f"{TEST_HOST_MEMORY.name}={text!r} is not a list of sizes") from None
+    if len(values) not in (1, ranks):
+        raise UsageError(f"{TEST_HOST_MEMORY.name} has {len(values)} sizes for {ranks} ranks")
+    return values * ranks if len(values) == 1 else values
