@@ -207,7 +207,9 @@ def place(
     caps = [
         int(threshold * room.share) - _shared(sizes, r, shared_on) for r, room in enumerate(ranks)
     ]
-    kv = sizes.kv_per_token if any(sizes.kv_per_token) else [max(w, 1) for w in sizes.layers]
+    # No KV figures (a config without heads): room in proportion to the layers' bytes,
+    # in units fine enough for the search.
+    kv = sizes.kv_per_token if any(sizes.kv_per_token) else [w // 1024 + 1 for w in sizes.layers]
     split = _greedy(caps, sizes.layers, kv, min_tokens)
     if split is None:
         raise _refusal(ranks, sizes, caps, kv, threshold, min_tokens, shared_on)
@@ -272,26 +274,41 @@ def _shared(sizes: ModelSizes, rank: int, shared_on: Collection[int] | None) -> 
 
 def _greedy(caps: list[int], weights: list[int], kv: list[int], tokens: int) -> list[int] | None:
     """A split (rank 0 first) in which every rank holds its layers and `tokens` tokens of
-    their cache, or None. The ranks take layers in pipeline order (the last rank the
-    first layers), each as many as fit while leaving one for each rank after it:
-    taking more never makes the rest harder, so this finds one if any exists."""
+    their cache, or None.
+
+    The ranks take layers in pipeline order (the last rank the first layers). Taking
+    as many as fit is not enough with uneven ranks (it can push a heavy layer onto a
+    small one), so this keeps, rank by rank, every layer a cut can be at: from each
+    reachable cut a rank can end anywhere up to where its room runs out, and both
+    ends only move forward (linear in layers per rank).
+    """
     n, total = len(caps), len(weights)
-    counts: list[int] = []
-    i = 0
-    for k, r in enumerate(range(n - 1, -1, -1)):
-        left = n - 1 - k  # ranks after this one
-        used, taken = 0, 0
-        while i + taken < total - left:
-            cost = weights[i + taken] + tokens * kv[i + taken]
-            if used + cost > caps[r]:
-                break
-            used += cost
-            taken += 1
-        if taken == 0 or (left == 0 and i + taken < total):
-            return None
-        counts.append(taken)
-        i += taken
-    return counts[::-1]
+    prefix = [0]
+    for w, k in zip(weights, kv, strict=True):
+        prefix.append(prefix[-1] + w + tokens * k)
+    reach = [True] + [False] * total
+    froms: list[list[int]] = []
+    for r in range(n - 1, -1, -1):
+        new, came = [False] * (total + 1), [-1] * (total + 1)
+        furthest = end = 0
+        for start in range(total):
+            if not reach[start]:
+                continue
+            end = max(end, start)
+            while end < total and prefix[end + 1] - prefix[start] <= caps[r]:
+                end += 1
+            for e in range(max(furthest, start) + 1, end + 1):
+                new[e], came[e] = True, start
+            furthest = max(furthest, end)
+        reach = new
+        froms.append(came)
+    if not reach[total]:
+        return None
+    counts, at = [], total
+    for came in reversed(froms):  # rank 0's cut first
+        counts.append(at - came[at])
+        at = came[at]
+    return counts
 
 
 def _refusal(
@@ -315,7 +332,7 @@ def _refusal(
             f"the model does not fit: its weights ({format_size(weights)} on {n} rank"
             f"{'s' if n > 1 else ''}) and room for {min_tokens} tokens of cache "
             f"({format_size(cache)}) need {format_size(need)}, the hosts have "
-            f"{format_size(have)} {at}: {format_size(need - have)} short",
+            f"{format_size(have)} {at}: at least {format_size(need - have)} short",
             need - have,
         )
     # Enough in all, but some rank cannot hold even its smallest part.

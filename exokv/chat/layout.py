@@ -59,7 +59,9 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
         _say(f"warning: --split {_split_text(plan)} may not fit: {'; '.join(problems)}")
     if cluster.rank_count == 1:
         return cluster, plan
-    given_split_fits = plan.source == "auto" or not problems
+    # A given split that leaves a rank no room gets the ranks' own budgets, not a 0 that
+    # would turn the cache off everywhere.
+    given_split_fits = plan.source == "auto" or not (problems or 0 in plan.budgets)
     return (
         replace(
             cluster,
