@@ -4,9 +4,12 @@ them: two local ranks on builtin:tiny with EXOKV_TEST_HOST_MEMORY playing uneven
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from chat_helpers import Chat, exokv_text, home_with_models, run_exokv
+from chat_helpers import Chat, Terminal, exokv_text, home_with_models, run_exokv
 from test_cluster import replies, run_script
 
 LINES = ["Hello there, tell me a story", "And then what happened?"]
@@ -35,13 +38,30 @@ def test_auto_split_on_uneven_hosts_caches_and_answers_as_one_rank(tmp_path, mod
     assert budgets[0] > 2 * budgets[1] > 0
     # The ranks run with the planned budgets, and the table said them before loading.
     assert [s["budget"] for s in turns[0]["rank_stats"]] == budgets
-    assert "cache budget" in err and "split 3,1 (placed from memory)" in err
-    assert err.index("cache budget") < err.index("split 3,1")
     # The planned KV bytes per token are the ones the ranks' cache entries take.
     add = next(e for e in turns[0]["events"] if e["kind"] == "add" and e["tokens"])
     assert add["bytes"] == [add["tokens"] * r["kv_per_token"] for r in plan["ranks"]]
     assert turns[1]["cached_tokens"] > 0
     assert replies(turns) == replies(one)
+
+
+@pytest.mark.timeout(300)
+def test_a_given_split_stands_and_the_plan_is_shown_on_a_terminal(tmp_path, models_dir):
+    """--split 3,1 where auto would choose 1,3: the ranks run 3,1 and answer as one rank;
+    on a terminal the table (budgets included) comes before the ranks load."""
+    one = run_script(home_with_models(tmp_path / "one", models_dir, True), LINES[:1])
+    home = home_with_models(tmp_path / "two", models_dir, True)
+    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "-n", "2",
+           "--split", "3,1", "--max-tokens", "8", "--starting-port", "31730", LINES[0]]  # fmt: skip
+    env = {**os.environ, "EXOKV_HOME": str(home), "EXOKV_TEST_HOST_MEMORY": "8GB,24GB"}
+    term = Terminal(cmd, env, stdout=subprocess.PIPE)
+    table = term.expect(r"cache budget.*free after")
+    term.expect(r"split 3,1 \(as given\)")
+    starting = term.expect(r"starting 2 ranks")
+    assert table.start() < starting.start()
+    assert term.close(timeout=120) == 0, term.text
+    assert term.proc.stdout is not None
+    assert term.proc.stdout.read().decode().strip() == one[0]["reply"].strip()
 
 
 @pytest.mark.timeout(120)

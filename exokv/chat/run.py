@@ -164,13 +164,15 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
 
 
 def prepare(opts: ChatOptions) -> tuple[ClusterOptions, Any]:
-    """The options checked, then the layout placed from the hosts' memory (and shown),
-    before anything starts: the ClusterOptions the ranks are launched with, and the
+    """The options checked, then the layout placed from the hosts' memory (and shown on
+    a terminal), before anything starts: the ClusterOptions the ranks are launched with, and the
     plan (exokv.placement.Plan; None on one rank)."""
     from exokv.chat.layout import place, show_plan
 
     cluster, plan = place(validate(opts), show=opts.plan)
-    if plan is not None and not opts.plan:
+    # On a terminal, as the start-up lines: script mode's stderr keeps to one line a
+    # problem (--json has the plan as the first turn's `plan` event).
+    if plan is not None and not opts.plan and sys.stderr.isatty():
         show_plan(plan)
     return cluster, plan
 
