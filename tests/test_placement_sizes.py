@@ -174,3 +174,28 @@ def test_hub_sizes_from_the_hubs_metadata_equal_the_local_ones(tiny_dir: Path, m
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", unreachable)
     with pytest.raises(SizesUnknown, match="org/tiny@abc from the hub: .*Connection refused"):
         layer_sizes.hub_sizes("org/tiny", "abc")
+
+
+@pytest.mark.timeout(300)
+def test_every_zoo_family_layers_weigh_what_mlx_lm_loads(tmp_path_factory):
+    """Each family's checkpoint, read by its headers, against the model mlx-lm builds
+    from it: the same bytes in every layer and outside them (mlx-lm's sanitize renames
+    some tensors, but keeps each in its layer)."""
+    from mlx_lm.utils import load_model
+    from zoo_helpers import FAMILIES, zoo_models
+
+    models = zoo_models(tmp_path_factory)
+    for family in FAMILIES:
+        path = models / f"{family}-tiny"
+        sizes = local_sizes(path)
+        model, _ = load_model(path, lazy=True)
+        loaded = [0] * len(sizes.layers)
+        shared = 0
+        for name, value in tree_flatten(model.parameters()):
+            i = layer_of(name)
+            if i is None:
+                shared += value.nbytes
+            else:
+                loaded[i] += value.nbytes
+        assert sizes.layers == loaded, family
+        assert sizes.shared == shared, family

@@ -21,6 +21,10 @@ from exokv.placement import place as place_layers
 from exokv.sizes import format_size
 
 
+class HostsUnknown(ExokvError):
+    """A host gave no memory figures (unreachable, or no exokv.hostprobe there)."""
+
+
 def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, Plan | None]:
     """`cluster` with the planned split and budgets (each unless given), and the plan.
 
@@ -33,12 +37,13 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     """
     if cluster.rank_count == 1 and not show:
         return cluster, None
-    from exokv.model.layer_sizes import model_sizes
+    from exokv.model.layer_sizes import SizesUnknown, model_sizes
 
     try:
         rooms = rank_rooms(cluster)
+        # A model that is not there at all fails here, in its own one line.
         sizes = model_sizes(cluster.model, cluster.kv_bits, cluster.kv_group_size)
-    except ExokvError as err:
+    except (HostsUnknown, SizesUnknown) as err:
         if show:
             raise
         _say(f"no plan from memory: {err}; the layers are shared out evenly")
@@ -83,7 +88,7 @@ def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
     facts = dict(zip(distinct, gather_facts(distinct), strict=True))
     for host, fact in facts.items():
         if isinstance(fact, str):
-            raise ExokvError(f"{host or 'this machine'} gave no memory figures: {fact}")
+            raise HostsUnknown(f"{host or 'this machine'} gave no memory figures: {fact}")
     per_rank = hosts if cluster.hosts is not None else [None] * cluster.rank_count
     rooms = []
     for host in per_rank:
