@@ -160,3 +160,28 @@ def test_serve_plans_the_same_way(tmp_path, models_dir):
         env={"EXOKV_TEST_HOST_MEMORY": "1MB"},
     )
     assert too_big.returncode == 2 and b"does not fit" in too_big.stderr
+
+
+@pytest.mark.timeout(120)
+def test_plan_over_ssh_hosts_gathers_each_hosts_memory(tmp_path, models_dir, ssh_hosts):
+    home = home_with_models(tmp_path / "h", models_dir, True)
+    env = ssh_hosts.env(EXOKV_HOME=str(home))
+
+    def plan(hosts: str) -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny"]
+            + ["--hosts", hosts, "--plan", "--json"],
+            capture_output=True,
+            env=env,
+            timeout=90,
+        )
+        assert proc.returncode == 0, proc.stderr.decode()
+        return json.loads(proc.stdout)
+
+    two = plan("exokv-a,exokv-b")
+    assert [r["host"] for r in two["ranks"]] == ["exokv-a", "exokv-b"]
+    assert all(r["memory"] > 10**8 for r in two["ranks"]) and two["split"] == [2, 2]
+    # Two ranks on one host share its memory.
+    shared = plan("exokv-a,exokv-a,exokv-b")
+    a, _, b = (r["memory"] for r in shared["ranks"])
+    assert 0.4 < a / b < 0.6
