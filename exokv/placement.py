@@ -165,10 +165,11 @@ def plan_split(
     source: str = "given",
 ) -> Plan:
     """The rows for a pipeline split as given: what each rank loads and may cache."""
-    if len(split) != len(ranks) or sum(split) != len(sizes.layers) or min(split) < 1:
+    if len(split) != len(ranks):
+        raise UsageError(f"--split has {len(split)} values for {len(ranks)} ranks")
+    if sum(split) != len(sizes.layers) or min(split) < 1:
         raise UsageError(
-            f"--split {','.join(map(str, split))} does not fit: the model has "
-            f"{len(sizes.layers)} layers for {len(ranks)} ranks (one positive count per rank)"
+            f"--split adds up to {sum(split)} layers; the model has {len(sizes.layers)}"
         )
     rows = []
     for r, room in enumerate(ranks):
@@ -203,7 +204,7 @@ def place(
     """
     n, layers = len(ranks), len(sizes.layers)
     if n < 1 or layers < n:
-        raise UsageError(f"{n} ranks for {layers} layers: at most one rank per layer")
+        raise UsageError(f"{n} ranks: the model has {layers} layers, at most one rank per layer")
     caps = [
         int(threshold * room.share) - _shared(sizes, r, shared_on) for r, room in enumerate(ranks)
     ]

@@ -168,8 +168,10 @@ def test_a_given_split_is_planned_as_given_and_checked():
     assert plan.short() == []
     tight = plan_split([RankRoom("a", 200 * MB), RankRoom("b", GB)], sizes, [3, 1], 0.9)
     assert tight.rows[0].budget == 0 and tight.short() == ["rank 0 on a: 100 MB short"]
-    with pytest.raises(UsageError, match="the model has 4 layers"):
+    with pytest.raises(UsageError, match="adds up to 3 layers; the model has 4"):
         plan_split([RankRoom("a", GB), RankRoom("b", GB)], sizes, [2, 1], 0.9)
+    with pytest.raises(UsageError, match="3 values for 2 ranks"):
+        plan_split([RankRoom("a", GB), RankRoom("b", GB)], sizes, [2, 1, 1], 0.9)
 
 
 def test_budgets_given_replace_the_planned_ones():
