@@ -185,3 +185,27 @@ def test_plan_over_ssh_hosts_gathers_each_hosts_memory(tmp_path, models_dir, ssh
     shared = plan("exokv-a,exokv-a,exokv-b")
     a, _, b = (r["memory"] for r in shared["ranks"])
     assert 0.4 < a / b < 0.6
+
+
+def test_sizes_that_cannot_be_read_fall_back_to_the_even_split(tmp_path, models_dir, capsys):
+    """A local model short of a shard here: no plan (one line saying why), the split left
+    to the ranks' even default; --plan says the same as an error."""
+    from exokv.chat.layout import place
+    from exokv.model.layer_sizes import SizesUnknown
+    from exokv.options import ClusterOptions
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for f in (models_dir / "tiny").iterdir():
+        if f.name != "model-00002-of-00005.safetensors":
+            os.symlink(f, partial / f.name)
+    cluster = ClusterOptions(model=str(partial), ranks=2, rank_count=2)
+    placed, plan = place(cluster)
+    assert plan is None and placed == cluster
+    err = capsys.readouterr().err
+    assert err.startswith("exokv: no plan from memory:") and "not here" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(SizesUnknown):
+        place(cluster, show=True)
+    one, plan = place(ClusterOptions(model=str(partial)))  # one rank: no plan at all
+    assert plan is None
