@@ -70,7 +70,8 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     return (
         replace(
             cluster,
-            split=plan.split if cluster.parallel == "pipeline" else None,
+            # (a --split with tensor parallelism stays, for the launcher to refuse)
+            split=plan.split if cluster.parallel == "pipeline" else cluster.split,
             budgets=cluster.budgets or (plan.budgets if given_split_fits else None),
         ),
         plan,
