@@ -14,6 +14,7 @@ from exokv.client import Client, make_client
 from exokv.errors import UsageError
 from exokv.hosts import HostList, parse_hosts, read_hostfile
 from exokv.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
+from exokv.placement import Plan
 
 
 @dataclass
@@ -163,10 +164,10 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
         return _run_chat(opts, cluster, hooks, plan)
 
 
-def prepare(opts: ChatOptions) -> tuple[ClusterOptions, Any]:
+def prepare(opts: ChatOptions) -> tuple[ClusterOptions, Plan | None]:
     """The options checked, then the layout placed from the hosts' memory (and shown on
-    a terminal), before anything starts: the ClusterOptions the ranks are launched with, and the
-    plan (exokv.placement.Plan; None on one rank)."""
+    a terminal), before anything starts: the ClusterOptions the ranks are launched
+    with, and the plan (None on one rank)."""
     from exokv.chat.layout import place, show_plan
 
     cluster, plan = place(validate(opts), show=opts.plan)
@@ -243,7 +244,7 @@ def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
 
 
 def _run_chat(
-    opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | None, plan: Any = None
+    opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | None, plan: Plan | None = None
 ) -> int:
     from exokv.chat.hooks import StoreHooks, stderr_warning
 
