@@ -78,7 +78,12 @@ _HOSTS = typer.Option(None, "--hosts", help="a,b,... one rank per host")
 _HOSTFILE = typer.Option(None, "--hostfile", help="mlx hostfile (JSON)")
 _BACKEND = typer.Option("ring", "--backend", help="ring|jaccl|mpi")
 _PARALLEL = typer.Option("pipeline", "--parallel", help="pipeline|tensor")
-_SPLIT = typer.Option(None, "--split", help="layers per rank, e.g. 3,1")
+_SPLIT = typer.Option(
+    None, "--split", help="layers per rank: auto (from memory; the default) or e.g. 3,1"
+)
+_PLAN = typer.Option(
+    False, "--plan", help="print where the layers and cache go, then exit (loads no weights)"
+)
 _CACHE_BUDGET = typer.Option(None, "--cache-budget", help="bytes per rank: 2GB or 64MB,16MB")
 _MEMORY_THRESHOLD = typer.Option(
     0.9, "--memory-threshold", help="RAM fraction that triggers eviction"
@@ -105,6 +110,7 @@ _SHARED = (
     "backend",
     "parallel",
     "split",
+    "plan",
     "cache_budget",
     "memory_threshold",
     "no_cache",
@@ -149,6 +155,7 @@ def chat(
     backend: str = _BACKEND,
     parallel: str = _PARALLEL,
     split: str = _SPLIT,
+    plan: bool = _PLAN,
     cache_budget: str = _CACHE_BUDGET,
     memory_threshold: float = _MEMORY_THRESHOLD,
     max_kv_size: int = _MAX_KV_SIZE,
@@ -207,6 +214,7 @@ def serve(
     backend: str = _BACKEND,
     parallel: str = _PARALLEL,
     split: str = _SPLIT,
+    plan: bool = _PLAN,
     cache_budget: str = _CACHE_BUDGET,
     memory_threshold: float = _MEMORY_THRESHOLD,
     max_kv_size: int = _MAX_KV_SIZE,

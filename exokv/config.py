@@ -133,6 +133,13 @@ TEST_WEDGED_S = Setting(
     "how long a running rank may stay silent before the front end reports it wedged",
     test=True,
 )
+TEST_HOST_MEMORY = Setting(
+    "EXOKV_TEST_HOST_MEMORY",
+    "sizes, one per rank (24GB,8GB) or one for all",
+    "each host's own",
+    "the memory placement sees for each rank, each a host of its own: uneven Macs on one machine",
+    test=True,
+)
 
 SETTINGS: tuple[Setting, ...] = (
     HOME,
@@ -147,6 +154,7 @@ SETTINGS: tuple[Setting, ...] = (
     TEST_FAKE_VERSIONS,
     TEST_HOLD_BEAT,
     TEST_WEDGED_S,
+    TEST_HOST_MEMORY,
 )
 # What a rank on another machine should see as this one does.
 FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
@@ -246,3 +254,19 @@ def hold_beat_hook(rank: int) -> float:
         return float(seconds) if int(who) == rank else 0.0
     except ValueError:
         raise UsageError(f"{TEST_HOLD_BEAT.name}={text!r} is not RANK:SECONDS") from None
+
+
+def host_memory_hook(ranks: int) -> list[int] | None:
+    """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
+    from exokv.sizes import parse_size
+
+    text = TEST_HOST_MEMORY.text()
+    if not text:
+        return None
+    try:
+        values = [parse_size(v) for v in text.split(",")]
+    except UsageError:
+        raise UsageError(f"{TEST_HOST_MEMORY.name}={text!r} is not a list of sizes") from None
+    if len(values) not in (1, ranks):
+        raise UsageError(f"{TEST_HOST_MEMORY.name} has {len(values)} sizes for {ranks} ranks")
+    return values * ranks if len(values) == 1 else values

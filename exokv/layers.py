@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.config",
             "exokv.hosts",
             "exokv.options",
+            "exokv.placement",  # pure: layers and budgets from gathered numbers
             "exokv.prompt",
             "exokv.tables",
         ),

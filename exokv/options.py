@@ -30,7 +30,7 @@ class ClusterOptions:
     hosts: HostList | None = None  # --hosts or --hostfile, read and checked; None: -n
     backend: str = "ring"
     parallel: str = "pipeline"
-    split: list[int] | None = None  # layers per rank, rank 0 first
+    split: list[int] | None = None  # layers per rank, rank 0 first; None: auto (a plan's)
     budgets: list[int] | None = None  # cache bytes per rank; None: each rank's default
     memory_threshold: float = 0.9
     max_kv_size: int | None = None
@@ -73,13 +73,14 @@ def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
 
 
 def parse_split(text: str | None) -> list[int] | None:
-    """'3,1' -> [3, 1]: layers per rank, rank 0 first."""
-    if text is None:
+    """'3,1' -> [3, 1]: layers per rank, rank 0 first; 'auto' (the default) -> None: placed
+    from the hosts' memory (exokv.chat.layout)."""
+    if text is None or text.strip().lower() == AUTO:
         return None
     try:
         split = [int(p) for p in text.split(",")]
     except ValueError:
-        raise UsageError(f"invalid --split {text!r}: use whole numbers like 3,1") from None
+        raise UsageError(f"invalid --split {text!r}: use auto or whole numbers like 3,1") from None
     if any(s < 1 for s in split):
         raise UsageError(f"invalid --split {text!r}: every rank needs at least one layer")
     return split

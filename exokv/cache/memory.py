@@ -13,6 +13,7 @@ import mlx.core as mx
 import psutil
 
 from exokv.config import fake_pressure_hook
+from exokv.placement import cache_budget
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,9 @@ def sample(rank: int = 0) -> MemorySample:
 
 
 def default_budget(threshold: float, ram_total: int, model_bytes: int) -> int:
-    """The bytes of cache a rank may hold when no --cache-budget is given."""
-    return max(0, int(threshold * ram_total) - model_bytes)
+    """The bytes of cache a rank may hold when no --cache-budget is given (and no plan
+    gave it one): placement's rule, on this rank's share of the machine's RAM."""
+    return cache_budget(threshold, ram_total, model_bytes)
 
 
 def _pressure(rank: int, real: float) -> float:

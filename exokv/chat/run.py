@@ -15,6 +15,7 @@ from exokv.client.fetching import fetch_onto_hosts
 from exokv.errors import UsageError
 from exokv.hosts import HostList, parse_hosts, read_hostfile
 from exokv.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
+from exokv.placement import Plan
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ChatOptions:
     starting_port: int | None = None
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
+    plan: bool = False  # --plan: print where the layers and the cache go, then exit
 
     def host_list(self) -> HostList | None:
         """--hosts or --hostfile, read and checked (one line for a bad one); None: -n."""
@@ -86,7 +88,8 @@ def validate(opts: ChatOptions) -> ClusterOptions:
     budgets = parse_budgets(opts.cache_budget, ranks)
     if any(b > SQLITE_MAX_INT for b in budgets or []):
         raise UsageError(f"--cache-budget {opts.cache_budget}: larger than {SQLITE_MAX_INT} bytes")
-    if opts.split is not None and ranks == 1:
+    split = parse_split(opts.split)
+    if split is not None and ranks == 1:
         raise UsageError("--split spreads layers over ranks: it needs -n 2 or more, or --hosts")
     if hosts is None and opts.ranks > 1:
         import psutil
@@ -101,7 +104,6 @@ def validate(opts: ChatOptions) -> ClusterOptions:
 
     given = None if opts.disk_budget is None else parse_disk_budget(opts.disk_budget)
     check_kv_quantization(opts.kv_bits, opts.kv_group_size)
-    split = parse_split(opts.split)
     # A rank that keeps nothing has nothing to spill either: no tier anywhere.
     keeps_nothing = opts.no_cache or 0 in (budgets or [])
     return ClusterOptions(
@@ -152,11 +154,29 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
     and so do SIGTERM and SIGHUP, which end the chat as an error would: the ranks
     still shut down cleanly and keep their KV cache in the disk tier.
     """
-    cluster = validate(opts)
+    cluster, plan = prepare(opts)
+    if opts.plan:
+        from exokv.chat.layout import print_plan
+
+        return print_plan(plan, opts.json)
     from exokv.chat.signals import ended_by_signals
 
     with ended_by_signals():
-        return _run_chat(opts, cluster, hooks)
+        return _run_chat(opts, cluster, hooks, plan)
+
+
+def prepare(opts: ChatOptions) -> tuple[ClusterOptions, Plan | None]:
+    """The options checked, then the layout placed from the hosts' memory (and shown on
+    a terminal), before anything starts: the ClusterOptions the ranks are launched
+    with, and the plan (None on one rank)."""
+    from exokv.chat.layout import place, show_plan
+
+    cluster, plan = place(validate(opts), show=opts.plan)
+    # On a terminal, as the start-up lines: script mode's stderr keeps to one line a
+    # problem (--json has the plan as the first turn's `plan` event).
+    if plan is not None and not opts.plan and sys.stderr.isatty():
+        show_plan(plan)
+    return cluster, plan
 
 
 @dataclass
@@ -225,7 +245,9 @@ def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
     )
 
 
-def _run_chat(opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | None) -> int:
+def _run_chat(
+    opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | None, plan: Plan | None = None
+) -> int:
     from exokv.chat.hooks import StoreHooks, stderr_warning
 
     with started(opts, cluster) as run:
@@ -248,10 +270,13 @@ def _run_chat(opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | Non
 
         if isinstance(hooks, StoreHooks):
             hooks.attach(warn=stderr_warning)
+        from exokv.chat.layout import plan_event
+
+        first = [plan_event(plan)] if plan is not None else []  # the first turn's events
         if opts.prompt is not None:
-            code = run_one(chat, opts.prompt, opts.json)
+            code = run_one(chat, opts.prompt, opts.json, first)
         else:
-            code = run_script(chat, opts.json)
+            code = run_script(chat, opts.json, first_events=first)
         if isinstance(hooks, StoreHooks):
             hooks.finish(chat)
         return code

@@ -81,13 +81,32 @@ def _renderer() -> Any:
     return Renderer(Console(file=sys.stdout, highlight=False))
 
 
-def run_one(chat: ChatController, prompt: str, as_json: bool) -> int:
+def _leading(first_events: list[dict[str, Any]]) -> Any:
+    """outcome_json, with `first_events` (the plan) put before the first turn's events."""
+    pending = list(first_events)
+
+    def to_json(outcome: Outcome) -> dict[str, Any]:
+        doc = outcome_json(outcome)
+        if pending and "events" in doc:
+            doc["events"] = [*pending, *doc["events"]]
+            pending.clear()
+        return doc
+
+    return to_json
+
+
+def run_one(
+    chat: ChatController,
+    prompt: str,
+    as_json: bool,
+    first_events: list[dict[str, Any]] | None = None,
+) -> int:
     """`exokv chat PROMPT`: one turn (or one slash command), printed; 1 if it failed."""
     out = sys.stdout
     if as_json:
         outcome = chat.handle(prompt)
         if outcome is not None:
-            out.write(json.dumps(outcome_json(outcome)) + "\n")
+            out.write(json.dumps(_leading(first_events or [])(outcome)) + "\n")
         return 1 if outcome is not None and outcome.error else 0
 
     def on_text(text: str) -> None:
@@ -107,9 +126,17 @@ def run_one(chat: ChatController, prompt: str, as_json: bool) -> int:
     return 1 if outcome.error else 0
 
 
-def run_script(chat: ChatController, as_json: bool, stream: IO[bytes] | None = None) -> int:
+def run_script(
+    chat: ChatController,
+    as_json: bool,
+    stream: IO[bytes] | None = None,
+    first_events: list[dict[str, Any]] | None = None,
+) -> int:
+    """Each line a turn or a command; with --json one object each, `first_events` (the
+    plan) leading the first turn's events."""
     stream = stream or sys.stdin.buffer
     out = sys.stdout
+    to_json = _leading(first_events or [])
 
     def on_text(text: str) -> None:
         out.write(text)
@@ -120,7 +147,7 @@ def run_script(chat: ChatController, as_json: bool, stream: IO[bytes] | None = N
         if outcome is None:
             continue
         if as_json:
-            out.write(json.dumps(outcome_json(outcome)) + "\n")
+            out.write(json.dumps(to_json(outcome)) + "\n")
         elif outcome.result is not None:
             out.write("\n")
             if outcome.message:

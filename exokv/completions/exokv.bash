@@ -124,7 +124,7 @@ _exokv_completion() {
         "exokv cache stats") subs=""
             opts="--json --help" ;;
         "exokv chat") subs=""
-            opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --disk-budget --kv-bits --kv-group-size --session --json --starting-port --restarts --help" ;;
+            opts="--model -m --system --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --disk-budget --kv-bits --kv-group-size --session --json --starting-port --restarts --help" ;;
         "exokv completions") subs=""
             opts="--help" ;;
         "exokv hosts") subs="check"
@@ -134,7 +134,7 @@ _exokv_completion() {
         "exokv models") subs=""
             opts="--json --help" ;;
         "exokv serve") subs=""
-            opts="--model -m --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --cache-budget --memory-threshold --max-kv-size --no-cache --disk-budget --kv-bits --kv-group-size --starting-port --restarts --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
+            opts="--model -m --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --disk-budget --kv-bits --kv-group-size --starting-port --restarts --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
         "exokv sessions") subs="list rename rm show"
             opts="--help" ;;
         "exokv sessions list") subs=""

@@ -33,6 +33,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from exokv.errors import ExokvError
+from exokv.placement import even_split, local_range  # noqa: F401 - callers use them from here
 
 # Tokens a pipeline stage runs before handing the hidden state on (see micro_chunks).
 # Measured on builtin:base, 2 ranks on one 2-core machine, a 2,048-token prefill:
@@ -79,18 +80,6 @@ def cut_freely(cache: list[Any]) -> bool:
     not with a rotating cache that keeps its first tokens (``--max-kv-size``), which
     mlx-lm's chunked prefill lets the first token of each chunk see (docs/cache.md)."""
     return not any(isinstance(c, RotatingKVCache) and c.keep > 0 for c in cache)
-
-
-def even_split(layers: int, ranks: int) -> list[int]:
-    """mlx-lm's default: as even as possible, the low ranks get the extra layers."""
-    base, extra = divmod(layers, ranks)
-    return [base + (1 if r < extra else 0) for r in range(ranks)]
-
-
-def local_range(split: list[int], rank: int) -> tuple[int, int]:
-    """The [start, end) layers of ``rank``: rank r runs the layers after ranks r+1.."""
-    start = sum(split[rank + 1 :])
-    return start, start + split[rank]
 
 
 def apply_pipeline(model: Any, group: mx.distributed.Group, split: list[int]) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.chat.conversation import Conversation
-from exokv.chat.run import ChatOptions, started, store_hooks, validate
+from exokv.chat.run import ChatOptions, prepare, started, store_hooks
 from exokv.errors import ExokvError, UsageError
 from exokv.serve import api
 
@@ -108,7 +108,11 @@ def run_serve(opts: ServeOptions) -> int:
     from exokv.serve.app import Service, build_app
     from exokv.serve.work import TurnQueue
 
-    cluster = validate(opts)
+    cluster, plan = prepare(opts)
+    if opts.plan:
+        from exokv.chat.layout import print_plan
+
+        return print_plan(plan, False)
     for warning in check(opts):
         _say(f"warning: {warning}")
     with ended_by_signals(), started(opts, cluster, kind="serve") as run:
