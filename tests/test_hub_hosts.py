@@ -104,6 +104,15 @@ def test_each_host_fetches_only_the_shards_of_its_layers(
     assert sum(standin_hub.gets.values()) == 0, standin_hub.gets
     assert "has the 10 files it needs (nothing to fetch)" in err, err
 
+    # --split auto (the default) on simulated uneven hosts places the layers 3,1: the
+    # plan, read from the hub's headers and the hosts' memory, fetches nothing more.
+    auto_env = {**front, "EXOKV_TEST_HOST_MEMORY": "24GB,8GB"}
+    auto, err = _chat(auto_env, "--hostfile", str(hostfile), "--starting-port", "26575")
+    plan = [e for e in auto[0]["events"] if e["kind"] == "plan"]
+    assert plan and plan[0]["split"] == [3, 1] and plan[0]["source"] == "auto", err
+    assert [t["reply"] for t in auto] == [t["reply"] for t in reference]
+    assert sum(standin_hub.gets.values()) == 0, standin_hub.gets
+
     # Another split: only what is missing (exokv-b now runs layers 0-2).
     other, err = _chat(
         front, "--hostfile", str(hostfile), "--split", "1,3", "--starting-port", "26580"
@@ -132,7 +141,7 @@ def test_each_host_fetches_only_the_shards_of_its_layers(
 
 
 @pytest.mark.timeout(120)
-def test_a_host_that_cannot_fetch_is_one_line_naming_it(
+def test_a_host_that_cannot_be_reached_is_one_line_naming_it(
     tmp_path: Path, ssh_hosts: SshHosts, standin_hub: StandinHub
 ) -> None:
     hostfile = _hostfile(tmp_path / "hosts.json", standin_hub.url, ["exokv-a", "exokv-nowhere"])
@@ -145,8 +154,9 @@ def test_a_host_that_cannot_fetch_is_one_line_naming_it(
     )
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    # Found by placement, before any host fetches: one line, the last, naming it.
     assert [x for x in lines if "exokv-nowhere" in x] == lines[-1:], proc.stderr
-    assert f"fetching {REPO} onto exokv-nowhere" in lines[-1]
+    assert "rank 1's host 'exokv-nowhere' cannot be reached: ssh: " in lines[-1]
     listed = _run(front, "models", "--hosts", "exokv-a,exokv-nowhere")
     assert listed.returncode == 1 and "exokv-a" in listed.stdout
     assert listed.stderr.strip().startswith("exokv: exokv-nowhere: could not list its models")

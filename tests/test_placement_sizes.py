@@ -12,11 +12,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from exokv.model import layer_sizes
+from exokv.model.hub import layer_of
 from exokv.model.layer_sizes import (
     SizesUnknown,
     hub_repo,
     kv_bytes_per_token,
-    layer_of,
     local_sizes,
     read_header,
     sizes_of,

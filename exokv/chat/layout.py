@@ -80,16 +80,21 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
 
 def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
     """Each rank's host, its usable memory and the ranks sharing it, in rank order."""
-    from exokv.wire.facts import gather_facts
+    from exokv.wire.facts import ask_hosts
 
     hosts: list[str | None] = (
         [h.ssh for h in cluster.hosts.hosts] if cluster.hosts is not None else [None]
     )
     distinct = list(dict.fromkeys(hosts))
-    facts = dict(zip(distinct, gather_facts(distinct), strict=True))
-    for host, fact in facts.items():
-        if isinstance(fact, str):
-            raise HostsUnknown(f"{host or 'this machine'} gave no memory figures: {fact}")
+    answers = dict(zip(distinct, ask_hosts(distinct), strict=True))
+    facts: dict[str | None, Any] = {}
+    for host, answer in answers.items():
+        if not answer.reached:  # no chat can start there: say so now, not after a fallback
+            rank = hosts.index(host)
+            raise ExokvError(f"rank {rank}'s host {host!r} cannot be reached: {answer.error}")
+        if answer.facts is None:
+            raise HostsUnknown(f"{host or 'this machine'} gave no memory figures: {answer.error}")
+        facts[host] = answer.facts
     per_rank = hosts if cluster.hosts is not None else [None] * cluster.rank_count
     rooms = []
     for host in per_rank:

@@ -47,7 +47,11 @@ META_PATTERNS = (
 )
 WEIGHT_PATTERN = "model*.safetensors"
 # The same test as exokv.model.loading's: a tensor of decoder layer N.
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A decoder layer's tensors, in the spellings of mlx-lm's checkpoints:
+# model.layers.N. (most families), language_model.model.layers.N. (vision-language
+# wrappers), backbone.layers.N. (mamba), transformer.h.N. / model.h.N. (gpt2-like),
+# transformer.blocks.N. (dbrx).
+_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _LISTING_DIR = "exokv-files"
 
 Progress = Callable[[dict[str, Any]], None]
@@ -190,10 +194,22 @@ def cached_snapshot(repo: str, revision: str | None) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def kept_path(repo: str, commit: str, what: str = "") -> Path:
+    """A file of exokv's beside the repo's cache, about ``commit``: the hub's listing of
+    its files (``what`` ""), or what else was asked of the hub once (``what`` "tensors":
+    the safetensors headers' sizes, for placement). A commit never changes, so they
+    never go stale."""
+    return storage_dir(repo) / _LISTING_DIR / f"{commit}{'.' + what if what else ''}.json"
+
+
+def keep(repo: str, commit: str, what: str, data: Any) -> None:
+    _write_text(kept_path(repo, commit, what), json.dumps(data))
+
+
 def read_listing(repo: str, commit: str) -> dict[str, int] | None:
     """The repo's files at ``commit`` (name -> size) as the hub listed them, if kept here."""
     try:
-        data = json.loads((storage_dir(repo) / _LISTING_DIR / f"{commit}.json").read_text())
+        data = json.loads(kept_path(repo, commit).read_text())
         return {str(k): int(v) for k, v in data["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -303,10 +319,7 @@ def fetch(
             if kept is None:
                 raise
             return kept
-        _write_text(
-            storage_dir(repo) / _LISTING_DIR / f"{commit}.json",
-            json.dumps({"repo": repo, "files": listing}, indent=1),
-        )
+        _write_text(kept_path(repo, commit), json.dumps({"repo": repo, "files": listing}, indent=1))
     snapshot = snapshot_dir(repo, commit)
     meta = [f for f in meta_files(listing) if not (snapshot / f).is_file()]
     _download(repo, commit, meta, listing, None, bars)  # the index says which shards to fetch

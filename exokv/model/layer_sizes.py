@@ -13,32 +13,21 @@ token adds to a layer) comes from config.json.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError, one_line
+from exokv.model import hub
+from exokv.model.hub import layer_of
 from exokv.placement import ModelSizes
 
-# A decoder layer's tensors, in the spellings of mlx-lm's checkpoints:
-# model.layers.N. (most families), language_model.model.layers.N. (vision-language
-# wrappers), backbone.layers.N. (mamba), transformer.h.N. / model.h.N. (gpt2-like),
-# transformer.blocks.N. (dbrx).
-_LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(?:@[\w./-]+)?$")
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own bound on a header
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class SizesUnknown(ExokvError):
     """The layers' sizes cannot be read (a shard missing here and no hub, no headers)."""
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a tensor belongs to; None for the embedding, norm and head."""
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
 
 
 def read_header(path: Path) -> dict[str, int]:
@@ -140,7 +129,20 @@ def local_sizes(path: Path, kv_bits: int | None = None, kv_group_size: int = 64)
 def hub_sizes(
     repo: str, revision: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64
 ) -> ModelSizes:
-    """The sizes of a hub repo's model from its headers alone (a few small requests)."""
+    """The sizes of a hub repo's model from its headers alone (a few small requests, once
+    per commit: kept beside the repo's cache, so a later chat plans with the hub gone)."""
+    tensors, config = _hub_headers(repo, revision)
+    return sizes_of(tensors, config, kv_bits, kv_group_size)
+
+
+def _hub_headers(repo: str, revision: str | None) -> tuple[dict[str, int], dict[str, Any]]:
+    commit = hub.cached_commit(repo, revision)
+    if commit is not None:
+        try:
+            kept = json.loads(hub.kept_path(repo, commit, "tensors").read_text())
+            return {str(k): int(v) for k, v in kept["tensors"].items()}, dict(kept["config"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # not asked yet (or a torn file): the hub once more
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
 
     where = repo if revision is None else f"{repo}@{revision}"
@@ -158,19 +160,22 @@ def hub_sizes(
         for file in meta.files_metadata.values()
         for name, info in file.tensors.items()
     }
-    return sizes_of(tensors, config, kv_bits, kv_group_size)
+    commit = hub.cached_commit(repo, revision)  # the config's download named it
+    if commit is not None:
+        hub.keep(repo, commit, "tensors", {"tensors": tensors, "config": config})
+    return tensors, config
 
 
 def model_sizes(name: str, kv_bits: int | None = None, kv_group_size: int = 64) -> ModelSizes:
     """The sizes of `--model name`: read here when its files are here, else from the hub
     (a repo not downloaded yet, or only some of its shards on this machine)."""
-    hub = hub_repo(name)
-    if hub is None:
+    repo_id = hub_repo(name)
+    if repo_id is None:
         from exokv.model.resolve import resolve_model
 
         return local_sizes(resolve_model(name), kv_bits, kv_group_size)
-    repo, revision = hub
-    snapshot = _cached_snapshot(repo, revision)
+    repo, revision = repo_id
+    snapshot = hub.cached_snapshot(repo, revision)
     if snapshot is not None:
         try:
             return local_sizes(snapshot, kv_bits, kv_group_size)
@@ -181,29 +186,9 @@ def model_sizes(name: str, kv_bits: int | None = None, kv_group_size: int = 64) 
 
 def hub_repo(name: str) -> tuple[str, str | None] | None:
     """('org/name', revision or None) when `name` spells a hub repo and no local path."""
-    name = name.strip()
-    if not _REPO.match(name) or Path(name).expanduser().exists():
+    if Path(name.strip()).expanduser().exists():
         return None
-    repo, _, revision = name.partition("@")
-    return repo, revision or None
-
-
-def _cached_snapshot(repo: str, revision: str | None) -> Path | None:
-    from huggingface_hub import snapshot_download
-
-    from exokv.model.resolve import hf_cache_dir
-
-    try:
-        path = snapshot_download(
-            repo,
-            revision=revision,
-            cache_dir=str(hf_cache_dir()),
-            local_files_only=True,
-            allow_patterns=["*.json", "*.safetensors"],
-        )
-    except Exception:  # noqa: BLE001 - not cached, in any of the ways the hub says it
-        return None
-    return Path(path)
+    return hub.parse_name(name)
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
