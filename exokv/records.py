@@ -185,6 +185,7 @@ class CacheFileReport:
     skipped: str | None = None  # nothing to do, not a problem (no tier, nothing cached)
     events: list[dict[str, Any]] = field(default_factory=list)  # CacheEvent dicts (drops)
     on_disk: bool = False  # at resume: all of `tokens` is on disk (else some is in RAM)
+    disk_bytes: list[int] = field(default_factory=list)  # each rank's whole tier, after
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
