@@ -274,7 +274,8 @@ def status_line(r: TurnResult) -> str:
         f"{r.decode_tps:,.1f} tok/s",
     ]
     if r.typed_ahead_tokens:  # of the cached tokens, those prefilled before Enter
-        parts.append(f"{r.typed_ahead_tokens:,} typed ahead")
+        share = cached_share(r.typed_ahead_tokens, r.prompt_tokens)
+        parts.append(f"{r.typed_ahead_tokens:,} typed ahead ({share}% of the prompt)")
     if r.evictions:
         parts.append(f"{r.evictions} eviction{'s' if r.evictions != 1 else ''}")
     if r.finish_reason == "interrupted":

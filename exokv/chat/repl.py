@@ -44,7 +44,7 @@ from prompt_toolkit.styles import Style
 
 from exokv.chat.conversation import COMMANDS, TAKES_ARGUMENT, ChatController, Outcome
 from exokv.chat.render import BannerInfo, Renderer
-from exokv.chat.typeahead import DraftWatcher
+from exokv.chat.typeahead import DraftWatcher, PrefillSpeed, toolbar_text
 from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
@@ -52,7 +52,13 @@ from exokv.options import ClusterOptions
 
 HISTORY_FILE = "history"
 
-STYLE = Style.from_dict({"session": "ansicyan", "arrow": "ansibrightblack"})
+STYLE = Style.from_dict(
+    {
+        "session": "ansicyan",
+        "arrow": "ansibrightblack",
+        "bottom-toolbar": "noreverse ansibrightblack",
+    }
+)
 
 
 class ChatCompleter(Completer):
@@ -316,6 +322,12 @@ def run_repl(
     )
     interrupts = _Interrupts(client, renderer)
     watcher = _draft_watcher(chat, client, typeahead, session)
+    speed = PrefillSpeed()
+    if watcher is not None and hasattr(client, "draft_cost"):
+        # What Enter will cost, while a draft is typed; redrawn as the ranks step it.
+        draft = watcher
+        session.bottom_toolbar = lambda: toolbar_text(draft.cost(), speed.tps)
+        session.refresh_interval = session.app.refresh_interval = 0.5
     quiet = _quiet_terminal() if input is None else nullcontext()
     with quiet, interrupts.installed(), warnings.catch_warnings():
         # A warning from a library (asyncio's "never awaited" after a signal) is noise
@@ -323,7 +335,7 @@ def run_repl(
         if not debug_enabled():
             warnings.simplefilter("ignore", RuntimeWarning)
         try:
-            _loop(chat, session, renderer, interrupts, transcript, watcher, above)
+            _loop(chat, session, renderer, interrupts, transcript, watcher, above, speed)
         finally:
             if watcher is not None:
                 watcher.close()
@@ -351,6 +363,7 @@ def _loop(
     transcript: Transcript | None,
     watcher: DraftWatcher | None = None,
     above: bool = False,
+    speed: PrefillSpeed | None = None,
 ) -> None:
     while True:
         message = [("class:session", chat.current.name), ("class:arrow", " › ")]
@@ -389,5 +402,7 @@ def _loop(
         if outcome.quit:
             return
         renderer.outcome(outcome)
+        if speed is not None and outcome.result is not None:
+            speed.turn(outcome.result.prefilled_tokens, outcome.result.ttft_s)
         if transcript is not None:
             transcript.turn(line, outcome)
