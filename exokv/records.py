@@ -171,6 +171,9 @@ class RowOutcome:
         return outcome
 
 
+TIER_OFF_BECAUSE = "the disk tier is off: "  # a report's `skipped` when a rank said why
+
+
 @dataclass
 class CacheFileReport:
     """What one /save or resume did on the disk tier (exokv.rank.kvsave); ``bytes`` and

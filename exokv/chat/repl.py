@@ -49,6 +49,7 @@ from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
 from exokv.options import ClusterOptions
+from exokv.records import TIER_OFF_BECAUSE
 
 HISTORY_FILE = "history"
 
@@ -261,8 +262,7 @@ def _disk_off(client: Client, chat: ChatController) -> str | None:
     except Exception:  # noqa: BLE001 - the banner never fails a chat
         return None
     skipped = report.skipped or ""
-    prefix = "the disk tier is off: "
-    return skipped[len(prefix) :] if skipped.startswith(prefix) else None
+    return skipped.removeprefix(TIER_OFF_BECAUSE) if skipped.startswith(TIER_OFF_BECAUSE) else None
 
 
 def _disk_budget(opts: ClusterOptions) -> int | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from exokv.records import CacheFileReport
+from exokv.records import TIER_OFF_BECAUSE, CacheFileReport
 
 TIER_OFF = "the disk tier is off (--disk-budget 0)"
 
@@ -27,7 +27,7 @@ def tier_off(engine: Any) -> str:
     """Why there is no disk tier: --disk-budget 0, or the reason the rank gave when it
     could not open it (another chat holds it, an unusable folder)."""
     why = getattr(engine, "tier_notice", None)
-    return f"the disk tier is off: {why}" if why else TIER_OFF
+    return f"{TIER_OFF_BECAUSE}{why}" if why else TIER_OFF
 
 
 def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
