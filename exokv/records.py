@@ -173,6 +173,9 @@ class RowOutcome:
         return outcome
 
 
+TIER_OFF_BECAUSE = "the disk tier is off: "  # a report's `skipped` when a rank said why
+
+
 @dataclass
 class CacheFileReport:
     """What one /save or resume did on the disk tier (exokv.rank.kvsave); ``bytes`` and
@@ -187,6 +190,7 @@ class CacheFileReport:
     skipped: str | None = None  # nothing to do, not a problem (no tier, nothing cached)
     events: list[dict[str, Any]] = field(default_factory=list)  # CacheEvent dicts (drops)
     on_disk: bool = False  # at resume: all of `tokens` is on disk (else some is in RAM)
+    disk_bytes: list[int] = field(default_factory=list)  # each rank's whole tier, after
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -155,7 +155,8 @@ class ChatController:
             if arg and arg in self.known_sessions():
                 return Outcome(name, f"session {arg!r} exists; /switch {arg}", error=True)
             self.current = self._open(arg or fresh_name(self.known_sessions()), conv.system)
-            return Outcome(name, f"new session {self.current.name!r}")
+            kept = " (it keeps the system prompt; /system clear drops it)" if conv.system else ""
+            return Outcome(name, f"new session {self.current.name!r}{kept}")
         if name == "/switch":
             return self._switch(arg)
         if name == "/sessions":

@@ -21,8 +21,9 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.client import Client
-from exokv.records import CacheEvent, CacheFileReport, TurnResult
+from exokv.records import CacheEvent, CacheFileReport, RankStats, TurnResult
 from exokv.sizes import format_size
+from exokv.state import queries
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
 
@@ -59,6 +60,9 @@ class StoreHooks(ChatHooks):
         self._warn: Callable[[str], None] | None = None
         self._note: Callable[[str], None] | None = None
         self._reply_tokens: dict[str, dict[str, list[int]]] = {}  # session -> reply -> tokens
+        # session -> the context (prompt + reply tokens) after each exchange of this run,
+        # so /sessions is right after /undo; None where not known (before a resume)
+        self._context: dict[str, list[int | None]] = {}
 
     # -- where messages for the user go ------------------------------------------------
 
@@ -155,6 +159,10 @@ class StoreHooks(ChatHooks):
 
     def turn_done(self, conv: Conversation, result: TurnResult) -> None:
         self._keep_reply_tokens(conv, result.reply)
+        context = self._context.setdefault(conv.name, [])
+        del context[max(conv.turns - 1, 0) :]  # a /retry replaces the last exchange's
+        context.extend([None] * (max(conv.turns - 1, 0) - len(context)))
+        context.append(result.prompt_tokens + result.generated_tokens)
         self._sync_system(conv)
         messages = self._with_tokens(conv)
         self.store.record_turn(self.run_id, conv.name, messages, result, self.model)
@@ -172,6 +180,7 @@ class StoreHooks(ChatHooks):
         self._system.pop(name, None)
         self._dirty.discard(name)
         self._reply_tokens.pop(name, None)
+        self._context.pop(name, None)
         self._options_written.discard(name)
 
     # -- replies' exact tokens ----------------------------------------------------------
@@ -230,6 +239,7 @@ class StoreHooks(ChatHooks):
         for row in rows:
             if row["name"] in chat.sessions:
                 row["turns"] = chat.sessions[row["name"]].turns
+                row["tokens"] = self._tokens_now(row["name"], row["turns"], row["tokens"])
         for conv in chat.sessions.values():
             if conv.name not in stored:  # opened in this run, no turn yet
                 row = {"name": conv.name, "turns": conv.turns, "tokens": 0, "cached_tokens": 0}
@@ -239,6 +249,15 @@ class StoreHooks(ChatHooks):
         for row in rows:
             row["current"] = row["name"] == chat.current.name
         return rows
+
+    def _tokens_now(self, name: str, turns: int, stored: int) -> int:
+        """The context of a session's conversation now: after /undo, that of the exchange
+        now last, not the store's (its last turn, which /undo dropped)."""
+        if not turns:
+            return 0
+        context = self._context.get(name, [])
+        known = context[turns - 1] if turns <= len(context) else None
+        return stored if known is None else known
 
     def stats(self, chat: ChatController) -> list[dict[str, Any]]:
         rows = [r for r in self.store.stats()["ranks"] if r["run"] == self.run_id]
@@ -259,9 +278,24 @@ class StoreHooks(ChatHooks):
             report = CacheFileReport(session=conv.name, warning=f"could not write it: {err}")
         if report.events:
             self.store.record_events(self.run_id, [CacheEvent.from_dict(e) for e in report.events])
+        if report.disk_bytes:
+            self._sample_disk(report.disk_bytes)
         if report.tokens and not report.warning:
             self._dirty.discard(conv.name)
         return report
+
+    def _sample_disk(self, disk: list[int]) -> None:
+        """The disk tier grew by /save's copies: a memory sample that says so, or /stats
+        would show the disk as of the last turn (0 B before the first write-through)."""
+        with self.store.snapshot() as db:
+            latest = queries.latest_samples(db, self.run_id)
+        stats = [
+            RankStats.from_dict({**row, "disk_bytes": disk[row["rank"]]})
+            for row in latest
+            if row["rank"] < len(disk)
+        ]
+        if stats:
+            self.store.record_samples(self.run_id, stats)
 
     def save_cache(self, chat: ChatController) -> str:
         conv = chat.current

@@ -8,6 +8,7 @@ and no progress bar either when output is not a terminal (it would be noise in a
 from __future__ import annotations
 
 import re
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class BannerInfo:
     session: str = ""
     no_cache: bool = False
     disk_budget: int | None = None  # per rank, when there is a disk tier
+    disk_off: str | None = None  # why the disk tier is off though it was asked for
 
 
 class CachedBar(ProgressColumn):
@@ -105,16 +107,24 @@ class Renderer:
             budget = "cache budgets " + ", ".join(
                 f"r{r} {format_size(b)}" for r, b in enumerate(info.budgets)
             )
-        head = Text("exokv", style="bold")
-        if info.disk_budget and not info.no_cache:
+        if info.disk_off and not info.no_cache:
+            budget += f" · disk tier off: {info.disk_off}"
+        elif info.disk_budget and not info.no_cache:
             budget += f" · disk tier {format_size(info.disk_budget)}"
-        head.append(f" · {info.model} · {layout} · {budget}")
+        head = Text("exokv", style="bold")
+        head.append(self._fit(f" · {info.model} · {layout} · {budget}", len("exokv")))
         c.print(head, soft_wrap=True)
         keys = (
             "Enter sends · Esc+Enter or a trailing \\ starts a new line · Tab completes · "
             "Ctrl-C stops a reply · Ctrl-D quits · /help"
         )
-        c.print(Text(keys, style="dim"), soft_wrap=True)
+        c.print(Text(self._fit(keys), style="dim"), soft_wrap=True)
+
+    def _fit(self, line: str, indent: int = 0) -> str:
+        """`line` broken at its separators to the terminal's width (none off a terminal)."""
+        if not self.console.is_terminal:
+            return line
+        return fit_line(line, self.console.width, indent)
 
     # -- one turn ----------------------------------------------------------------------
 
@@ -176,7 +186,7 @@ class Renderer:
         self._last = "\n"
 
     def status(self, result: TurnResult) -> None:
-        self.console.print(Text(status_line(result), style="dim"), soft_wrap=True)
+        self.console.print(Text(self._fit(status_line(result)), style="dim"), soft_wrap=True)
 
     # -- messages and tables -------------------------------------------------------------
 
@@ -264,7 +274,8 @@ def status_line(r: TurnResult) -> str:
         f"{r.decode_tps:,.1f} tok/s",
     ]
     if r.typed_ahead_tokens:  # of the cached tokens, those prefilled before Enter
-        parts.append(f"{r.typed_ahead_tokens:,} typed ahead")
+        share = cached_share(r.typed_ahead_tokens, r.prompt_tokens)
+        parts.append(f"{r.typed_ahead_tokens:,} typed ahead ({share}% of the prompt)")
     if r.evictions:
         parts.append(f"{r.evictions} eviction{'s' if r.evictions != 1 else ''}")
     if r.finish_reason == "interrupted":
@@ -272,6 +283,35 @@ def status_line(r: TurnResult) -> str:
     elif r.finish_reason == "length":
         parts.append("stopped at --max-tokens")
     return " · ".join(parts)
+
+
+SEPARATOR = " · "
+
+
+def fit_line(line: str, width: int, indent: int = 0) -> str:
+    """`line`'s parts (joined by ` · `) packed into lines of at most `width` columns, a
+    line broken only after a separator; a part wider than the terminal is broken at its
+    spaces. `indent`: columns already taken on the first line."""
+    if width <= 0 or indent + len(line) <= width:
+        return line
+    lead = line.startswith(SEPARATOR)
+    parts = line.removeprefix(SEPARATOR).split(SEPARATOR) if lead else line.split(SEPARATOR)
+    lines: list[str] = []
+    current = SEPARATOR.rstrip() if lead else ""
+    used = indent
+    for i, part in enumerate(parts):
+        piece = part + (SEPARATOR.rstrip() if i < len(parts) - 1 else "")
+        gap = " " if current else ""
+        if current and used + len(current) + len(gap) + len(piece) > width:
+            lines.append(current.rstrip())
+            current, used, gap = "", 0, ""
+        if len(piece) > width:
+            words = textwrap.wrap(piece, width, break_long_words=False, break_on_hyphens=False)
+            lines.extend(words[:-1])
+            piece = words[-1] if words else ""
+        current += gap + piece
+    lines.append(current.rstrip())
+    return "\n".join(lines)
 
 
 def cached_share(cached: int, prompt: int) -> int:

@@ -14,8 +14,9 @@ Keys (also in the README and /help):
   number of them leaves exokv, so a session is never lost to an impatient key.
 - Ctrl-C at the prompt clears the line; Ctrl-D on an empty line (or /quit) quits,
   saving the current session's KV cache, then says `bye`.
-- While a reply streams, what is typed is not echoed into it (nor is ^C); it waits
-  for the next prompt.
+- What is typed or pasted while no prompt is shown (a reply streams, the ranks start
+  again, a command runs, the instant between a status line and the next prompt) is
+  not echoed and waits, in order, for the next prompt (exokv.chat.repl._quiet_terminal).
 - With standard output redirected (`exokv chat > log.txt`) the reply, the bar and the
   status line stay on the terminal (standard error) and the file gets a transcript.
 """
@@ -27,7 +28,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import IO, Any
 
 from prompt_toolkit import PromptSession
@@ -38,19 +39,27 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
 from prompt_toolkit.output import Output
+from prompt_toolkit.patch_stdout import patch_stdout
 from prompt_toolkit.styles import Style
 
 from exokv.chat.conversation import COMMANDS, TAKES_ARGUMENT, ChatController, Outcome
 from exokv.chat.render import BannerInfo, Renderer
-from exokv.chat.typeahead import DraftWatcher
+from exokv.chat.typeahead import DraftWatcher, PrefillSpeed, toolbar_text
 from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
 from exokv.errors import ExokvError
 from exokv.options import ClusterOptions
+from exokv.records import TIER_OFF_BECAUSE
 
 HISTORY_FILE = "history"
 
-STYLE = Style.from_dict({"session": "ansicyan", "arrow": "ansibrightblack"})
+STYLE = Style.from_dict(
+    {
+        "session": "ansicyan",
+        "arrow": "ansibrightblack",
+        "bottom-toolbar": "noreverse ansibrightblack",
+    }
+)
 
 
 class ChatCompleter(Completer):
@@ -149,8 +158,7 @@ class _Interrupts:
         self.count = 0
         self.in_turn = True
         try:
-            with _no_echo():
-                yield
+            yield
         finally:
             self.in_turn = False
 
@@ -167,11 +175,18 @@ class _Interrupts:
 
 
 @contextmanager
-def _no_echo() -> Iterator[None]:
-    """While a reply streams, keys typed ahead (and ^C) are not echoed into it.
+def _quiet_terminal() -> Iterator[None]:
+    """From the first prompt to the last, keys that come between prompts wait for the
+    next one, byte for byte, and nothing echoes them.
 
-    The typed text stays in the terminal's input queue (TCSANOW, no flush), so the next
-    prompt gets it.
+    prompt-toolkit puts the terminal in raw mode only while a prompt is shown; out of
+    it the terminal would be in cooked mode, where a paste that comes the instant a
+    status line appears is echoed raw, kept only up to the line discipline's limit
+    (4,095 bytes on Linux, 1,024 on macOS), edited by the line discipline (^U, ^W,
+    backspace) and flushed by a Ctrl-C. Here, between prompts, the terminal reads
+    bytes as they come (no ICANON), echoes nothing, keeps its input on a Ctrl-C
+    (NOFLSH), and still turns Ctrl-C into SIGINT (ISIG) to stop a reply.
+    prompt-toolkit's raw mode saves and restores this mode around every prompt.
     """
     try:
         import termios
@@ -184,8 +199,11 @@ def _no_echo() -> Iterator[None]:
     except (termios.error, OSError, ValueError, AttributeError):
         yield  # not a terminal (a test's pipe): nothing is echoed anyway
         return
-    quiet = list(saved)
-    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)
+    quiet = termios.tcgetattr(fd)
+    quiet[0] &= ~(termios.IXON | termios.IXOFF | termios.ICRNL | termios.INLCR | termios.IGNCR)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL | termios.ICANON | termios.IEXTEN)
+    quiet[3] |= termios.NOFLSH
+    quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 1, 0
     try:
         termios.tcsetattr(fd, termios.TCSANOW, quiet)
     except termios.error:
@@ -229,7 +247,22 @@ def banner_info(chat: ChatController, client: Client, opts: ClusterOptions) -> B
         session=chat.current.name,
         no_cache=opts.no_cache,
         disk_budget=_disk_budget(opts),
+        disk_off=_disk_off(client, chat) if _tier_asked(opts) else None,
     )
+
+
+def _tier_asked(opts: ClusterOptions) -> bool:
+    return bool(getattr(opts, "disk_budget", None)) and not opts.no_cache
+
+
+def _disk_off(client: Client, chat: ChatController) -> str | None:
+    """Why the ranks have no disk tier though one was asked for (another chat holds it)."""
+    try:
+        report = client.cache_held(chat.current.name, [{"role": "user", "content": ""}])
+    except Exception:  # noqa: BLE001 - the banner never fails a chat
+        return None
+    skipped = report.skipped or ""
+    return skipped.removeprefix(TIER_OFF_BECAUSE) if skipped.startswith(TIER_OFF_BECAUSE) else None
 
 
 def _disk_budget(opts: ClusterOptions) -> int | None:
@@ -256,6 +289,11 @@ def run_repl(
     `opts`: what the ranks were started with (the banner shows it); `typeahead`: send
     drafts of the line being typed (off with --no-typeahead)."""
     transcript = None
+    # Lines printed while a prompt is shown (a thread saying a rank failed) go through
+    # prompt-toolkit, which prints them above the line being edited and redraws it: on
+    # the terminal of prompt-toolkit's default session (its writer thread sees only
+    # that one), so not with a redirected stdout or a test's own input and output.
+    above = output is None and input is None and sys.stdout.isatty()
     if output is None and not sys.stdout.isatty() and sys.stderr.isatty():
         # Everything for the eyes stays on the terminal; the redirected stdout gets a
         # transcript.
@@ -284,13 +322,20 @@ def run_repl(
     )
     interrupts = _Interrupts(client, renderer)
     watcher = _draft_watcher(chat, client, typeahead, session)
-    with interrupts.installed(), warnings.catch_warnings():
+    speed = PrefillSpeed()
+    if watcher is not None and hasattr(client, "draft_cost"):
+        # What Enter will cost, while a draft is typed; redrawn as the ranks step it.
+        draft = watcher
+        session.bottom_toolbar = lambda: toolbar_text(draft.cost(), speed.tps)
+        session.refresh_interval = session.app.refresh_interval = 0.5
+    quiet = _quiet_terminal() if input is None else nullcontext()
+    with quiet, interrupts.installed(), warnings.catch_warnings():
         # A warning from a library (asyncio's "never awaited" after a signal) is noise
         # on the chat's screen; EXOKV_DEBUG=1 shows them.
         if not debug_enabled():
             warnings.simplefilter("ignore", RuntimeWarning)
         try:
-            _loop(chat, session, renderer, interrupts, transcript, watcher)
+            _loop(chat, session, renderer, interrupts, transcript, watcher, above, speed)
         finally:
             if watcher is not None:
                 watcher.close()
@@ -317,13 +362,16 @@ def _loop(
     interrupts: _Interrupts,
     transcript: Transcript | None,
     watcher: DraftWatcher | None = None,
+    above: bool = False,
+    speed: PrefillSpeed | None = None,
 ) -> None:
     while True:
         message = [("class:session", chat.current.name), ("class:arrow", " › ")]
         if watcher is not None:
             watcher.resume()
         try:
-            line = session.prompt(message)
+            with patch_stdout(raw=True) if above else nullcontext():
+                line = session.prompt(message)
         except KeyboardInterrupt:
             if watcher is not None:
                 watcher.hold(abandon=True)
@@ -354,5 +402,7 @@ def _loop(
         if outcome.quit:
             return
         renderer.outcome(outcome)
+        if speed is not None and outcome.result is not None:
+            speed.turn(outcome.result.prefilled_tokens, outcome.result.ttft_s)
         if transcript is not None:
             transcript.turn(line, outcome)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from exokv.client import Client
@@ -23,6 +24,42 @@ EVERY_S = 1.0  # and while typing goes on, a changed draft goes at least this of
 PASTE_CHARS = 32  # one edit adding this many characters is a paste: sent at once
 
 Conversation = Callable[[], tuple[str, list[dict[str, str]]]]  # (session, its messages)
+MIN_MEASURED = 64  # a turn that prefilled fewer tokens says little about the speed
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What the ranks said of the draft last sent: its prompt's tokens, and how many of
+    them the prefix tree holds already (typed ahead, or cached by earlier turns)."""
+
+    tokens: int
+    cached: int
+
+
+class PrefillSpeed:
+    """Prefill tokens per second, measured from the turns' own numbers (what a prefill
+    after Enter took), so the toolbar's estimate is this model's on these ranks."""
+
+    def __init__(self) -> None:
+        self.tps: float | None = None
+
+    def turn(self, prefilled: int, ttft_s: float) -> None:
+        if prefilled >= MIN_MEASURED and ttft_s > 0:
+            seen = prefilled / ttft_s
+            self.tps = seen if self.tps is None else 0.5 * (self.tps + seen)
+
+
+def toolbar_text(cost: DraftCost | None, tps: float | None) -> str:
+    """The bottom toolbar while a draft is typed: what Enter will cost."""
+    if cost is None or not cost.tokens:
+        return ""
+    left = max(cost.tokens - cost.cached, 0)
+    parts = [f"draft {cost.tokens:,} tokens", f"{min(cost.cached, cost.tokens):,} cached"]
+    if tps:
+        wait = left / tps
+        parts.append(f"Enter ≈ {wait * 1000:.0f} ms" if wait < 1 else f"Enter ≈ {wait:.1f} s")
+        parts[-1] += " to the first token"
+    return " · ".join(parts)
 
 
 class DraftWatcher:
@@ -41,6 +78,21 @@ class DraftWatcher:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="exokv-typeahead", daemon=True)
         self._thread.start()
+
+    def cost(self) -> DraftCost | None:
+        """What the ranks said of the draft being typed (None: nothing known, or no
+        draft). A client that can tell offers `draft_cost(session)`, which must not
+        wait: it returns the numbers of the last draft step the ranks finished."""
+        ask = getattr(self.client, "draft_cost", None)
+        with self._wake:
+            if ask is None or self._held or not self._sent:
+                return None
+        session, _ = self.conversation()
+        try:
+            found = ask(session)
+        except Exception:  # noqa: BLE001 - the toolbar never fails a prompt
+            return None
+        return DraftCost(*found) if found else None
 
     def attach(self, buffer: Any) -> None:
         """Watch a prompt-toolkit Buffer (the PromptSession's line)."""

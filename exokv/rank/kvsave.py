@@ -18,9 +18,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from exokv.records import CacheFileReport
+from exokv.records import TIER_OFF_BECAUSE, CacheFileReport
 
 TIER_OFF = "the disk tier is off (--disk-budget 0)"
+
+
+def tier_off(engine: Any) -> str:
+    """Why there is no disk tier: --disk-budget 0, or the reason the rank gave when it
+    could not open it (another chat holds it, an unusable folder)."""
+    why = getattr(engine, "tier_notice", None)
+    return f"{TIER_OFF_BECAUSE}{why}" if why else TIER_OFF
 
 
 def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
@@ -29,7 +36,7 @@ def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> C
     report = CacheFileReport(session=session)
     tier = engine.coord.tier
     if tier is None:
-        report.skipped = TIER_OFF
+        report.skipped = tier_off(engine)
         return report
     tokens = engine.render(messages)
     path = engine.cache.tree.match(tokens).path
@@ -41,6 +48,7 @@ def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> C
     report.tokens = min(reached, len(tokens))
     report.bytes = [sum(col) for col in zip(*(tier.node_bytes(n) for n in saved), strict=True)]
     report.paths = [str(tier.store.root)]
+    report.disk_bytes = tier.disk_bytes()  # copies included: what /stats shows next
     report.events = [e.to_dict() for e in tier.take_events(engine.decision)]
     if why:
         report.warning = why if not reached else f"{why} after {reached:,} tokens"
@@ -53,7 +61,7 @@ def on_disk(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheF
     report = CacheFileReport(session=session)
     tier = engine.coord.tier
     if tier is None:
-        report.skipped = TIER_OFF
+        report.skipped = tier_off(engine)
         return report
     tokens = engine.render(messages)
     match = engine.cache.tree.match(tokens)

@@ -78,6 +78,19 @@ def _latest_samples(db: sqlite3.Connection, run_id: int) -> dict[int, sqlite3.Ro
     return {r["rank"]: r for r in rows}
 
 
+def _sampled_disk(samples: dict[int, Any], rank: int) -> int:
+    sample = samples.get(rank)
+    return int(sample["disk_bytes"] or 0) if sample is not None else 0
+
+
+def latest_samples(db: sqlite3.Connection, run_id: int) -> list[dict[str, Any]]:
+    """Each rank's latest memory sample of a run, as RankStats fields."""
+    keys = ("rank", "pressure", "cache_bytes", "entries", "budget", "rss", "mlx_active")
+    keys += ("ram_total", "disk_bytes", "disk_budget")
+    rows = _latest_samples(db, run_id)
+    return [{k: rows[r][k] for k in keys} for r in sorted(rows)]
+
+
 def _rank_numbers(
     run: dict[str, Any], samples: dict[int, Any], sizes: list[list[int]]
 ) -> list[int]:
@@ -178,7 +191,11 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
         for rank in _rank_numbers(run, samples, sizes):
             held = [(e, b) for e, b in zip(live, sizes, strict=True) if rank < len(b)]
             size = sum(b[rank] for e, b in held if e["tier"] == "ram")
-            disk = sum(b[rank] for e, b in held if e["tier"] != "ram")
+            # The rank's own count of its disk tier: the entries that left RAM and the
+            # copies that stayed (write-through, /save), as docs/cache.md says.
+            disk = max(
+                sum(b[rank] for e, b in held if e["tier"] != "ram"), _sampled_disk(samples, rank)
+            )
             budget = _budget_for(run, samples.get(rank), rank)
             budgets.append(budget)
             total["bytes"] += size
