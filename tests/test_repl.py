@@ -324,6 +324,8 @@ def test_completion_of_commands_and_sessions() -> None:
     assert complete("/s") == ["/switch ", "/sessions ", "/system ", "/set ", "/stats", "/save"]
     assert complete("/switch ") == ["alpha", "main"]  # not the current one (beta)
     assert complete("/switch al") == ["alpha"]
+    assert complete("/pin ") == ["alpha", "beta", "main"]  # the current one too
+    assert complete("/unpin m") == ["main"]
     assert complete("hello /s") == []
 
 

@@ -63,7 +63,8 @@ STYLE = Style.from_dict(
 
 
 class ChatCompleter(Completer):
-    """Slash commands at the start of the line; session names after /switch."""
+    """Slash commands at the start of the line; session names after /switch (every one
+    but the current) and after /pin and /unpin (every one)."""
 
     def __init__(self, chat: ChatController) -> None:
         self.chat = chat
@@ -82,7 +83,7 @@ class ChatCompleter(Completer):
                     )
             return
         command, _, arg = text.partition(" ")
-        if command != "/switch":
+        if command not in ("/switch", "/pin", "/unpin"):
             return
         arg = arg.lstrip()
         try:
@@ -90,7 +91,7 @@ class ChatCompleter(Completer):
         except ExokvError:
             return  # the database is busy: no completion rather than an error
         for name in names:
-            if name.startswith(arg) and name != self.chat.current.name:
+            if name.startswith(arg) and (command != "/switch" or name != self.chat.current.name):
                 yield Completion(name, start_position=-len(arg))
 
 
