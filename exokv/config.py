@@ -112,7 +112,7 @@ TEST_SHOWN_REPLY = Setting(
     "path",
     "none",
     "the REPL shows this file's text in place of each reply, as much of it per streamed "
-    "piece as the piece's length (the rest when the reply ends); what is stored is unchanged",
+    "piece as the piece's length (nothing once it is all shown); what is stored is unchanged",
     test=True,
 )
 

@@ -250,7 +250,7 @@ def test_the_repl_renders_a_fence_and_plain_prints_it_raw(
     shown_file.write_text(REPLY)
     env = {k: v for k, v in os.environ.items() if k not in ("EXOKV_DEBUG", "NO_COLOR")}
     env.update(EXOKV_HOME=str(home), EXOKV_TEST_SHOWN_REPLY=str(shown_file))
-    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--max-tokens", "40"]
+    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--max-tokens", "300"]
     term = Terminal(cmd + (["--plain"] if plain else []), env)
     try:
         term.expect(r"› ")

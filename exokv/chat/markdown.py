@@ -11,11 +11,12 @@ The design, and why:
 - The open block (the paragraph, list, table or fence being written) is a rich `Live`
   region holding that block alone, rendered as markdown, so emphasis and code colours
   show as soon as they can. It is redrawn at most every `REFRESH_S` (never more than
-  one redraw per token), in one write; a region that is only the open block is a few
-  lines, so the redraw is small and does not flicker the way redrawing a whole reply
-  would. A block taller than the terminal shows its last rows (`_Tail`): a live region
-  taller than the screen cannot be redrawn in place. When the block finishes, the
-  region is emptied and the block is printed above it, rendered the same way.
+  once per token) and in at most `DRAW_SHARE` of the time, each time in one write; a
+  region that is only the open block is a few lines, so the redraw is small and does
+  not flicker the way redrawing a whole reply would. A block taller than the terminal
+  shows its last rows (`_Tail`): a live region taller than the screen cannot be redrawn
+  in place. When a block finishes, it is printed above the region and the region shows
+  the next open block, in the same write.
 - Streaming the open block as plain text and replacing it when it closes would need
   the number of screen rows the raw text took (wrapping, wide characters, a resize)
   to erase it; rich's Live already keeps that account.
@@ -44,6 +45,9 @@ _FENCE = re.compile(r"^( {0,3})(`{3,}(?=[^`]*$)|~{3,})(.*)$")
 _HEADING = re.compile(r"^ {0,3}#{1,6}(?:[ \t]|$)")
 CODE_THEME = "monokai"
 REFRESH_S = 1 / 30  # the open block is redrawn at most this often
+# ...and at most this share of the time: a long open block costs more to draw, so it is
+# drawn less often rather than slowing the reply (and Ctrl-C) down.
+DRAW_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,7 @@ class MarkdownStream:
         self._live: Live | None = None
         self._shown = 0  # blocks printed so far
         self._drawn = 0.0  # when the open block was last drawn
+        self._interval = REFRESH_S  # the least time between two drawings
         self._stale = False  # the open block changed since it was drawn
 
     def feed(self, text: str) -> None:
@@ -229,7 +234,7 @@ class MarkdownStream:
         self._stale = True
         if blocks:
             self._print(blocks)
-        elif time.perf_counter() - self._drawn >= REFRESH_S:
+        elif time.perf_counter() - self._drawn >= self._interval:
             self._draw()
 
     def close(self) -> None:
@@ -245,14 +250,17 @@ class MarkdownStream:
         """Finished blocks, printed for good above the region, which then shows the new
         open block: rich writes both at once (one redraw)."""
         for i, block in enumerate(blocks):
+            gap = self._shown > 0  # blocks are apart by a blank line, as in rich's Markdown
+            self._shown += 1
             if i == len(blocks) - 1:
                 self._open.view = self._view()
                 self._drawn = time.perf_counter()
+                self._interval = REFRESH_S  # a new open block: small again
                 self._stale = False
-            if self._shown:
-                self.console.print()  # blocks are apart by a blank line, as in rich's Markdown
-            self.console.print(rendered(block), soft_wrap=block.code is not None)
-            self._shown += 1
+            shown = rendered(block)
+            self.console.print(
+                Group(Text(""), shown) if gap else shown, soft_wrap=block.code is not None
+            )
 
     def _view(self) -> RenderableType:
         block = self.splitter.open_block
@@ -263,11 +271,15 @@ class MarkdownStream:
         return Group(Text(""), view) if self._shown else view
 
     def _draw(self) -> None:
-        self._drawn = time.perf_counter()
+        start = self._drawn = time.perf_counter()
         if not self._stale:
             return
         self._stale = False
         self._open.view = self._view()
+        self._refresh()
+        self._interval = max(REFRESH_S, (time.perf_counter() - start) / DRAW_SHARE)
+
+    def _refresh(self) -> None:
         if self._live is None:
             self._live = Live(
                 self._open,

@@ -196,8 +196,8 @@ class Renderer:
     def end_turn(self) -> None:
         self._stop_progress()
         self._cached = None
-        if self._streamed and self._shown is not None:
-            self._show(self._shown.rest())
+        if self._shown is not None:
+            self._shown.reset()  # the next reply shows the text again
         if self._markdown is not None:
             self._markdown.close()  # it prints whole lines
             self._markdown = None
@@ -303,10 +303,8 @@ class _ShownReply:
         self.pos += len(piece)
         return piece
 
-    def rest(self) -> str:
-        piece = self.text[self.pos :]
-        self.pos = 0  # the next reply shows the text again
-        return piece
+    def reset(self) -> None:
+        self.pos = 0
 
 
 def status_line(r: TurnResult) -> str:
