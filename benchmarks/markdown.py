@@ -126,7 +126,7 @@ def in_a_pty(reply: Path, plain: bool, turns: int, at: float) -> dict[str, Any]:
         for turn in range(turns):
             mark = len(trial.raw)
             os.write(trial.fd, f"Tell me about step {turn}.\r".encode())
-            trial.wait_for(r"Step 1", start=mark)  # the reply is on the screen
+            trial.wait_for(r"Step 1", start=mark, timeout=120)  # the reply is on the screen
             begin = time.perf_counter()
             while time.perf_counter() - begin < at:
                 trial._read(0.005)
@@ -135,12 +135,14 @@ def in_a_pty(reply: Path, plain: bool, turns: int, at: float) -> dict[str, Any]:
             mark = len(trial.raw)
             sent = time.perf_counter()
             os.write(trial.fd, b"\x03")
-            trial.wait_for(r"interrupted", start=mark)
+            trial.wait_for(r"interrupted", start=mark, timeout=120)
             seen = next(
                 t for t, end in trial.chunks if end > mark and b"interrupted" in trial.raw[mark:end]
             )
             stops.append(seen - sent)
-            trial.wait_for(r"demo › ", start=mark)
+            mode = "plain" if plain else "markdown"
+            print(f"{mode} turn {turn}: Ctrl-C to screen {seen - sent:.3f} s", file=sys.stderr)
+            trial.wait_for(r"demo › ", start=mark, timeout=120)
     finally:
         trial.quit()
     return {
