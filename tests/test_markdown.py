@@ -269,3 +269,18 @@ def test_the_repl_renders_a_fence_and_plain_prints_it_raw(
     assert shown[start + 2] == "    return a + b  # the sum"
     assert coloured(rows[start]) and coloured(rows[start + 2])
     assert not any(line.strip().startswith("```") for line in shown)
+
+
+def test_each_token_redraws_the_open_block_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn on every token, a reply ten times as long writes about ten times as much
+    (a whole reply redrawn on every token would write about a hundred times as much)."""
+    import exokv.chat.markdown as markdown
+
+    monkeypatch.setattr(markdown, "REFRESH_S", 0.0)
+    monkeypatch.setattr(markdown, "DRAW_SHARE", 1e9)
+    written = []
+    for copies in (1, 10):
+        out = io.StringIO()
+        stream(Renderer(terminal_console(out)), "\n".join([REPLY] * copies))
+        written.append(len(out.getvalue()))
+    assert 8 * written[0] < written[1] < 13 * written[0], written
