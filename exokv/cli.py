@@ -170,6 +170,9 @@ def chat(
         None, "--session", help="name the conversation; resumes it if it exists"
     ),
     json_out: bool = typer.Option(False, "--json", help="script mode: one JSON object per turn"),
+    plain: bool = typer.Option(
+        False, "--plain", help="REPL: replies as raw text, not rendered as markdown"
+    ),
     starting_port: int = _STARTING_PORT,
     restarts: int = _RESTARTS,
 ) -> None:
@@ -194,6 +197,7 @@ def chat(
         no_typeahead=no_typeahead,
         session=session,
         json=json_out,
+        plain=plain,
         prompt=one_shot,
         **_shared(locals()),
     )

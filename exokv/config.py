@@ -140,6 +140,14 @@ TEST_HOST_MEMORY = Setting(
     "the memory placement sees for each rank, each a host of its own: uneven Macs on one machine",
     test=True,
 )
+TEST_SHOWN_REPLY = Setting(
+    "EXOKV_TEST_SHOWN_REPLY",
+    "path",
+    "none",
+    "the REPL shows this file's text in place of each reply, as much of it per streamed "
+    "piece as the piece's length (nothing once it is all shown); what is stored is unchanged",
+    test=True,
+)
 
 SETTINGS: tuple[Setting, ...] = (
     HOME,
@@ -155,6 +163,7 @@ SETTINGS: tuple[Setting, ...] = (
     TEST_HOLD_BEAT,
     TEST_WEDGED_S,
     TEST_HOST_MEMORY,
+    TEST_SHOWN_REPLY,
 )
 # What a rank on another machine should see as this one does.
 FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
@@ -209,6 +218,15 @@ def fail_at_hook() -> str:
 def slow_texts_hook() -> float:
     """EXOKV_TEST_SLOW_TEXTS in seconds (0: no lag)."""
     return float(TEST_SLOW_TEXTS.text() or 0)
+
+
+def shown_reply_hook() -> str | None:
+    """The text EXOKV_TEST_SHOWN_REPLY's file holds (None when unset)."""
+    path = TEST_SHOWN_REPLY.text()
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def fake_pressure_hook(rank: int) -> float | None:

@@ -74,7 +74,9 @@ def script_chat(home: Path, lines: list[str], *args: str) -> list[dict[str, Any]
 
 
 def chat_terminal(home: Path, *args: str) -> Terminal:
-    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", *args]
+    # --plain: these tests read the replies' raw text off the screen (test_markdown.py
+    # reads the rendered markdown).
+    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--plain", *args]
     return Terminal(cmd, exokv_env(home))
 
 

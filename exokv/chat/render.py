@@ -3,6 +3,9 @@ progress bar, the status line after each reply, and the tables of the slash comm
 
 Colour follows rich's rules: none when `NO_COLOR` is set or output is not a terminal,
 and no progress bar either when output is not a terminal (it would be noise in a log).
+Replies are rendered as markdown while they stream (exokv.chat.markdown) on a terminal
+with colour; with `--plain`, `NO_COLOR`, a dumb terminal or output that is not a
+terminal they are printed as the raw text, as the model wrote it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from rich.text import Text
 
 from exokv import tables
 from exokv.chat.conversation import COMMANDS, Outcome
+from exokv.chat.markdown import MarkdownStream
+from exokv.config import shown_reply_hook
 from exokv.records import TurnResult
 from exokv.sizes import format_size
 
@@ -76,9 +81,14 @@ class CachedBar(ProgressColumn):
 
 
 class Renderer:
-    def __init__(self, console: Console | None = None, err: Console | None = None) -> None:
+    def __init__(
+        self, console: Console | None = None, err: Console | None = None, plain: bool = False
+    ) -> None:
         self.console = console or Console(highlight=False)
         self.err = err or Console(stderr=True, highlight=False)
+        self.plain = plain  # --plain: replies as raw text even on a terminal
+        self._markdown: MarkdownStream | None = None
+        self._shown = _ShownReply.from_hook()
         self._progress: Progress | None = None
         self._task: Any = None
         self._cached: int | None = None
@@ -128,6 +138,11 @@ class Renderer:
 
     # -- one turn ----------------------------------------------------------------------
 
+    def renders_markdown(self) -> bool:
+        """Markdown on a terminal with colour, unless --plain; raw text otherwise."""
+        c = self.console
+        return not self.plain and c.is_terminal and not c.is_dumb_terminal and not c.no_color
+
     def begin_turn(self) -> None:
         self._turn_start = time.perf_counter()
         self._streamed = False
@@ -170,15 +185,33 @@ class Renderer:
         if not self._streamed:
             self._stop_progress()
             self._streamed = True
+            if self.renders_markdown():
+                self._markdown = MarkdownStream(self.console)
+        if self._shown is not None:
+            text = self._shown.next(len(text))
+        self._show(text)
+
+    def _show(self, text: str) -> None:
         text = visible(text)
+        if not text:
+            return
+        self._last = text[-1]
+        if self._markdown is not None:
+            self._markdown.feed(text)
+            return
         # Straight to the file: rich would expand tabs and wrap, and a reply is plain text.
         self.console.file.write(text)
         self.console.file.flush()
-        self._last = text[-1]
 
     def end_turn(self) -> None:
         self._stop_progress()
         self._cached = None
+        if self._shown is not None:
+            self._shown.reset()  # the next reply shows the text again
+        if self._markdown is not None:
+            self._markdown.close()  # it prints whole lines
+            self._markdown = None
+            self._last = "\n"
         if self._streamed and self._last != "\n":
             self.console.file.write("\n")
             self.console.file.flush()
@@ -261,6 +294,27 @@ class Renderer:
             self.note("no evictions yet")
             return
         self.console.print(tables.evictions_table(rows, self._width()))
+
+
+class _ShownReply:
+    """EXOKV_TEST_SHOWN_REPLY: a fixed text shown in place of each reply, at its pace."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    @classmethod
+    def from_hook(cls) -> _ShownReply | None:
+        text = shown_reply_hook()
+        return None if text is None else cls(text)
+
+    def next(self, length: int) -> str:
+        piece = self.text[self.pos : self.pos + max(length, 1)]
+        self.pos += len(piece)
+        return piece
+
+    def reset(self) -> None:
+        self.pos = 0
 
 
 def status_line(r: TurnResult) -> str:

@@ -284,11 +284,12 @@ def run_repl(
     input: Input | None = None,
     output: Output | None = None,
     renderer: Renderer | None = None,
+    plain: bool = False,
 ) -> int:
     """Read lines until /quit or Ctrl-D; saves the session's KV cache, says bye; exit code.
 
     `opts`: what the ranks were started with (the banner shows it); `typeahead`: send
-    drafts of the line being typed (off with --no-typeahead)."""
+    drafts of the line being typed (off with --no-typeahead); `plain`: replies as raw text."""
     transcript = None
     # Lines printed while a prompt is shown (a thread saying a rank failed) go through
     # prompt-toolkit, which prints them above the line being edited and redraws it: on
@@ -304,8 +305,8 @@ def run_repl(
         output = create_output(stdout=sys.stderr)
         transcript = Transcript(sys.stdout)
         if renderer is None:
-            renderer = Renderer(Console(stderr=True, highlight=False))
-    renderer = renderer or Renderer()
+            renderer = Renderer(Console(stderr=True, highlight=False), plain=plain)
+    renderer = renderer or Renderer(plain=plain)
     renderer.banner(banner_info(chat, client, opts))
     chat.hooks.attach(warn=renderer.warning, note=renderer.note)
     session: PromptSession[str] = PromptSession(

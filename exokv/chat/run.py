@@ -44,6 +44,7 @@ class ChatOptions:
     kv_group_size: int = 64
     session: str | None = None
     json: bool = False
+    plain: bool = False  # the REPL prints replies as raw text, not rendered markdown
     starting_port: int | None = None
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
@@ -265,7 +266,9 @@ def _run_chat(
             from exokv.chat.repl import run_repl
 
             # it saves when the user leaves
-            return run_repl(chat, client, cluster, typeahead=not opts.no_typeahead)
+            return run_repl(
+                chat, client, cluster, typeahead=not opts.no_typeahead, plain=opts.plain
+            )
         from exokv.chat.script import run_one, run_script
 
         if isinstance(hooks, StoreHooks):
