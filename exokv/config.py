@@ -99,6 +99,15 @@ TEST_SLOW_TEXTS = Setting(
     "the front end takes this long over each message of text (a front end that lags)",
     test=True,
 )
+TEST_SLOW_PREFILL = Setting(
+    "EXOKV_TEST_SLOW_PREFILL",
+    "seconds per token",
+    "0",
+    "every prefill step (a turn's or a typeahead step's) takes this much longer per token, "
+    "as on a slow model",
+    forwarded=True,
+    test=True,
+)
 TEST_FAKE_PRESSURE = Setting(
     "EXOKV_TEST_FAKE_PRESSURE",
     "fractions, one per rank (0.5 or 0.5,0.97)",
@@ -117,6 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     API_KEY,
     TEST_FAIL_AT,
     TEST_SLOW_TEXTS,
+    TEST_SLOW_PREFILL,
     TEST_FAKE_PRESSURE,
 )
 # What a rank on another machine should see as this one does.
@@ -172,6 +182,11 @@ def fail_at_hook() -> str:
 def slow_texts_hook() -> float:
     """EXOKV_TEST_SLOW_TEXTS in seconds (0: no lag)."""
     return float(TEST_SLOW_TEXTS.text() or 0)
+
+
+def slow_prefill_hook() -> float:
+    """EXOKV_TEST_SLOW_PREFILL in seconds per token (0: the model's own speed)."""
+    return float(TEST_SLOW_PREFILL.text() or 0)
 
 
 def fake_pressure_hook(rank: int) -> float | None:
