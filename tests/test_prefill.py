@@ -9,12 +9,14 @@ token is counted from the request, the draft step in flight included.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_helpers import ANSI
 
 from exokv.client.stopwatch import FirstText
 from exokv.rank import pace as pace_module
@@ -162,3 +164,49 @@ def test_a_local_turn_counts_the_draft_step_in_flight(
     finally:
         client.close()
     assert threading.active_count() >= 1
+
+
+# -- the screen from Enter on: a spinner, then the bar -------------------------------------
+
+
+def test_a_spinner_moves_from_enter_until_the_bar_takes_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    import exokv.chat.render as render
+
+    monkeypatch.setattr(render, "SPINNER_AFTER_S", 0.01)
+    out = io.StringIO()
+    r = render.Renderer(Console(file=out, force_terminal=True, width=120))
+    r.begin_turn()
+    deadline = time.monotonic() + 5
+    while "prefill" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    shown = ANSI.sub("", out.getvalue())
+    assert r._spinner is not None and re.search("[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] prefill", shown), shown
+    r.on_progress(0, 3000)  # a long prefill: the bar at once, in the spinner's place
+    assert r._spinner is None and r._progress is not None
+    r.on_progress(1500, 3000)
+    r._progress.refresh()
+    assert "1,500/3,000 tokens" in out.getvalue()
+    r.on_text("hi")
+    assert r._progress is None and r._spinner is None
+    r.end_turn()
+
+
+def test_a_quick_answer_gets_no_spinner() -> None:
+    import io
+
+    from rich.console import Console
+
+    import exokv.chat.render as render
+
+    out = io.StringIO()
+    r = render.Renderer(Console(file=out, force_terminal=True, width=120))
+    r.begin_turn()  # /help, say: answered before the spinner is due
+    r.end_turn()
+    time.sleep(render.SPINNER_AFTER_S * 2)
+    assert r._spinner is None and "prefill" not in out.getvalue()
