@@ -224,7 +224,13 @@ class Engine:
             store = use_cache and not self.cache.exact_anywhere
             for stop in self._stops(len(tokens), hit.length, meets):
                 stopped = self._prefill(
-                    hit.cache, tokens[ran:stop], ran, len(tokens), on_progress, should_stop
+                    hit.cache,
+                    tokens[ran:stop],
+                    ran,
+                    len(tokens),
+                    on_progress,
+                    should_stop,
+                    self.prefill_steps,
                 )
                 if stopped:
                     break
@@ -379,9 +385,11 @@ class Engine:
         total: int,
         on_progress: Callable[[int, int], None] | None,
         should_stop: Callable[[], bool] | None = None,
+        steps: list[int] | None = None,
     ) -> bool:
         """Run the model over the tokens not yet cached (all but the last one), in steps
-        of rank 0's pace, each after one stop check that carries its size to every rank.
+        of rank 0's pace, each after one stop check that carries its size to every rank;
+        each step's size is added to `steps`, if given.
 
         Returns True when stopped between steps (every rank agrees, as in decode).
         """
@@ -398,7 +406,8 @@ class Engine:
         def after(n: int) -> None:
             # The step's time with its stop check: what a Ctrl-C waits for at most.
             self.pace.took(n - at, time.perf_counter() - began)
-            self.prefill_steps.append(n - at)
+            if steps is not None:
+                steps.append(n - at)
             if on_progress:
                 on_progress(done + n, total)
 
