@@ -16,7 +16,7 @@ their KV stays identical. Nothing here is random or reads the cache.
 from __future__ import annotations
 
 TARGET_S = 0.25  # a step's wall time, stop check and progress report included
-FIRST_TOKENS = 32  # the first step, before any rate is known
+FIRST_TOKENS = 8  # the first step, before any rate is known (a slow model: seconds)
 FEWEST_TOKENS = 4  # a slow model (SmolLM2 on two cores: ~14 tokens/s) still stops in time
 MOST_TOKENS = 512  # the largest step (the memory a step's attention needs grows with it)
 GROWTH = 4  # a step is at most this many times the step before it
