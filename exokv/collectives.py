@@ -25,6 +25,10 @@ class Group(Protocol):
         """True on every rank if `flag` is true on any rank."""
         ...
 
+    def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
+        """`any(flag)`, carrying rank 0's `value` to every rank in the same collective."""
+        ...
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's JSON-serialisable `obj` on every rank."""
         ...
@@ -39,6 +43,9 @@ class LocalGroup:
 
     def any(self, flag: bool) -> bool:
         return flag
+
+    def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
+        return flag, value
 
     def broadcast(self, obj: Any) -> Any:
         return obj
@@ -69,6 +76,14 @@ class MlxGroup:
             mx.array([int(flag)]), group=self.group, stream=generation_stream
         )
         return bool(total.item())
+
+    def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
+        # A sum of rank 0's value and zeros is rank 0's value: one all_sum for both.
+        mine = [int(flag), value if self.rank == 0 else 0]
+        total = mx.distributed.all_sum(
+            mx.array(mine, dtype=mx.int32), group=self.group, stream=generation_stream
+        ).tolist()
+        return bool(total[0]), int(total[1])
 
     def broadcast(self, obj: Any) -> Any:
         data = json.dumps(obj).encode() if self.rank == 0 else b""

@@ -99,6 +99,15 @@ TEST_SLOW_TEXTS = Setting(
     "the front end takes this long over each message of text (a front end that lags)",
     test=True,
 )
+TEST_SLOW_PREFILL = Setting(
+    "EXOKV_TEST_SLOW_PREFILL",
+    "seconds per token",
+    "0",
+    "every prefill step (a turn's or a typeahead step's) takes this much longer per token, "
+    "as on a slow model",
+    forwarded=True,
+    test=True,
+)
 TEST_FAKE_PRESSURE = Setting(
     "EXOKV_TEST_FAKE_PRESSURE",
     "fractions, one per rank (0.5 or 0.5,0.97)",
@@ -158,6 +167,7 @@ SETTINGS: tuple[Setting, ...] = (
     API_KEY,
     TEST_FAIL_AT,
     TEST_SLOW_TEXTS,
+    TEST_SLOW_PREFILL,
     TEST_FAKE_PRESSURE,
     TEST_FAKE_VERSIONS,
     TEST_HOLD_BEAT,
@@ -227,6 +237,11 @@ def shown_reply_hook() -> str | None:
         return None
     with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+def slow_prefill_hook() -> float:
+    """EXOKV_TEST_SLOW_PREFILL in seconds per token (0: the model's own speed)."""
+    return float(TEST_SLOW_PREFILL.text() or 0)
 
 
 def fake_pressure_hook(rank: int) -> float | None:

@@ -315,9 +315,10 @@ def test_stop_during_prefill_keeps_the_cache_consistent(engine) -> None:
     assert stopped.finish_reason == "interrupted"
     assert stopped.reply == "" and stopped.generated_tokens == 0
     assert stopped.prompt_tokens > 2 * PREFILL_STEP
-    # The chunk prefilled before the stop is kept and serves the next attempt.
+    # The step prefilled before the stop (sized by time: exokv.rank.pace) is kept and
+    # serves the next attempt.
     again = warm.turn(request)
-    assert again.cached_tokens == PREFILL_STEP
+    assert 0 < again.cached_tokens == calls[-1] < PREFILL_STEP
     base = cold.turn(TurnRequest("s", messages, max_tokens=8, use_cache=False))
     assert again.reply == base.reply
 

@@ -12,13 +12,21 @@ from __future__ import annotations
 
 import re
 import textwrap
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -34,6 +42,9 @@ BAR_MIN_TOKENS = 1024
 # ...unless it is still running after this long (a slow model or a cluster).
 BAR_AFTER_S = 0.5
 BAR_WIDTH = 36
+# From Enter on something moves: a spinner this soon, until the bar or the reply shows
+# (not at once: a command's answer comes sooner, and a spinner would only flash).
+SPINNER_AFTER_S = 0.2
 
 KEYS = (
     ("Enter", "send the line"),
@@ -80,6 +91,14 @@ class CachedBar(ProgressColumn):
         return bar
 
 
+class RateColumn(ProgressColumn):
+    """The prefill's tokens per second, as rich measures it from the bar's updates."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} tok/s" if speed else "", style="dim")
+
+
 class Renderer:
     def __init__(
         self, console: Console | None = None, err: Console | None = None, plain: bool = False
@@ -91,6 +110,9 @@ class Renderer:
         self._shown = _ShownReply.from_hook()
         self._progress: Progress | None = None
         self._task: Any = None
+        self._spinner: Progress | None = None
+        self._spin_timer: threading.Timer | None = None
+        self._live = threading.Lock()  # the spinner starts on a timer's thread
         self._cached: int | None = None
         self._turn_start = 0.0
         self._streamed = False
@@ -148,6 +170,37 @@ class Renderer:
         self._streamed = False
         self._cached = None
         self._last = "\n"
+        if self.console.is_terminal:
+            with self._live:
+                self._spin_timer = threading.Timer(SPINNER_AFTER_S, self._start_spinner)
+                self._spin_timer.daemon = True
+                self._spin_timer.start()
+
+    def _start_spinner(self) -> None:
+        """Something moving while nothing else shows: the draft step in flight, the trip
+        to the ranks, a prefill whose first step has not reported yet."""
+        with self._live:
+            if self._spin_timer is None or self._progress is not None or self._streamed:
+                return
+            self._spin_timer = None
+            self._spinner = Progress(
+                SpinnerColumn(style="dim"),
+                TextColumn("[dim]prefill"),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self._spinner.add_task("waiting", total=None)
+            self._spinner.start()
+
+    def _stop_spinner(self) -> None:
+        with self._live:
+            if self._spin_timer is not None:
+                self._spin_timer.cancel()
+                self._spin_timer = None
+            if self._spinner is not None:
+                self._spinner.stop()
+                self._spinner = None
 
     def on_progress(self, done: int, total: int) -> None:
         """mlx-lm's prompt progress: `done` of `total` prompt tokens are in the cache."""
@@ -160,20 +213,25 @@ class Renderer:
             slow = time.perf_counter() - self._turn_start >= BAR_AFTER_S
             if remaining < BAR_MIN_TOKENS and not slow:
                 return
+            self._stop_spinner()  # the bar takes its place
             self._progress = Progress(
                 TextColumn("[dim]prefill"),
                 CachedBar(),
                 TextColumn("{task.completed:,}/{task.total:,} tokens"),
                 TextColumn("[dim]({task.fields[cached]:,} cached)"),
+                RateColumn(),
                 TimeElapsedColumn(),
                 console=self.console,
                 transient=True,
             )
             self._progress.start()
-            self._task = self._progress.add_task("prefill", total=total, cached=self._cached)
+            self._task = self._progress.add_task(
+                "prefill", total=total, completed=done, cached=self._cached
+            )
         self._progress.update(self._task, completed=done, total=total)
 
     def _stop_progress(self) -> None:
+        self._stop_spinner()
         if self._progress is not None:
             self._progress.stop()
         self._progress = None

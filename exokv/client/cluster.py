@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.client import Client
+from exokv.client.stopwatch import FirstText
 from exokv.config import slow_texts_hook
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.options import ClusterOptions
@@ -165,8 +166,9 @@ class ClusterClient(Client):
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
+        shown = FirstText(on_text)  # from here: rank 0's draft step in flight counts
         with self._in_flight():
-            return self._run_turn(request, on_text, on_progress)
+            return shown.stamp(self._run_turn(request, shown, on_progress))
 
     def _run_turn(
         self,

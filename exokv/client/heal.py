@@ -27,6 +27,7 @@ from functools import partial
 from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
+from exokv.client.stopwatch import FirstText
 from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
 from exokv.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
@@ -69,13 +70,14 @@ class HealingClient:
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        shown = ShownOnce(on_text)
+        timed = FirstText(on_text)  # a restart before the first text counts in the TTFT
+        shown = ShownOnce(timed)
 
         def run(inner: ClusterClient) -> TurnResult:
             shown.rerun()
-            return inner.turn(request, shown if on_text else None, on_progress)
+            return inner.turn(request, shown, on_progress)
 
-        result = self._healing(run)
+        result = timed.stamp(self._healing(run))
         self._keep_reply_of(result)
         for why in self._restarted:  # shown with the turn and kept with its events
             result.events.insert(0, _restart_event(why, result.decision, result.ranks))

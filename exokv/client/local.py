@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 
 from exokv.client import Client
+from exokv.client.stopwatch import FirstText
 from exokv.client.typeahead import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
@@ -41,10 +42,12 @@ class LocalClient(Client):
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
+        shown = FirstText(on_text)  # from here: the wait for the draft step in flight counts
         self._stop.clear()
         self._drafts.cancel()  # the step in flight finishes (and is used), no more after it
         with self._engine_lock:
-            return self.engine.turn(request, on_text, on_progress, should_stop=self._stop.is_set)
+            result = self.engine.turn(request, shown, on_progress, should_stop=self._stop.is_set)
+        return shown.stamp(result)
 
     def draft(
         self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False

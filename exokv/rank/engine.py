@@ -1,7 +1,8 @@
 """One chat turn, run identically on every rank.
 
 render -> fetch the longest usable cached prefix -> one collective, evict by plan
-(exokv.cache.coordinate) -> prefill only the new tokens -> decode -> insert -> evict
+(exokv.cache.coordinate) -> prefill only the new tokens, in steps of about a quarter
+of a second (exokv.rank.pace), each with one stop check -> decode -> insert -> evict
 until every rank is within its budget. Every cache decision is made from the token
 sequences (identical everywhere) and the numbers gathered in that one collective.
 """
@@ -24,15 +25,16 @@ from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
-from exokv.config import DEFAULT_MEMORY_THRESHOLD
+from exokv.config import DEFAULT_MEMORY_THRESHOLD, slow_prefill_hook
 from exokv.errors import PromptTooLong
 from exokv.model import pipeline
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.rank import typeahead
+from exokv.rank.pace import Pace
 from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
 
-PREFILL_STEP = 512
+PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
 
 
@@ -75,6 +77,9 @@ class Engine:
         self.prompt = PromptRenderer(tokenizer)
         self._eos = set(tokenizer.eos_token_ids)
         self.decision = 0
+        # Rank 0's measure of the prefill rate sizes every rank's steps (exokv.rank.pace).
+        self.pace = Pace(most=PREFILL_STEP)
+        self.prefill_steps: list[int] = []  # the last turn's step sizes (the rank log)
         _quiet_tokenizer_warnings()
         context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         self.context: int | None = context if isinstance(context, int) and context > 0 else None
@@ -184,6 +189,7 @@ class Engine:
             )
         self.decision += 1
         self.coord.set_pins(request.pins)
+        self.prefill_steps = []
         events, self.draft_events = self.draft_events, []
         use_cache = request.use_cache
         overhead = time.perf_counter()
@@ -219,7 +225,13 @@ class Engine:
             store = use_cache and not self.cache.exact_anywhere
             for stop in self._stops(len(tokens), hit.length, meets):
                 stopped = self._prefill(
-                    hit.cache, tokens[ran:stop], ran, len(tokens), on_progress, should_stop
+                    hit.cache,
+                    tokens[ran:stop],
+                    ran,
+                    len(tokens),
+                    on_progress,
+                    should_stop,
+                    self.prefill_steps,
                 )
                 if stopped:
                     break
@@ -273,11 +285,23 @@ class Engine:
             typed_ahead_tokens=typed_ahead,
         )
 
-    def typeahead_step(self, session: str, messages: Sequence[dict[str, str]], draft: str) -> int:
-        """One step of prefill ahead of Enter (exokv.rank.typeahead): at most STEP_TOKENS
-        more tokens of the conversation with the draft's stable part, stored in the tree
-        as draft entries. Every rank runs the same steps; a step's one collective is its
-        plan's gather, and after it every rank is within its budget, as after a turn.
+    def draft_step_tokens(self) -> int:
+        """The tokens of the next typeahead step: what Enter waits for at most, so about
+        a prefill step's time (exokv.rank.pace), and never over STEP_TOKENS."""
+        return min(self.pace.tokens(), typeahead.STEP_TOKENS)
+
+    def typeahead_step(
+        self,
+        session: str,
+        messages: Sequence[dict[str, str]],
+        draft: str,
+        step_tokens: int = 0,
+    ) -> int:
+        """One step of prefill ahead of Enter (exokv.rank.typeahead): `step_tokens` (0:
+        this engine's `draft_step_tokens`; rank 0 decides it for every rank) more tokens
+        of the conversation with the draft's stable part, stored in the tree as draft
+        entries. Every rank runs the same steps; a step's one collective is its plan's
+        gather, and after it every rank is within its budget, as after a turn.
         Returns the draft's tokens still to prefill (0: none, or nothing to do)."""
         plan = typeahead.draft_tokens(self.render, messages, draft)
         if plan is None or (self.context is not None and len(plan.tokens) > self.context):
@@ -289,15 +313,18 @@ class Engine:
         self.decision += 1
         events: list[CacheEvent] = []
         drafted = typeahead.draft_ids(self.cache.tree, tokens)
-        expect = min(len(tokens), meets + typeahead.STEP_TOKENS)
+        size = step_tokens or self.draft_step_tokens()
+        expect = min(len(tokens), meets + size)
         hit = self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
-        stop = min(len(tokens), hit.length + typeahead.STEP_TOKENS)
+        stop = min(len(tokens), hit.length + size)
         try:
             copied = 0 if hit.lent else hit.length
             room = -(-stop // KVCache.step) * KVCache.step - stop
             probe = memory.sample(self.group.rank)
             self.coord.begin(self.decision, stop - meets + room, probe, events, copied=copied)
+            tic = time.perf_counter()
             prefill(self.model, hit.cache, tokens[hit.length : stop])
+            self.pace.took(stop - hit.length, time.perf_counter() - tic)
             added, changed = self._insert(tokens, hit.cache, stop, session, events)
         finally:
             self.cache.release(hit)
@@ -359,20 +386,39 @@ class Engine:
         total: int,
         on_progress: Callable[[int, int], None] | None,
         should_stop: Callable[[], bool] | None = None,
+        steps: list[int] | None = None,
     ) -> bool:
-        """Run the model over the tokens not yet cached (all but the last one).
+        """Run the model over the tokens not yet cached (all but the last one), in steps
+        of rank 0's pace, each after one stop check that carries its size to every rank;
+        each step's size is added to `steps`, if given.
 
-        Returns True when stopped between chunks (every rank agrees, as in decode).
+        Returns True when stopped between steps (every rank agrees, as in decode).
         """
         if on_progress:
             on_progress(done, total)
-        return prefill(
-            self.model,
-            cache,
-            tokens,
-            before_chunk=lambda _: self._agreed_stop(should_stop),
-            after_chunk=(lambda n: on_progress(done + n, total)) if on_progress else None,
-        )
+        size, began, at = 0, 0.0, 0
+
+        def before(i: int) -> bool:
+            nonlocal size, began, at
+            began, at = time.perf_counter(), i
+            stop, size = self._agreed_step(should_stop, self.pace.tokens())
+            return stop
+
+        def after(n: int) -> None:
+            # The step's time with its stop check: what a Ctrl-C waits for at most.
+            self.pace.took(n - at, time.perf_counter() - began)
+            if steps is not None:
+                steps.append(n - at)
+            if on_progress:
+                on_progress(done + n, total)
+
+        return prefill(self.model, cache, tokens, before, after, size=lambda: size)
+
+    def _agreed_step(self, should_stop: Callable[[], bool] | None, size: int) -> tuple[bool, int]:
+        """Whether to stop now and the next prefill step's size: rank 0's, on every rank
+        (one collective when several, which every rank calls at the same points)."""
+        stop = should_stop() if should_stop is not None else False
+        return self.group.any_with(stop, size) if self.group.size > 1 else (stop, size)
 
     def _agreed_stop(self, should_stop: Callable[[], bool] | None) -> bool:
         """Whether to stop now, the same answer on every rank (one collective when several).
@@ -436,8 +482,10 @@ def prefill(
     tokens: Sequence[int],
     before_chunk: Callable[[int], bool] | None = None,
     after_chunk: Callable[[int], None] | None = None,
+    size: Callable[[], int] | None = None,
 ) -> bool:
-    """Run the model over `tokens` into `cache`, PREFILL_STEP at a time.
+    """Run the model over `tokens` into `cache`, a step at a time: size() tokens (asked
+    after before_chunk), or PREFILL_STEP.
 
     before_chunk(tokens done) returning True stops it (returns True); after_chunk
     gets the tokens done so far. Across pipeline ranks a step runs as smaller pieces
@@ -445,15 +493,20 @@ def prefill(
     (exokv.model.pipeline.micro_chunks). The engine and the bench share this code path.
     """
     stages = pipeline.stages(model) if pipeline.cut_freely(cache) else 1
-    for i in range(0, len(tokens), PREFILL_STEP):
+    slow = slow_prefill_hook()  # tests only: a slow model
+    i = 0
+    while i < len(tokens):
         if before_chunk is not None and before_chunk(i):
             return True
-        end = min(i + PREFILL_STEP, len(tokens))
+        end = min(i + max(1, size() if size is not None else PREFILL_STEP), len(tokens))
         for start, stop in pipeline.micro_chunks(i, end, stages):
             model(mx.array(tokens[start:stop])[None], cache=cache)
             mx.eval([c.state for c in cache])
+        if slow:
+            time.sleep(slow * (end - i))
         if after_chunk is not None:
             after_chunk(end)
+        i = end
     return False
 
 

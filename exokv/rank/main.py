@@ -16,6 +16,7 @@ environment.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import queue
@@ -90,6 +91,14 @@ class CountingGroup:
 
     def any(self, flag: bool) -> bool:
         return self._timed("any", self.inner.any, flag)
+
+    def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
+        # The turn's stop check, carrying rank 0's prefill step size: counted as a stop.
+        tic = time.perf_counter()
+        try:
+            return self.inner.any_with(flag, value)
+        finally:
+            self._count("any", tic)
 
     def broadcast(self, obj: Any) -> Any:
         return self._timed("broadcast", self.inner.broadcast, obj)
@@ -319,7 +328,9 @@ class Rank:
 
     def _on_draft(self, message: Draft) -> bool:
         """A step of prefill ahead of Enter (exokv.rank.typeahead)."""
-        left = self.engine.typeahead_step(message.session, message.messages, message.draft)
+        left = self.engine.typeahead_step(
+            message.session, message.messages, message.draft, message.step_tokens
+        )
         if self.rank == 0:
             self.drafts.stepped(left)
         if self.log_path is not None:
@@ -420,6 +431,8 @@ class Rank:
 
     def _next_message(self) -> Message:
         message = self.drafts.next(self.inbox)  # the pending draft's next step, if nothing else
+        if isinstance(message, Draft):  # its size, rank 0's for every rank (exokv.rank.pace)
+            message = dataclasses.replace(message, step_tokens=self.engine.draft_step_tokens())
         if isinstance(message, Turn):
             with self._stop_lock:
                 self.current = message.id
@@ -502,6 +515,7 @@ class Rank:
             "collectives": counts,
             "gather_s": gather_s,  # the cache decision's one collective, wall time
             "overhead_s": result.overhead_s,
+            "prefill_steps": self.engine.prefill_steps,  # rank 0's sizes, on every rank
             "events": [e.to_dict() for e in result.events],
             "rank_stats": [s.to_dict() for s in result.rank_stats],
         }

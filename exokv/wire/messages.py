@@ -142,6 +142,8 @@ class Draft(_Message):
     session: str
     messages: list[dict[str, str]]
     draft: str
+    # The step's tokens, decided by rank 0 for every rank (exokv.rank.pace); 0: unset.
+    step_tokens: int = 0
 
 
 @dataclass

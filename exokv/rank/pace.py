@@ -1,0 +1,49 @@
+"""How many tokens the next prefill step runs: about TARGET_S of work, from the measured rate.
+
+A prefill step ends with the turn's stop check (one collective across ranks) and a
+progress report, so its length is how late a Ctrl-C lands and how often the bar moves.
+A fixed number of tokens is a fraction of a second on a fast model and tens of seconds
+on a slow one (a 70B model, or a cluster over a slow link); a step sized by time is the
+same wait on both. The first step is small (nothing is measured yet), and a step at
+most GROWTH times the one before it, since a small step's rate understates a large
+one's (fixed costs per step).
+
+Only rank 0's pace decides; the other ranks take the size it carries (in the turn's stop
+collective, in a typeahead step's broadcast), so every rank runs the same steps and
+their KV stays identical. Nothing here is random or reads the cache.
+"""
+
+from __future__ import annotations
+
+TARGET_S = 0.25  # a step's wall time, stop check and progress report included
+FIRST_TOKENS = 8  # the first step, before any rate is known (a slow model: seconds)
+FEWEST_TOKENS = 4  # a slow model (SmolLM2 on two cores: ~14 tokens/s) still stops in time
+MOST_TOKENS = 512  # the largest step (the memory a step's attention needs grows with it)
+GROWTH = 4  # a step is at most this many times the step before it
+
+
+class Pace:
+    """This rank's measured prefill rate, and the step sizes it gives."""
+
+    def __init__(
+        self, target_s: float = TARGET_S, first: int = FIRST_TOKENS, most: int = MOST_TOKENS
+    ) -> None:
+        self.target_s = target_s
+        self.first = first
+        self.most = most
+        self.rate: float | None = None  # tokens per second over the last step measured
+        self._last = 0  # that step's tokens
+
+    def tokens(self) -> int:
+        """The size of the next step."""
+        if self.rate is None:
+            return self.first
+        fits = int(self.rate * self.target_s)
+        return max(FEWEST_TOKENS, min(fits, self._last * GROWTH, self.most))
+
+    def took(self, tokens: int, seconds: float) -> None:
+        """A step of `tokens` took `seconds` (the next step is sized from it)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.rate = tokens / seconds
+        self._last = tokens

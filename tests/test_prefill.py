@@ -1,0 +1,213 @@
+"""Prefill steps sized by time (exokv.rank.pace), in this process on builtin:tiny.
+
+A step ends with the turn's stop check and a progress report, so a prompt that was one
+512-token step reports progress several times, a slow prefill's steps are a fraction of
+a second whatever the model's speed, and a stop lands within a step. The time to first
+token is counted from the request, the draft step in flight included.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chat_helpers import ANSI
+
+from exokv.client.stopwatch import FirstText
+from exokv.rank import pace as pace_module
+from exokv.rank.engine import PREFILL_STEP, Engine
+from exokv.rank.pace import FIRST_TOKENS, GROWTH, TARGET_S, Pace
+from exokv.records import TurnRequest, TurnResult
+
+SLOW = "EXOKV_TEST_SLOW_PREFILL"
+
+
+def _prompt(words: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": " ".join(f"stone{i % 97} river" for i in range(words))}]
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch):
+    def set_to(seconds_per_token: float) -> None:
+        monkeypatch.setenv(SLOW, str(seconds_per_token))
+
+    return set_to
+
+
+# -- the pace, alone ---------------------------------------------------------------------
+
+
+def test_the_first_step_is_small_and_the_next_grow_from_the_measured_rate() -> None:
+    p = Pace()
+    assert p.tokens() == FIRST_TOKENS
+    p.took(FIRST_TOKENS, 0.001)  # very fast: growth is capped, then the largest step
+    assert p.tokens() == FIRST_TOKENS * GROWTH
+    for _ in range(5):
+        p.took(p.tokens(), 0.001)
+    assert p.tokens() == PREFILL_STEP == pace_module.MOST_TOKENS
+    p.took(100, 1.0)  # 100 tokens/s: a quarter of a second is 25 tokens
+    assert p.tokens() == int(100 * TARGET_S)
+    p.took(10, 10.0)  # very slow: never below the fewest
+    assert p.tokens() == pace_module.FEWEST_TOKENS
+    p.took(0, 0.0)  # nothing measured changes nothing
+    assert p.tokens() == pace_module.FEWEST_TOKENS
+
+
+# -- the engine ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine(tiny: Any) -> Engine:
+    model, tokenizer = tiny
+    return Engine(model, tokenizer)
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_that_was_one_step_reports_progress_in_several(engine: Engine) -> None:
+    messages = _prompt(70)
+    assert len(engine.render(messages)) < PREFILL_STEP  # one 512-token step before
+    reports: list[int] = []
+    result = engine.turn(
+        TurnRequest("s", messages, max_tokens=2), on_progress=lambda d, t: reports.append(d)
+    )
+    steps = engine.prefill_steps
+    assert len(steps) >= 3 and steps[0] == FIRST_TOKENS
+    assert sum(steps) == result.prompt_tokens - 1  # decode runs the last token
+    assert reports == [0, *[sum(steps[: i + 1]) for i in range(len(steps))]]
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_prefill_takes_steps_of_a_fraction_of_a_second(engine: Engine, slow) -> None:
+    seconds_per_token = 0.004  # at most 250 tokens/s, whatever the model does
+    slow(seconds_per_token)
+    engine.turn(TurnRequest("s", _prompt(60), max_tokens=1))
+    steps = engine.prefill_steps
+    # After the first step, every step is what runs in TARGET_S at the measured rate,
+    # which the slowness bounds: never the 512 tokens of a fixed step.
+    assert len(steps) >= 4
+    assert max(steps[1:-1]) <= TARGET_S / seconds_per_token + 1, steps
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_lands_within_a_step_and_the_next_turn_is_fine(engine: Engine, slow) -> None:
+    slow(0.004)
+    messages = _prompt(200)
+    reports: list[int] = []
+    stopped = engine.turn(
+        TurnRequest("s", messages, max_tokens=4),
+        on_progress=lambda d, t: reports.append(d),
+        should_stop=lambda: len(reports) >= 3,
+    )
+    assert stopped.finish_reason == "interrupted" and stopped.generated_tokens == 0
+    assert len(engine.prefill_steps) == 2  # the check before the third step stopped it
+    assert reports[-1] < stopped.prompt_tokens // 2
+    os.environ.pop(SLOW)
+    again = engine.turn(TurnRequest("s", [{"role": "user", "content": "hi"}], max_tokens=4))
+    assert again.finish_reason in ("stop", "length") and again.generated_tokens > 0
+
+
+# -- the time to first token, from the request ---------------------------------------------
+
+
+def test_the_stopwatch_counts_what_runs_before_the_turn() -> None:
+    seen: list[str] = []
+    watch = FirstText(seen.append)
+    time.sleep(0.2)  # the draft step in flight, say
+    watch("")  # a token with no text yet shows nothing
+    watch("Hi")
+    watch(" there")
+    result = TurnResult(
+        "s", "Hi there", 3, 0, 3, 2, ttft_s=0.01, decode_tps=1.0, overhead_s=0.0, ranks=1
+    )
+    assert watch.stamp(result).ttft_s >= 0.2
+    assert seen == ["", "Hi", " there"]
+
+
+@pytest.mark.timeout(180)
+def test_a_local_turn_counts_the_draft_step_in_flight(
+    models_dir: Path, slow, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exokv.client.local import LocalClient
+    from exokv.rank.engine import EngineOptions
+
+    monkeypatch.setenv("EXOKV_HOME", str(models_dir.parent))
+    client = LocalClient("builtin:tiny", EngineOptions())
+    try:
+        slow(0.01)
+        client.engine.pace.took(100, 0.5)  # steps of 50 tokens: half a second each
+        history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        client.draft("s", history, " ".join(f"word{i}" for i in range(200)) + " end")
+        time.sleep(0.1)  # the draft's first step is under way
+        taken = client._engine_lock.acquire(blocking=False)
+        if taken:
+            client._engine_lock.release()
+        assert not taken, "no draft step in flight"
+        first: list[float] = []
+        start = time.perf_counter()
+
+        def on_text(piece: str) -> None:
+            if piece and not first:
+                first.append(time.perf_counter())
+
+        request = TurnRequest("s", [*history, {"role": "user", "content": "hi"}], max_tokens=4)
+        result = client.turn(request, on_text=on_text)
+        assert first, "no text"
+        outside = first[0] - start
+        # The status line's TTFT is what was measured outside, the wait for the step
+        # in flight included (the engine's own clock starts after it).
+        assert result.ttft_s >= outside - 0.02, (result.ttft_s, outside)
+        assert result.ttft_s <= outside + 0.02
+    finally:
+        client.close()
+    assert threading.active_count() >= 1
+
+
+# -- the screen from Enter on: a spinner, then the bar -------------------------------------
+
+
+def test_a_spinner_moves_from_enter_until_the_bar_takes_its_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    import exokv.chat.render as render
+
+    monkeypatch.setattr(render, "SPINNER_AFTER_S", 0.01)
+    out = io.StringIO()
+    r = render.Renderer(Console(file=out, force_terminal=True, width=120))
+    r.begin_turn()
+    deadline = time.monotonic() + 5
+    while "prefill" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    shown = ANSI.sub("", out.getvalue())
+    assert r._spinner is not None and re.search("[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] prefill", shown), shown
+    r.on_progress(0, 3000)  # a long prefill: the bar at once, in the spinner's place
+    assert r._spinner is None and r._progress is not None
+    r.on_progress(1500, 3000)
+    r._progress.refresh()
+    assert "1,500/3,000 tokens" in out.getvalue()
+    r.on_text("hi")
+    assert r._progress is None and r._spinner is None
+    r.end_turn()
+
+
+def test_a_quick_answer_gets_no_spinner() -> None:
+    import io
+
+    from rich.console import Console
+
+    import exokv.chat.render as render
+
+    out = io.StringIO()
+    r = render.Renderer(Console(file=out, force_terminal=True, width=120))
+    r.begin_turn()  # /help, say: answered before the spinner is due
+    r.end_turn()
+    time.sleep(render.SPINNER_AFTER_S * 2)
+    assert r._spinner is None and "prefill" not in out.getvalue()
