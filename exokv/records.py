@@ -40,6 +40,17 @@ class TurnRequest:
         return _from_dict(cls, data)
 
 
+@dataclass(frozen=True)
+class DraftCost:
+    """What the ranks know of a draft being typed (typing ahead): its prompt's tokens,
+    and how many of them the prefix tree holds already (typed ahead, or cached by
+    earlier turns), as of the last draft step."""
+
+    session: str
+    tokens: int
+    cached: int
+
+
 @dataclass
 class CacheEvent:
     """One change to the cache, identical on every rank by construction.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
 class StubClient:
@@ -46,6 +46,9 @@ class StubClient:
         self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
     ) -> None:
         pass
+
+    def draft_cost(self, session: str) -> DraftCost | None:
+        return None
 
     def reply_tokens(self, reply: str) -> list[int] | None:
         return None

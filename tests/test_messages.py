@@ -40,6 +40,7 @@ EXAMPLES: list[m.Message] = [
     m.Row(4, RowOutcome(refused="too long", tokens=9000, context=8192)),
     m.Report(5, CacheFileReport("s", tokens=6, bytes=[1, 2], paths=["a", "b"])),
     m.Drafted("draft-1"),
+    m.DraftStep("chat-1", 1234, 1200),
     m.RankFailed(1, "RuntimeError: injected failure in decode"),
 ]
 

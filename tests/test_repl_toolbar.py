@@ -22,8 +22,8 @@ from test_repl import FakeClient, Opts
 from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.chat.render import Renderer, status_line
 from exokv.chat.repl import run_repl
-from exokv.chat.typeahead import DraftCost, PrefillSpeed, toolbar_text
-from exokv.records import TurnResult
+from exokv.chat.typeahead import PrefillSpeed, toolbar_text
+from exokv.records import DraftCost, TurnResult
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +38,8 @@ class DraftingClient(FakeClient):
     def draft(self, session, messages, text, wait=False) -> None:
         self.drafts.append(text)
 
-    def draft_cost(self, session: str) -> tuple[int, int] | None:
-        return (1234, 1200) if self.drafts and self.drafts[-1] else None
+    def draft_cost(self, session: str) -> DraftCost | None:
+        return DraftCost(session, 1234, 1200) if self.drafts and self.drafts[-1] else None
 
     def turn(self, request, on_text=None, on_progress=None) -> TurnResult:
         result = super().turn(request, on_text, on_progress)
@@ -84,14 +84,14 @@ def test_the_toolbar_shows_the_drafts_tokens_cached_and_wait(
 def test_toolbar_text_and_the_measured_speed() -> None:
     speed = PrefillSpeed()
     speed.turn(10, 0.1)  # too few tokens to say anything
-    assert speed.tps is None and toolbar_text(DraftCost(500, 100), speed.tps) == (
+    assert speed.tps is None and toolbar_text(DraftCost("s", 500, 100), speed.tps) == (
         "draft 500 tokens · 100 cached"
     )
     speed.turn(4000, 2.0)
-    assert toolbar_text(DraftCost(10_500, 500), speed.tps) == (
+    assert toolbar_text(DraftCost("s", 10_500, 500), speed.tps) == (
         "draft 10,500 tokens · 500 cached · Enter ≈ 5.0 s to the first token"
     )
-    assert toolbar_text(None, speed.tps) == "" and toolbar_text(DraftCost(0, 0), 1.0) == ""
+    assert toolbar_text(None, speed.tps) == "" and toolbar_text(DraftCost("s", 0, 0), 1.0) == ""
 
 
 def test_the_status_line_says_how_much_typing_ahead_prefilled() -> None:

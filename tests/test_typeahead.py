@@ -183,8 +183,18 @@ def test_through_the_local_client(models_dir: Path, tmp_path: Path, monkeypatch)
         # Not waited for: the turn takes the lock after the step in flight, and is right.
         client.draft("a", list(d.history["a"]), LONG + " racing ent")
         d.send("a", LONG + " racing enter")
+        _the_toolbar_learns_the_drafts_cost(client)
     finally:
         client.close()
+
+
+def _the_toolbar_learns_the_drafts_cost(client: Any) -> None:
+    """What the REPL's toolbar shows: the last step's tokens and how many the tree holds."""
+    client.draft("fresh", [], LONG + " and then some", wait=True)
+    cost = client.draft_cost("fresh")
+    assert cost is not None and cost.session == "fresh", cost
+    assert 0 < cost.cached <= cost.tokens and cost.cached > cost.tokens // 2, cost
+    assert client.draft_cost("another") is None
 
 
 @pytest.mark.timeout(240)
@@ -212,6 +222,7 @@ def test_through_two_ranks_with_identical_events(
     try:
         d = Driver(client.turn, lambda s, m, t: client.draft(s, m, t, wait=True))
         scenario(d)
+        _the_toolbar_learns_the_drafts_cost(client)  # rank 0's DraftStep, over the channel
     finally:
         client.close()
     logs = [

@@ -325,7 +325,7 @@ def run_repl(
     interrupts = _Interrupts(client, renderer)
     watcher = _draft_watcher(chat, client, typeahead, session)
     speed = PrefillSpeed()
-    if watcher is not None and hasattr(client, "draft_cost"):
+    if watcher is not None:
         # What Enter will cost, while a draft is typed; redrawn as the ranks step it.
         draft = watcher
         session.bottom_toolbar = lambda: toolbar_text(draft.cost(), speed.tps)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from exokv.client import Client
 from exokv.rank.typeahead import stable_text
+from exokv.records import DraftCost
 
 PAUSE_S = 0.3  # typing paused this long: the draft goes to the ranks
 EVERY_S = 1.0  # and while typing goes on, a changed draft goes at least this often
@@ -25,15 +25,6 @@ PASTE_CHARS = 32  # one edit adding this many characters is a paste: sent at onc
 
 Conversation = Callable[[], tuple[str, list[dict[str, str]]]]  # (session, its messages)
 MIN_MEASURED = 64  # a turn that prefilled fewer tokens says little about the speed
-
-
-@dataclass(frozen=True)
-class DraftCost:
-    """What the ranks said of the draft last sent: its prompt's tokens, and how many of
-    them the prefix tree holds already (typed ahead, or cached by earlier turns)."""
-
-    tokens: int
-    cached: int
 
 
 class PrefillSpeed:
@@ -81,18 +72,15 @@ class DraftWatcher:
 
     def cost(self) -> DraftCost | None:
         """What the ranks said of the draft being typed (None: nothing known, or no
-        draft). A client that can tell offers `draft_cost(session)`, which must not
-        wait: it returns the numbers of the last draft step the ranks finished."""
-        ask = getattr(self.client, "draft_cost", None)
+        draft): the client's numbers of the last draft step the ranks finished."""
         with self._wake:
-            if ask is None or self._held or not self._sent:
+            if self._held or not self._sent:
                 return None
         session, _ = self.conversation()
         try:
-            found = ask(session)
+            return self.client.draft_cost(session)
         except Exception:  # noqa: BLE001 - the toolbar never fails a prompt
             return None
-        return DraftCost(*found) if found else None
 
     def attach(self, buffer: Any) -> None:
         """Watch a prompt-toolkit Buffer (the PromptSession's line)."""

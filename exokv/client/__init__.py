@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from exokv.options import ClusterOptions
-from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
 class Client(Protocol):
@@ -41,6 +41,11 @@ class Client(Protocol):
         """Prefill ahead of Enter (exokv.rank.typeahead): the conversation `messages` with
         the user's unsent `text`, in steps the next draft or turn interrupts; "" abandons
         it. Returns at once (`wait`: once the ranks have done all of it or given it up)."""
+        ...
+
+    def draft_cost(self, session: str) -> DraftCost | None:
+        """What the last draft step of `session` left: the draft's prompt tokens and how
+        many the tree holds (None: no step yet). Never waits: the REPL's toolbar asks."""
         ...
 
     def turns(

@@ -42,7 +42,7 @@ from exokv.config import slow_texts_hook
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.options import ClusterOptions
 from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 from exokv.wire import channel
 from exokv.wire.launch import (
     SCRATCH_PREFIX,
@@ -54,6 +54,7 @@ from exokv.wire.launch import (
 from exokv.wire.messages import (
     Draft,
     Drafted,
+    DraftStep,
     Heartbeat,
     Held,
     Message,
@@ -116,6 +117,7 @@ class ClusterClient(Client):
         self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
         self._drafts_over = threading.Condition()
         self._draft_over = 0  # the latest draft rank 0 said gets no more steps
+        self._draft_cost: DraftCost | None = None  # rank 0's word on the last draft step
         split = opts.split
         if split is not None and opts.parallel == "tensor":
             raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
@@ -268,6 +270,10 @@ class ClusterClient(Client):
             with self._drafts_over:
                 while self._draft_over < number and not (self.failure or self._closed):
                     self._drafts_over.wait(_POLL_S)
+
+    def draft_cost(self, session: str) -> DraftCost | None:
+        cost = self._draft_cost
+        return cost if cost is not None and cost.session == session else None
 
     def _drafted(self, ident: Any) -> None:
         number = str(ident).removeprefix("draft-")
@@ -519,6 +525,9 @@ class ClusterClient(Client):
             self._last_seen = time.monotonic()
             if isinstance(message, Drafted):
                 self._drafted(message.id)
+                continue
+            if isinstance(message, DraftStep):
+                self._draft_cost = DraftCost(message.session, message.tokens, message.cached)
                 continue
             if message is None:
                 self._link_lost = True

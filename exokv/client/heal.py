@@ -30,7 +30,14 @@ from exokv.client.cluster import ClusterClient
 from exokv.client.stopwatch import FirstText
 from exokv.errors import ExokvError
 from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.records import (
+    CacheEvent,
+    CacheFileReport,
+    DraftCost,
+    RowOutcome,
+    TurnRequest,
+    TurnResult,
+)
 from exokv.wire.supervise import Cause
 
 T = TypeVar("T")
@@ -135,6 +142,9 @@ class HealingClient:
     ) -> None:
         # A head start only: ranks that failed are healed by the next request, not here.
         self._inner.draft(session, messages, text, wait)
+
+    def draft_cost(self, session: str) -> DraftCost | None:
+        return self._inner.draft_cost(session)
 
     def reply_tokens(self, reply: str) -> list[int] | None:
         return self._inner.reply_tokens(reply) or self._replies.get(reply)

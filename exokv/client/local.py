@@ -10,7 +10,7 @@ from exokv.client.stopwatch import FirstText
 from exokv.client.typeahead import DraftRunner
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
 def forget_thread() -> None:
@@ -55,6 +55,11 @@ class LocalClient(Client):
         serial = self._drafts.submit(session, messages, text)
         if wait:
             self._drafts.wait(serial)
+
+    def draft_cost(self, session: str) -> DraftCost | None:
+        # Set by the drafts' thread after each step; a read of one attribute needs no lock.
+        cost = self.engine.last_draft
+        return cost if cost is not None and cost.session == session else None
 
     def turns(
         self,

@@ -32,7 +32,7 @@ from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-
 from exokv.prompt import PromptRenderer
 from exokv.rank import typeahead
 from exokv.rank.pace import Pace
-from exokv.records import CacheEvent, EntryInfo, TurnRequest, TurnResult
+from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
@@ -110,6 +110,7 @@ class Engine:
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
         self.draft_events: list[CacheEvent] = []  # typeahead steps', reported by the next turn
+        self.last_draft: DraftCost | None = None  # the last typeahead step's draft, for the toolbar
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
@@ -308,6 +309,7 @@ class Engine:
             return 0
         tokens = plan.tokens
         meets = self.cache.tree.match(tokens).length
+        self.last_draft = DraftCost(session, len(tokens), meets)
         if meets >= len(tokens):
             return 0
         self.decision += 1
@@ -337,7 +339,9 @@ class Engine:
         if self.coord.tier is not None:
             events += self.coord.tier.take_events(self.decision)
         self.draft_events += events
-        if self.cache.tree.match(tokens).length < stop:
+        held = self.cache.tree.match(tokens).length
+        self.last_draft = DraftCost(session, len(tokens), held)
+        if held < stop:
             return 0  # the budget did not keep it: no more steps for this draft
         return len(tokens) - stop
 

@@ -51,6 +51,7 @@ from exokv.wire.messages import (
     Batch,
     Draft,
     Drafted,
+    DraftStep,
     Heartbeat,
     Held,
     Message,
@@ -332,6 +333,9 @@ class Rank:
             message.session, message.messages, message.draft, message.step_tokens
         )
         if self.rank == 0:
+            drafted = self.engine.last_draft
+            if self.link is not None and drafted is not None:
+                self.link.send(DraftStep(drafted.session, drafted.tokens, drafted.cached))
             self.drafts.stepped(left)
         if self.log_path is not None:
             self._log_draft(self.engine, self._counts())

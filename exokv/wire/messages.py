@@ -293,6 +293,17 @@ class Drafted(_Message):
 
 
 @dataclass
+class DraftStep(_Message):
+    """A typeahead step ran: the draft's prompt tokens and how many the tree holds now
+    (rank 0's word, for the front end's toolbar)."""
+
+    TYPE: ClassVar[str] = "draft_step"
+    session: str
+    tokens: int
+    cached: int
+
+
+@dataclass
 class RankFailed(_Message):
     """A rank's error, in one line, before it exits."""
 
@@ -324,6 +335,7 @@ Message = (
     | Row
     | Report
     | Drafted
+    | DraftStep
     | RankFailed
 )
 
@@ -352,6 +364,7 @@ _CLASSES: dict[str, type[_Message]] = {
         Row,
         Report,
         Drafted,
+        DraftStep,
         RankFailed,
     )
 }
