@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -28,10 +29,9 @@ def tiny_dir(models_dir: Path) -> Path:
     return models_dir / "tiny"
 
 
-def test_tiny_layers_weigh_what_the_loaded_model_holds(tiny_dir: Path, tiny):
-    sizes = local_sizes(tiny_dir)
-    model, _ = tiny
-    loaded = [0] * 4
+def _loaded_sizes(model: Any, layers: int) -> tuple[list[int], int]:
+    """Bytes per layer, and outside the layers, of a loaded model's parameters."""
+    loaded = [0] * layers
     shared = 0
     for name, value in tree_flatten(model.parameters()):
         i = layer_of(name)
@@ -39,7 +39,13 @@ def test_tiny_layers_weigh_what_the_loaded_model_holds(tiny_dir: Path, tiny):
             shared += value.nbytes
         else:
             loaded[i] += value.nbytes
-    assert sizes.layers == loaded and sizes.shared == shared
+    return loaded, shared
+
+
+def test_tiny_layers_weigh_what_the_loaded_model_holds(tiny_dir: Path, tiny):
+    sizes = local_sizes(tiny_dir)
+    model, _ = tiny
+    assert (sizes.layers, sizes.shared) == _loaded_sizes(model, 4)
     assert all(sizes.layers)
     # Every byte of the files' data is in one of them.
     data = sum(sum(read_header(f).values()) for f in tiny_dir.glob("*.safetensors"))
@@ -189,13 +195,6 @@ def test_every_zoo_family_layers_weigh_what_mlx_lm_loads(tmp_path_factory):
         path = models / f"{family}-tiny"
         sizes = local_sizes(path)
         model, _ = load_model(path, lazy=True)
-        loaded = [0] * len(sizes.layers)
-        shared = 0
-        for name, value in tree_flatten(model.parameters()):
-            i = layer_of(name)
-            if i is None:
-                shared += value.nbytes
-            else:
-                loaded[i] += value.nbytes
+        loaded, shared = _loaded_sizes(model, len(sizes.layers))
         assert sizes.layers == loaded, family
         assert sizes.shared == shared, family
