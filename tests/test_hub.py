@@ -275,3 +275,43 @@ def test_a_dry_run_says_what_a_host_would_fetch(hf_env: Path, standin_hub: Stand
     assert done["bytes"] == sum(len(standin_hub.files[f]) for f in would)
     assert not any(f.endswith(".safetensors") for f in standin_hub.downloaded())
     assert fetcher.main(["--model", "not a repo"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_for_a_repo_not_downloaded_reads_only_headers(
+    tmp_path: Path, standin_hub: StandinHub
+) -> None:
+    """`--plan` on a hub repo nothing of which is here: the layer sizes come from the
+    shards' headers (Range requests), no weight is downloaded, and they are kept, so the
+    next plan asks the hub nothing."""
+    env = {**_env(tmp_path / "hf", standin_hub.url), "EXOKV_TEST_HOST_MEMORY": "24GB,8GB"}
+    standin_hub.gets.clear()
+    standin_hub.ranges.clear()
+    args = ("--model", REPO, "-n", "2", "--plan", "--json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "exokv", "chat", *args],
+        capture_output=True,
+        text=True,
+        env={**env, "EXOKV_HOME": str(tmp_path / "h")},
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["split"] == [3, 1] and plan["source"] == "auto", plan
+    weights = {f for f in standin_hub.files if f.endswith(".safetensors")}
+    assert weights <= set(standin_hub.ranges), standin_hub.ranges  # every header read
+    assert all(start == 0 for f in weights for start in standin_hub.ranges[f])
+    fetched = sum(standin_hub.gets[f] for f in weights) - sum(
+        len(standin_hub.ranges[f]) for f in weights
+    )
+    assert fetched == 0, standin_hub.gets  # no whole shard
+    standin_hub.ranges.clear()
+    again = subprocess.run(
+        [sys.executable, "-m", "exokv", "chat", *args],
+        capture_output=True,
+        text=True,
+        env={**env, "EXOKV_HOME": str(tmp_path / "h")},
+        timeout=100,
+    )
+    assert again.returncode == 0 and json.loads(again.stdout) == plan, again.stderr
+    assert not standin_hub.ranges  # the headers' sizes were kept
