@@ -50,6 +50,8 @@ function __exokv_path
                 set p "exokv hosts check"
             case "exokv hosts check:--hostfile" "exokv hosts check:--hosts" "exokv hosts check:--model" "exokv hosts check:-m" "exokv hosts check:--backend" "exokv hosts check:--starting-port" "exokv hosts check:--timeout"
                 set skip 1
+            case "exokv models:--hosts" "exokv models:--hostfile"
+                set skip 1
             case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
@@ -77,7 +79,7 @@ complete -c exokv -n '__exokv_at exokv' -a 'cache' -d 'Inspect the prefix cache:
 complete -c exokv -n '__exokv_at exokv' -a 'chat' -d 'Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT'
 complete -c exokv -n '__exokv_at exokv' -a 'completions' -d 'Print the shell completion script for bash, zsh or fish (install lines in the README)'
 complete -c exokv -n '__exokv_at exokv' -a 'hosts' -d 'Check the hosts of a hostfile before a chat: versions, memory, model, link'
-complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the default model, the builtins and the models found locally (HF cache, ollama)'
+complete -c exokv -n '__exokv_at exokv' -a 'models' -d 'List the default model, the builtins and the models found locally (HF cache, ollama);'
 complete -c exokv -n '__exokv_at exokv' -a 'serve' -d 'Serve the model over an OpenAI-compatible HTTP API, with the chat'\''s ranks and cache'
 complete -c exokv -n '__exokv_at exokv' -a 'sessions' -d 'The stored conversations: list, show, rm, rename'
 complete -c exokv -n '__exokv_at exokv' -l version -s V -d 'print the version and exit'
@@ -143,6 +145,7 @@ complete -c exokv -n '__exokv_at exokv chat' -l kv-bits -x -d 'quantized KV cach
 complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv chat' -l session -x -a '(command exokv _complete session 2>/dev/null)' -d 'name the conversation; resumes it if it exists'
 complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON object per turn'
+complete -c exokv -n '__exokv_at exokv chat' -l plain -d 'REPL: replies as raw text, not rendered as markdown'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'
 complete -c exokv -n '__exokv_at exokv chat' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
@@ -160,6 +163,8 @@ complete -c exokv -n '__exokv_at exokv hosts check' -l timeout -x -d 'seconds ea
 complete -c exokv -n '__exokv_at exokv hosts check' -l json -d 'print one JSON document'
 complete -c exokv -n '__exokv_at exokv hosts check' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv models' -l json -d 'one JSON document'
+complete -c exokv -n '__exokv_at exokv models' -l hosts -x -d 'a,b,... list what each host holds'
+complete -c exokv -n '__exokv_at exokv models' -l hostfile -r -F -d 'mlx hostfile (JSON): each host'\''s'
 complete -c exokv -n '__exokv_at exokv models' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv serve' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id'
 complete -c exokv -n '__exokv_at exokv serve' -l max-tokens -x -d 'reply length for a request without max_tokens'
