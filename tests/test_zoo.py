@@ -13,9 +13,10 @@ from rich.console import Console
 from zoo_helpers import FAMILIES, zoo_models
 
 from exokv.errors import ExokvError
-from exokv.model import pipeline, zoo
+from exokv.model import zoo
 from exokv.model.catalogue import models_table
 from exokv.model.resolve import load_model
+from exokv.placement import even_split, local_range
 from exokv.rank.main import in_step
 from exokv.records import TurnRequest
 from exokv.wire.messages import Shutdown, Turn, encode
@@ -125,8 +126,8 @@ def test_generic_split_follows_mlx_lm_convention(split: list[int]) -> None:
         mixin = PipelineMixin()
         mixin.layers = list(range(sum(split)))
         mixin.pipeline(Group(rank), split)
-        assert pipeline.local_range(split, rank) == (mixin.start_idx, mixin.end_idx)
-    assert pipeline.even_split(5, 2) == [3, 2]
+        assert local_range(split, rank) == (mixin.start_idx, mixin.end_idx)
+    assert even_split(5, 2) == [3, 2]
 
 
 class _Peer:

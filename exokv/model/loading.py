@@ -25,6 +25,7 @@ import mlx.core as mx
 from exokv.errors import ExokvError, UsageError, one_line
 from exokv.model import pipeline
 from exokv.model.hub import layer_of
+from exokv.placement import even_split, local_range
 
 _GLOB_CHARS = "*?["
 
@@ -56,13 +57,13 @@ def load_checkpoint(
             model.shard(group)
         elif ranks > 1:
             layers = _layer_count(model)
-            split = split or pipeline.even_split(layers, ranks)
+            split = split or even_split(layers, ranks)
             if len(split) != ranks or sum(split) != layers or min(split) <= 0:
                 raise UsageError(
                     f"--split {','.join(map(str, split))} does not fit: the model has "
                     f"{layers} layers for {ranks} ranks (one positive count per rank)"
                 )
-            start, end = pipeline.local_range(split, rank)
+            start, end = local_range(split, rank)
             mine = {k: s for k, s in needed.items() if _in_range(k, start, end)}
             _check_complete(path, mine, seen)
             pipeline.apply_pipeline(model, group, split)
