@@ -14,9 +14,9 @@ from mlx.utils import tree_flatten
 
 from exokv.model import layer_sizes
 from exokv.model.hub import layer_of
+from exokv.model.hub import repo_of as hub_repo
 from exokv.model.layer_sizes import (
     SizesUnknown,
-    hub_repo,
     kv_bytes_per_token,
     local_sizes,
     read_header,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError
@@ -43,8 +42,8 @@ def fetch_onto_hosts(
 ) -> None:
     """Every host holds the files of ``model`` its ranks load; nothing to do unless
     ``model`` names a hub repo (``org/name[@revision]``) rather than a local model."""
-    name = hub.parse_name(model)
-    if name is None or Path(model).expanduser().exists():
+    name = hub.repo_of(model)
+    if name is None:
         return
     repo, revision = name
     if hosts is None:

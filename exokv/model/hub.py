@@ -65,6 +65,13 @@ def parse_name(value: str) -> tuple[str, str | None] | None:
     return repo, (revision or None)
 
 
+def repo_of(model: str) -> tuple[str, str | None] | None:
+    """`parse_name` of a --model value that is no local path: ('org/name', revision)."""
+    if Path(model.strip()).expanduser().exists():
+        return None
+    return parse_name(model)
+
+
 def hf_cache_dir() -> Path:
     """The Hugging Face hub cache, read from the environment at call time."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):

@@ -169,7 +169,7 @@ def _hub_headers(repo: str, revision: str | None) -> tuple[dict[str, int], dict[
 def model_sizes(name: str, kv_bits: int | None = None, kv_group_size: int = 64) -> ModelSizes:
     """The sizes of `--model name`: read here when its files are here, else from the hub
     (a repo not downloaded yet, or only some of its shards on this machine)."""
-    repo_id = hub_repo(name)
+    repo_id = hub.repo_of(name)
     if repo_id is None:
         from exokv.model.resolve import resolve_model
 
@@ -182,13 +182,6 @@ def model_sizes(name: str, kv_bits: int | None = None, kv_group_size: int = 64) 
         except SizesUnknown:
             pass  # a partial snapshot: the hub has every header
     return hub_sizes(repo, revision, kv_bits, kv_group_size)
-
-
-def hub_repo(name: str) -> tuple[str, str | None] | None:
-    """('org/name', revision or None) when `name` spells a hub repo and no local path."""
-    if Path(name.strip()).expanduser().exists():
-        return None
-    return hub.parse_name(name)
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
