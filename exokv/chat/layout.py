@@ -46,6 +46,12 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     except (HostsUnknown, SizesUnknown) as err:
         if show:
             raise
+        from exokv.model.hub import repo_of
+
+        if isinstance(err, SizesUnknown) and repo_of(cluster.model) is None:
+            # A local model whose files cannot be read: its ranks refuse it in their
+            # own one line (naming the file), which a second line here would only precede.
+            return cluster, None
         _say(f"no plan from memory: {err}; the layers are shared out evenly")
         return cluster, None
     if cluster.parallel == "tensor" and cluster.rank_count > 1:
