@@ -188,8 +188,9 @@ def test_plan_over_ssh_hosts_gathers_each_hosts_memory(tmp_path, models_dir, ssh
 
 
 def test_sizes_that_cannot_be_read_fall_back_to_the_even_split(tmp_path, models_dir, capsys):
-    """A local model short of a shard here: no plan (one line saying why), the split left
-    to the ranks' even default; --plan says the same as an error."""
+    """A local model short of a shard here: no plan, the split left to the ranks' even
+    default; with every rank on this machine nothing is said (the ranks' own refusal
+    names the file: tests/test_zoo_chat.py); --plan says why as an error."""
     from exokv.chat.layout import place
     from exokv.model.layer_sizes import SizesUnknown
     from exokv.options import ClusterOptions
@@ -202,10 +203,8 @@ def test_sizes_that_cannot_be_read_fall_back_to_the_even_split(tmp_path, models_
     cluster = ClusterOptions(model=str(partial), ranks=2, rank_count=2)
     placed, plan = place(cluster)
     assert plan is None and placed == cluster
-    err = capsys.readouterr().err
-    assert err.startswith("exokv: no plan from memory:") and "not here" in err
-    assert len(err.strip().splitlines()) == 1
-    with pytest.raises(SizesUnknown):
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SizesUnknown, match="not here"):
         place(cluster, show=True)
     one, plan = place(ClusterOptions(model=str(partial)))  # one rank: no plan at all
     assert plan is None

@@ -48,9 +48,11 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
             raise
         from exokv.model.hub import repo_of
 
-        if isinstance(err, SizesUnknown) and repo_of(cluster.model) is None:
-            # A local model whose files cannot be read: its ranks refuse it in their
-            # own one line (naming the file), which a second line here would only precede.
+        local = cluster.hosts is None and repo_of(cluster.model) is None
+        if isinstance(err, SizesUnknown) and local:
+            # A local model whose files cannot be read here, where every rank loads it:
+            # the ranks refuse it in their own one line (naming the file), which a
+            # second line here would only precede. (On other hosts it may be whole.)
             return cluster, None
         _say(f"no plan from memory: {err}; the layers are shared out evenly")
         return cluster, None
