@@ -287,14 +287,17 @@ def test_a_plan_for_a_repo_not_downloaded_reads_only_headers(
     env = {**_env(tmp_path / "hf", standin_hub.url), "EXOKV_TEST_HOST_MEMORY": "24GB,8GB"}
     standin_hub.gets.clear()
     standin_hub.ranges.clear()
-    args = ("--model", REPO, "-n", "2", "--plan", "--json")
-    proc = subprocess.run(
-        [sys.executable, "-m", "exokv", "chat", *args],
-        capture_output=True,
-        text=True,
-        env={**env, "EXOKV_HOME": str(tmp_path / "h")},
-        timeout=100,
-    )
+
+    def plan_once() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "exokv", "chat", "--model", REPO, "-n", "2", "--plan", "--json"],
+            capture_output=True,
+            text=True,
+            env={**env, "EXOKV_HOME": str(tmp_path / "h")},
+            timeout=100,
+        )
+
+    proc = plan_once()
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["split"] == [3, 1] and plan["source"] == "auto", plan
@@ -306,12 +309,6 @@ def test_a_plan_for_a_repo_not_downloaded_reads_only_headers(
     )
     assert fetched == 0, standin_hub.gets  # no whole shard
     standin_hub.ranges.clear()
-    again = subprocess.run(
-        [sys.executable, "-m", "exokv", "chat", *args],
-        capture_output=True,
-        text=True,
-        env={**env, "EXOKV_HOME": str(tmp_path / "h")},
-        timeout=100,
-    )
+    again = plan_once()
     assert again.returncode == 0 and json.loads(again.stdout) == plan, again.stderr
     assert not standin_hub.ranges  # the headers' sizes were kept
