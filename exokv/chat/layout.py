@@ -33,7 +33,8 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     fit; a split given is kept as given (a warning if it does not fit); with
     `--parallel tensor` there is no split to choose, so the plan checks the memory
     and sets the budgets. When the layers' sizes or a host's memory cannot be had,
-    auto falls back to mlx-lm's even split with one line saying why.
+    auto falls back to mlx-lm's even split with one line saying why (no line for a
+    local model unreadable where every rank loads it: the ranks' refusal says it).
     """
     if cluster.rank_count == 1 and not show:
         return cluster, None
