@@ -70,8 +70,15 @@ _MODEL = typer.Option(
     help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
 )
 _SYSTEM = typer.Option(None, "--system", help="system prompt")
+_CHAT_TEMPLATE = typer.Option(
+    None,
+    "--chat-template",
+    help="chatml|llama3|gemma|mistral|qwen|phi|plain or a Jinja file (default: the model's)",
+)
 _MAX_TOKENS = typer.Option(256, "--max-tokens", help="most tokens per reply")
-_TEMP = typer.Option(0.0, "--temp", help="sampling temperature")
+_TEMP = typer.Option(
+    None, "--temp", help="sampling temperature (default 0, or an ollama model's own)"
+)
 _SEED = typer.Option(None, "--seed", help="random seed")
 _RANKS = typer.Option(1, "--ranks", "-n", help="ranks on this machine")
 _HOSTS = typer.Option(None, "--hosts", help="a,b,... one rank per host")
@@ -127,6 +134,13 @@ def _shared(values: dict[str, Any]) -> dict[str, Any]:
     return {name: values[name] for name in _SHARED}
 
 
+def _temperature(given: float | None, model_default: float | None) -> float:
+    """--temp as given, else the model's own default (an ollama manifest's params), else 0."""
+    if given is not None:
+        return given
+    return model_default if model_default is not None else 0.0
+
+
 def _check_layout(backend: str, parallel: str, restarts: int) -> None:
     if backend not in ("ring", "jaccl", "mpi"):
         raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
@@ -146,6 +160,7 @@ def chat(
     ),
     model: str = _MODEL,
     system: str = _SYSTEM,
+    chat_template: str = _CHAT_TEMPLATE,
     max_tokens: int = _MAX_TOKENS,
     temp: float = _TEMP,
     seed: int = _SEED,
@@ -184,16 +199,21 @@ def chat(
     one_shot = " ".join(prompt or []).strip() or None
     if prompt and one_shot is None:
         raise UsageError("the PROMPT argument is empty: give a message, or no argument")
-    settled = resolve(session, model, max_kv_size)
+    settled = resolve(session, model, max_kv_size, chat_template)
     model, max_kv_size = settled.model, settled.max_kv_size
     for note in settled.notes:
         print(f"exokv: {note}", file=sys.stderr)
+    defaults = settled.defaults
+    if system is None and not settled.stored_system:
+        system = defaults.system  # an ollama model's SYSTEM, for a new session
     opts = ChatOptions(
         model=model,
         system=system,
         max_tokens=max_tokens,
-        temp=temp,
+        temp=_temperature(temp, defaults.temperature),
         max_kv_size=max_kv_size,
+        chat_template=settled.chat_template,
+        prompt_format=settled.prompt_format,
         no_typeahead=no_typeahead,
         session=session,
         json=json_out,
@@ -210,7 +230,10 @@ def serve(
     max_tokens: int = typer.Option(
         256, "--max-tokens", help="reply length for a request without max_tokens"
     ),
-    temp: float = typer.Option(0.0, "--temp", help="temperature for a request without one"),
+    temp: float = typer.Option(
+        None, "--temp", help="temperature for a request without one (0, or an ollama model's)"
+    ),
+    chat_template: str = _CHAT_TEMPLATE,
     seed: int = _SEED,
     ranks: int = _RANKS,
     hosts: str = _HOSTS,
@@ -254,14 +277,16 @@ def serve(
     from exokv.sizes import parse_size
 
     _check_layout(backend, parallel, restarts)
-    settled = resolve(None, model, max_kv_size)
+    settled = resolve(None, model, max_kv_size, chat_template)
     for note in settled.notes:
         print(f"exokv: {note}", file=sys.stderr)
     opts = ServeOptions(
         model=settled.model,
         max_tokens=max_tokens,
-        temp=temp,
+        temp=_temperature(temp, settled.defaults.temperature),
         max_kv_size=max_kv_size,
+        chat_template=settled.chat_template,
+        prompt_format=settled.prompt_format,
         host=host,
         port=port,
         api_key=api_key,

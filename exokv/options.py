@@ -42,6 +42,12 @@ class ClusterOptions:
     kv_group_size: int = 64
     starting_port: int | None = None
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
+    # The prompt format every rank renders with (exokv.model.templates): a template spec
+    # (a built-in's name or a file's Jinja text; None: the model's own or a fallback),
+    # stop sequences besides the template's, and a context limit below the model's.
+    chat_template: str | None = None
+    stops: tuple[str, ...] = ()
+    context: int | None = None
 
     @property
     def keep_cache(self) -> bool:

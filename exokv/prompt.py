@@ -46,8 +46,9 @@ class _Rendered:
 
 
 class PromptRenderer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.template = template  # Jinja text; None: the tokenizer's own (exokv.model.templates)
         self._replies: OrderedDict[str, list[int]] = OrderedDict()
         self._rendered: OrderedDict[tuple[int, int], _Rendered] = OrderedDict()
         self.templated = 0  # template calls made (for tests: what a render cost)
@@ -150,8 +151,12 @@ class PromptRenderer:
         if not messages:
             return ""
         self.templated += 1
+        if self.template is None:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, chat_template=self.template
         )
 
     def _encode(self, text: str) -> list[int]:

@@ -35,8 +35,11 @@ def source_weights(src: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_gguf(src: Path, out: Path, qtype: str = "F32") -> Path:
-    """A GGUF file of the mlx-lm checkpoint ``src``; 2-D weights as ``qtype`` (F32, Q8_0, ...)."""
+def write_gguf(src: Path, out: Path, qtype: str = "F32", base: bool = False) -> Path:
+    """A GGUF file of the mlx-lm checkpoint ``src``; 2-D weights as ``qtype`` (F32, Q8_0, ...).
+
+    ``base``: as a base model's file: no chat template, no chat tokens in the vocabulary
+    (the special tokens renamed <s>, <unused0>, </s>), and add_bos_token true."""
     import gguf
 
     config = json.loads((src / "config.json").read_text())
@@ -46,7 +49,7 @@ def write_gguf(src: Path, out: Path, qtype: str = "F32") -> Path:
     names = gguf.get_tensor_name_map(model_arch, layers)
     writer = gguf.GGUFWriter(str(out), arch)
     _write_config(writer, config, arch)
-    _write_tokenizer(writer, src, config)
+    _write_tokenizer(writer, src, config, base)
     kind = gguf.GGMLQuantizationType[qtype]
     file_type = "ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}"
     writer.add_file_type(gguf.LlamaFileType[file_type])
@@ -117,7 +120,10 @@ def _write_config(writer: Any, config: dict[str, Any], arch: str) -> None:
         writer.add_sliding_window_pattern([(i + 1) % every != 0 for i in range(layers)])
 
 
-def _write_tokenizer(writer: Any, src: Path, config: dict[str, Any]) -> None:
+BASE_NAMES = {"<|endoftext|>": "<s>", "<|im_start|>": "<unused0>", "<|im_end|>": "</s>"}
+
+
+def _write_tokenizer(writer: Any, src: Path, config: dict[str, Any], base: bool = False) -> None:
     tok = json.loads((src / "tokenizer.json").read_text())
     tok_config = json.loads((src / "tokenizer_config.json").read_text())
     vocab: dict[str, int] = tok["model"]["vocab"]
@@ -126,7 +132,7 @@ def _write_tokenizer(writer: Any, src: Path, config: dict[str, Any]) -> None:
     for token, index in vocab.items():
         tokens[index] = token
     for index, token in special.items():
-        tokens[index] = token
+        tokens[index] = BASE_NAMES.get(token, token) if base else token
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -136,5 +142,6 @@ def _write_tokenizer(writer: Any, src: Path, config: dict[str, Any]) -> None:
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_pad_token_id(config["pad_token_id"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tok_config["chat_template"])
+    writer.add_add_bos_token(base)
+    if not base:
+        writer.add_chat_template(tok_config["chat_template"])

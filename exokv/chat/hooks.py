@@ -44,10 +44,12 @@ class StoreHooks(ChatHooks):
         use_cache: bool = True,
         max_kv_size: int | None = None,
         locks: SessionLocks | None = None,
+        chat_template: str | None = None,
     ) -> None:
         super().__init__()  # pins of sessions not stored yet wait there for their first turn
         self.store = store
         self.max_kv_size = max_kv_size
+        self.chat_template = chat_template  # a spec (exokv.model.templates), kept by sessions
         self._options_written: set[str] = set()  # sessions whose settings are stored
         self.locks = locks  # one chat per session (exokv.state.locks)
         self.run_id = run_id
@@ -168,7 +170,7 @@ class StoreHooks(ChatHooks):
         self.store.record_turn(self.run_id, conv.name, messages, result, self.model)
         if conv.name not in self._options_written:
             # The session's first turn created it: it remembers this run's settings.
-            self.store.set_session_options(conv.name, self.max_kv_size)
+            self.store.set_session_options(conv.name, self.max_kv_size, self.chat_template)
             self._options_written.add(conv.name)
         if conv.name in self._pins:
             self.set_pinned(conv.name, True)

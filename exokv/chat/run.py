@@ -6,7 +6,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
@@ -14,6 +14,7 @@ from exokv.client import Client, make_client
 from exokv.client.fetching import fetch_onto_hosts
 from exokv.errors import UsageError
 from exokv.hosts import HostList, parse_hosts, read_hostfile
+from exokv.model.templates import Format
 from exokv.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
 from exokv.placement import Plan
 
@@ -49,6 +50,10 @@ class ChatOptions:
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
     plan: bool = False  # --plan: print where the layers and the cache go, then exit
+    chat_template: str | None = None  # --chat-template as a spec (what the session keeps)
+    # What the ranks render with: the template above or the model's default (an ollama
+    # manifest's), and its stop sequences and context limit (exokv.chat.resume).
+    prompt_format: Format = field(default_factory=Format)
 
     def host_list(self) -> HostList | None:
         """--hosts or --hostfile, read and checked (one line for a bad one); None: -n."""
@@ -125,6 +130,9 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         kv_group_size=opts.kv_group_size,
         starting_port=opts.starting_port,
         restarts=opts.restarts,
+        chat_template=opts.prompt_format.template or opts.chat_template,
+        stops=opts.prompt_format.stops,
+        context=opts.prompt_format.context,
     )
 
 
@@ -242,6 +250,7 @@ def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
         client=run.client,
         use_cache=run.cluster.keep_cache,
         max_kv_size=opts.max_kv_size,
+        chat_template=opts.chat_template,
         locks=run.locks if locks else None,
     )
 

@@ -115,6 +115,9 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
                 memory_threshold=opts.memory_threshold,
                 max_kv_size=opts.max_kv_size,
                 seed=opts.seed,
+                chat_template=opts.chat_template,
+                stops=opts.stops,
+                context=opts.context,
                 **tier_options(opts, rank=0, layout="pipeline:1:even"),
             ),
         )

@@ -109,6 +109,7 @@ class ClusterClient(Client):
         self._last_seen = time.monotonic()
         self._link_lost = False
         self._budgets: list[int | None] = []
+        self._template_said = False  # the fallback template's line, said once
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
         self._rows: Any = None  # the batch in flight (exokv.client.batch.BatchRows)
@@ -431,6 +432,12 @@ class ClusterClient(Client):
             args += ["--budgets", ",".join(map(str, budgets))]
         if opts.max_kv_size is not None:
             args += ["--max-kv-size", str(opts.max_kv_size)]
+        if opts.chat_template is not None or opts.stops or opts.context is not None:
+            from exokv.model.templates import Format
+
+            # One opaque word: a template file's text crosses ssh unquoted.
+            form = Format(opts.chat_template, opts.stops, opts.context)
+            args += ["--prompt-format", form.to_arg()]
         # The disk tier (exokv.cache.tier_options): the ranks get what this chat decided.
         args += ["--disk-budget", str(opts.disk_budget or 0)]
         if opts.kv_bits is not None:
@@ -477,6 +484,9 @@ class ClusterClient(Client):
                 self._budgets = list(message.budgets)
                 if message.notice:  # the ranks' stderr is not the user's
                     print(f"exokv: disk tier: {message.notice}", file=sys.stderr)
+                if message.template_note and not self._template_said:
+                    print(f"exokv: {message.template_note}", file=sys.stderr)
+                    self._template_said = True
                 ranks.nudge()  # every rank is past release_stdin by now
                 break
         if threading.current_thread() is threading.main_thread():

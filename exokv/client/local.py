@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 
@@ -31,6 +32,8 @@ class LocalClient(Client):
 
         model, tokenizer = load_model(model_name)
         self.engine = Engine(model, tokenizer, options=options)
+        if self.engine.template.note:  # a fallback template: said once, as the ranks' is
+            print(f"exokv: {self.engine.template.note}", file=sys.stderr, flush=True)
         self.ranks = 1
         self._stop = threading.Event()
         self._engine_lock = threading.Lock()  # drafts run in a thread of their own

@@ -13,11 +13,15 @@ import os
 from pathlib import Path
 
 from exokv.errors import ExokvError, UsageError
+from exokv.model.templates import Format, by_markers
 
 PREFIX = "ollama:"
 REGISTRY = "registry.ollama.ai"
 LIBRARY = "library"
 MODEL_LAYER = "application/vnd.ollama.image.model"
+TEMPLATE_LAYER = "application/vnd.ollama.image.template"
+SYSTEM_LAYER = "application/vnd.ollama.image.system"
+PARAMS_LAYER = "application/vnd.ollama.image.params"
 DEFAULT_TAG = "latest"
 
 
@@ -83,3 +87,73 @@ def list_ollama() -> list[tuple[str, Path]]:
         except ExokvError:
             continue  # a half-pulled or foreign entry: not a model exokv can run
     return found
+
+
+def run_defaults(ref: str) -> Format:
+    """How ``ollama run`` runs ``ollama:<ref>``, from its manifest's other layers: the
+    template (a Go template, mapped to a built-in by its markers; else the GGUF's own,
+    said in one line), the default system prompt, and the params' ``stop``,
+    ``temperature`` and ``num_ctx``. A layer whose blob is missing or unreadable is
+    skipped: the GGUF still runs as it would without it."""
+    layers = _layers(ref)
+    notes: list[str] = []
+    template = None
+    go = _text(layers.get(TEMPLATE_LAYER))
+    if go is not None and go.strip():
+        template = by_markers(go)
+        if template is None:
+            notes.append(
+                f"the template of {PREFIX}{ref} is not one exokv recognises; using the GGUF's "
+                "own (choose one with --chat-template)"
+            )
+    system = _text(layers.get(SYSTEM_LAYER))
+    params: dict = {}
+    raw = _text(layers.get(PARAMS_LAYER))
+    if raw is not None:
+        try:
+            loaded = json.loads(raw)
+            params = loaded if isinstance(loaded, dict) else {}
+        except ValueError:
+            notes.append(f"the params of {PREFIX}{ref} are not JSON: ignored")
+    stop = params.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    temperature = params.get("temperature")
+    num_ctx = params.get("num_ctx")
+    return Format(
+        template=template,
+        stops=tuple(s for s in stops if isinstance(s, str) and s),
+        context=num_ctx if isinstance(num_ctx, int) and num_ctx > 0 else None,
+        system=system if system and system.strip() else None,
+        temperature=float(temperature)
+        if isinstance(temperature, int | float) and temperature >= 0
+        else None,
+        notes=notes,
+    )
+
+
+def _layers(ref: str) -> dict[str, Path]:
+    """Media type -> blob path, for the manifest's layers (the first of each type)."""
+    try:
+        manifest = json.loads(manifest_path(ref).read_text())
+        layers = manifest["layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    found: dict[str, Path] = {}
+    for layer in layers if isinstance(layers, list) else []:
+        kind, digest = (
+            (layer.get("mediaType"), layer.get("digest"))
+            if isinstance(layer, dict)
+            else (None, None)
+        )
+        if isinstance(kind, str) and isinstance(digest, str) and ":" in digest:
+            found.setdefault(kind, ollama_dir() / "blobs" / digest.replace(":", "-", 1))
+    return found
+
+
+def _text(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None

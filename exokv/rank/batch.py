@@ -33,6 +33,7 @@ from mlx_lm.sample_utils import make_sampler
 from exokv.cache import memory
 from exokv.cache.prefix_cache import Hit
 from exokv.errors import PromptTooLong
+from exokv.rank.stops import TextStops
 from exokv.rank.textflow import TextFlow
 from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.wire.messages import Batch, Progress, Row
@@ -63,6 +64,7 @@ class _Row:
     overhead: float = 0.0
     streamed: int = 0
     detok: Any = None
+    stops: TextStops = field(default_factory=lambda: TextStops(()))
 
 
 def batchable(engine: Any) -> bool:
@@ -267,6 +269,7 @@ class _Batch:
         for row in rows:
             row.detok = engine.tokenizer.detokenizer  # a fresh copy per row
             row.detok.reset()
+            row.stops = TextStops(engine.stops)
         sample = _batch_sampler([r.request for r in rows])
         with mx.stream(generation_stream):
             n_layers = len(rows[0].hit.cache)
@@ -331,6 +334,15 @@ class _Batch:
             r.finish = "stop"
             return
         r.detok.add_token(token)
+        if r.stops:
+            if r.stops.feed(r.detok.text):
+                r.finish = "stop"
+                return
+            shown = r.stops.safe(r.detok.text)
+            if shown > r.streamed and self.on_text is not None:
+                self.on_text(r.index, r.detok.text[r.streamed : shown])
+                r.streamed = shown
+            return
         piece = r.detok.last_segment
         if piece and self.on_text is not None:
             r.streamed += len(piece)
@@ -351,16 +363,17 @@ class _Batch:
 
     def _flush(self, r: _Row) -> None:
         r.detok.finalize()
-        if self.on_text is not None and len(r.detok.text) > r.streamed:
-            self.on_text(r.index, r.detok.text[r.streamed :])
+        reply = r.stops.reply(r.detok.text)
+        if self.on_text is not None and len(reply) > r.streamed:
+            self.on_text(r.index, reply[r.streamed :])
 
     # -- after decode: each row's insert and cap, in the batch's order --------------
 
     def _end(self, row: _Row) -> TurnResult:
         engine = self.engine
         tic = time.perf_counter()
-        reply = row.detok.text if row.detok is not None else ""
-        engine._remember_reply(reply, row.generated)
+        reply = row.stops.reply(row.detok.text) if row.detok is not None else ""
+        engine._remember_reply(reply, row.stops.kept(row.generated))
         cache = row.cache if row.cache is not None else []
         ran = len(row.tokens) + len(row.generated)
         if row.stopped_in_prefill:

@@ -27,11 +27,12 @@ from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD, slow_prefill_hook
 from exokv.errors import PromptTooLong
-from exokv.model import pipeline
+from exokv.model import pipeline, templates
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.rank import typeahead
 from exokv.rank.pace import Pace
+from exokv.rank.stops import TextStops
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
@@ -60,6 +61,11 @@ class EngineOptions:
     disk_budget: int | None = None
     kv_bits: int | None = None  # quantized KV cache (mlx-lm's QuantizedKVCache): 4 or 8
     kv_group_size: int = 64
+    # The prompt format (exokv.model.templates): a template spec (None: the model's own
+    # or a fallback), stop sequences besides the template's, a context limit (num_ctx).
+    chat_template: str | None = None
+    stops: tuple[str, ...] = ()
+    context: int | None = None
 
 
 class Engine:
@@ -74,8 +80,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
-        self.prompt = PromptRenderer(tokenizer)
+        self.template = self._settle_template(model, tokenizer)
+        self.prompt = PromptRenderer(tokenizer, self.template.text)
         self._eos = set(tokenizer.eos_token_ids)
+        # Stop sequences: the template's (a base model's next "User:") and the model's own.
+        self.stops = tuple(dict.fromkeys(self.template.stops + tuple(self.options.stops)))
         self.decision = 0
         # Rank 0's measure of the prefill rate sizes every rank's steps (exokv.rank.pace).
         self.pace = Pace(most=PREFILL_STEP)
@@ -83,6 +92,8 @@ class Engine:
         _quiet_tokenizer_warnings()
         context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         self.context: int | None = context if isinstance(context, int) and context > 0 else None
+        if self.options.context is not None:  # ollama's num_ctx: a limit below the model's
+            self.context = min(self.context or self.options.context, self.options.context)
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
         # Run on every rank alike (a pipeline forward is itself collective).
@@ -114,6 +125,19 @@ class Engine:
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
+
+    def _settle_template(self, model: Any, tokenizer: Any) -> templates.Settled:
+        """The chat template every rank renders with (exokv.model.templates): the one asked
+        for, the model's own, or a fallback (its `note`, which the client says in one
+        line); generation stops on each end-of-turn token it implies."""
+        args = getattr(model, "args", None)
+        family = getattr(model, "model_type", None) or getattr(args, "model_type", None)
+        settled = templates.settle(tokenizer, family, self.options.chat_template)
+        add = getattr(tokenizer, "add_eos_token", None)
+        for token in settled.ends:
+            if add is not None and token not in tokenizer.eos_token_ids:
+                add(str(token))
+        return settled
 
     def _start_tier(self) -> None:
         """Open this rank's disk tier; every rank has one or none (one gather agrees)."""
@@ -245,12 +269,13 @@ class Engine:
                 # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
                 ran = kinds.offset(hit.cache) or ran
                 generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
+                spelled: list[int] = []
             else:
-                generated, reply, finish, ttft, tps = self._decode(
+                generated, reply, finish, ttft, tps, spelled = self._decode(
                     tokens[-1:], hit.cache, request, start, on_text, should_stop
                 )
                 ran = len(tokens) + len(generated)  # generate_step ran every token it gave
-            self._remember_reply(reply, generated)
+            self._remember_reply(reply, spelled)
             tic = time.perf_counter()
             if use_cache:
                 self._insert(tokens + generated, hit.cache, ran, request.session, events)
@@ -440,14 +465,17 @@ class Engine:
         start: float,
         on_text: Callable[[str], None] | None,
         should_stop: Callable[[], bool] | None,
-    ) -> tuple[list[int], str, str, float, float]:
+    ) -> tuple[list[int], str, str, float, float, list[int]]:
+        """decode, and the tokens that spell the reply (all but a stop sequence's)."""
+
         def stop(generated: int) -> bool:
             # Across ranks the check is a collective: every few tokens, at the same
             # tokens on every rank, so a Ctrl-C still lands within a few tokens.
             check = self.group.size == 1 or generated % STOP_CHECK_EVERY == 0
             return check and self._agreed_stop(should_stop)
 
-        return decode(
+        stops = TextStops(self.stops)
+        generated, reply, finish, ttft, tps = decode(
             self.model,
             self.tokenizer,
             last,
@@ -458,7 +486,9 @@ class Engine:
             top_p=request.top_p,
             on_text=on_text,
             stop=stop,
+            stops=stops,
         )
+        return generated, reply, finish, ttft, tps, stops.kept(generated)
 
     def _new_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
@@ -525,13 +555,17 @@ def decode(
     on_text: Callable[[str], None] | None = None,
     stop: Callable[[int], bool] | None = None,
     top_p: float = 1.0,
+    stops: TextStops | None = None,
 ) -> tuple[list[int], str, str, float, float]:
     """Generate after `last` with mlx-lm's generate_step.
 
     Returns (token ids incl. an end-of-turn token, reply text, finish reason, TTFT
     measured from `start`, decode tokens/s). stop(tokens generated) is asked after
-    each token. The engine and the bench share this code path.
+    each token; `stops` ends the reply at a stop sequence (the reply is the text
+    before it; `stops.kept` gives its tokens). The engine and the bench share this
+    code path.
     """
+    stops = stops if stops is not None else TextStops(())
     detok = tokenizer.detokenizer
     detok.reset()
     streamed = 0  # characters of the reply passed to on_text
@@ -558,7 +592,16 @@ def decode(
             finish = "stop"
             break
         detok.add_token(token)
-        if on_text:
+        if stops:
+            if stops.feed(detok.text):
+                finish = "stop"
+                break
+            if on_text:  # what cannot begin a stop sequence
+                shown = stops.safe(detok.text)
+                if shown > streamed:
+                    on_text(detok.text[streamed:shown])
+                    streamed = shown
+        elif on_text:
             piece = detok.last_segment
             streamed += len(piece)
             on_text(piece)
@@ -568,12 +611,13 @@ def decode(
         if len(generated) >= max_tokens:
             break
     detok.finalize()
+    reply = stops.reply(detok.text)
     # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
     # a cut UTF-8 sequence), and what was streamed must be the reply.
-    if on_text and len(detok.text) > streamed:
-        on_text(detok.text[streamed:])
+    if on_text and len(reply) > streamed:
+        on_text(reply[streamed:])
     tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
-    return generated, detok.text, finish, ttft, tps
+    return generated, reply, finish, ttft, tps
 
 
 def _flat_params(model: Any) -> list[tuple[str, mx.array]]:

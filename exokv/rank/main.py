@@ -125,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default=None, help="bytes per rank, comma separated")
     p.add_argument("--memory-threshold", type=float, default=0.9)
     p.add_argument("--max-kv-size", type=int, default=None)
+    p.add_argument("--prompt-format", default=None)  # exokv.model.templates.Format.to_arg
     # the disk tier (exokv.cache.tier_options)
     p.add_argument("--disk-budget", type=parse_disk_budget, default=AUTO)
     p.add_argument("--kv-bits", type=int, default=None)
@@ -280,6 +281,9 @@ class Rank:
         args = self.args
         split = [int(s) for s in args.split.split(",")] if args.split else None
         model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
+        from exokv.model.templates import Format
+
+        form = Format.from_arg(args.prompt_format)
         beat_loaded(self.rank)
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
         from exokv.collectives import MlxGroup  # mlx-lm: imported after beat() has started
@@ -294,6 +298,9 @@ class Rank:
                 ranks_here=args.ranks_here,  # they share this machine's RAM
                 memory_threshold=args.memory_threshold,
                 max_kv_size=args.max_kv_size,
+                chat_template=form.template,
+                stops=form.stops,
+                context=form.context,
                 seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0
                 **tier_options(args, rank=self.rank, layout=self._layout()),
             ),
@@ -309,7 +316,8 @@ class Rank:
         if self.link is not None:
             shown = [None if b < 0 else b for b in all_budgets]
             # The notice: why the disk tier is cold, or a torn record.
-            self.link.send(Ready(self.world.size(), shown, engine.tier_notice))
+            note = engine.template.note or None
+            self.link.send(Ready(self.world.size(), shown, engine.tier_notice, note))
         for step in itertools.count(1):
             self._before, self._before_s = dict(group.counts), dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None

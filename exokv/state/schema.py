@@ -184,6 +184,12 @@ def _v6_pins(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
 
 
+def _v7_chat_template(db: sqlite3.Connection) -> None:
+    # A session keeps its --chat-template: a built-in's name or a template file's Jinja
+    # text (kept, not the path: the file may move). NULL: the model's own template.
+    db.execute("ALTER TABLE sessions ADD COLUMN chat_template TEXT")
+
+
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1,
     _v2,
@@ -191,6 +197,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v4_session_options,
     _v5_disk_tier,
     _v6_pins,
+    _v7_chat_template,
 ]
 LATEST = len(MIGRATIONS)
 

@@ -328,10 +328,16 @@ class Store:
         with self.snapshot() as db:
             return next((r for r in queries.sessions(db, session) if r["name"] == session), None)
 
-    def set_session_options(self, session: str, max_kv_size: int | None) -> None:
-        """Remember the session's ``--max-kv-size`` (the session must exist)."""
+    def set_session_options(
+        self, session: str, max_kv_size: int | None, chat_template: str | None = None
+    ) -> None:
+        """Remember the session's ``--max-kv-size`` and ``--chat-template`` (a built-in's
+        name or a file's Jinja text; None: the model's own) (the session must exist)."""
         with self._write() as db:
-            db.execute("UPDATE sessions SET max_kv_size = ? WHERE name = ?", (max_kv_size, session))
+            db.execute(
+                "UPDATE sessions SET max_kv_size = ?, chat_template = ? WHERE name = ?",
+                (max_kv_size, chat_template, session),
+            )
 
     def set_pinned(self, session: str, pinned: bool) -> bool:
         """Pin or unpin a stored session; False if there is no such session."""

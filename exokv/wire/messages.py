@@ -205,6 +205,7 @@ class Ready(_Message):
     ranks: int
     budgets: list[int | None]
     notice: str | None = None  # why the disk tier is cold, or a torn record
+    template_note: str | None = None  # the chat template chosen for the model, if a fallback
 
 
 @dataclass
