@@ -44,7 +44,7 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--chat-template" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
                 set skip 1
             case "exokv hosts:check"
                 set p "exokv hosts check"
@@ -52,7 +52,7 @@ function __exokv_path
                 set skip 1
             case "exokv models:--hosts" "exokv models:--hostfile"
                 set skip 1
-            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -125,8 +125,9 @@ complete -c exokv -n '__exokv_at exokv cache stats' -l json -d 'Print one JSON d
 complete -c exokv -n '__exokv_at exokv cache stats' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv chat' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id'
 complete -c exokv -n '__exokv_at exokv chat' -l system -x -d 'system prompt'
+complete -c exokv -n '__exokv_at exokv chat' -l chat-template -x -d 'chatml|llama3|gemma|mistral|qwen|phi|plain or a Jinja file (default: the model'\''s)'
 complete -c exokv -n '__exokv_at exokv chat' -l max-tokens -x -d 'most tokens per reply'
-complete -c exokv -n '__exokv_at exokv chat' -l temp -x -d 'sampling temperature'
+complete -c exokv -n '__exokv_at exokv chat' -l temp -x -d 'sampling temperature (default 0, or an ollama model'\''s own)'
 complete -c exokv -n '__exokv_at exokv chat' -l seed -x -d 'random seed'
 complete -c exokv -n '__exokv_at exokv chat' -l ranks -s n -x -d 'ranks on this machine'
 complete -c exokv -n '__exokv_at exokv chat' -l hosts -x -d 'a,b,... one rank per host'
@@ -168,7 +169,8 @@ complete -c exokv -n '__exokv_at exokv models' -l hostfile -r -F -d 'mlx hostfil
 complete -c exokv -n '__exokv_at exokv models' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv serve' -l model -s m -x -a '(command exokv _complete model 2>/dev/null)' -d 'smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id'
 complete -c exokv -n '__exokv_at exokv serve' -l max-tokens -x -d 'reply length for a request without max_tokens'
-complete -c exokv -n '__exokv_at exokv serve' -l temp -x -d 'temperature for a request without one'
+complete -c exokv -n '__exokv_at exokv serve' -l temp -x -d 'temperature for a request without one (0, or an ollama model'\''s)'
+complete -c exokv -n '__exokv_at exokv serve' -l chat-template -x -d 'chatml|llama3|gemma|mistral|qwen|phi|plain or a Jinja file (default: the model'\''s)'
 complete -c exokv -n '__exokv_at exokv serve' -l seed -x -d 'random seed'
 complete -c exokv -n '__exokv_at exokv serve' -l ranks -s n -x -d 'ranks on this machine'
 complete -c exokv -n '__exokv_at exokv serve' -l hosts -x -d 'a,b,... one rank per host'
