@@ -173,3 +173,24 @@ def test_an_ollama_model_runs_with_its_template_system_prompt_and_stop(
     _, said = _chat(env, "ollama:odd", turns=TURNS[:1])
     assert any("not one exokv recognises" in x for x in said), said
     assert len(_template_lines(said)) == 1 and "plain" in _template_lines(said)[0], said
+
+
+def test_serve_renders_and_stops_as_the_chat_does(env: dict[str, Any]) -> None:
+    from serve_helpers import serving
+
+    base, system = str(env["base"]), "You answer in one word."
+    direct, _ = _chat(env, base, "--chat-template", "chatml", "--system", system, turns=TURNS[:1])
+    reply = direct[0]["reply"]
+    word = next(m for m in re.finditer(r"[A-Za-z]{3,}", reply) if m.start() > 0).group()
+    params = json.dumps({"stop": [word]}).encode()
+    _pull(env, "served", {"template": GO_CHATML, "params": params})
+    with serving(
+        env["home"], "--model", "ollama:served", "--disk-budget", "0", env=env["env"]
+    ) as server:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": TURNS[0]}]
+        done = server.client().chat.completions.create(
+            model="ollama:served", messages=messages, max_tokens=10, temperature=0
+        )
+    assert done.usage.prompt_tokens == direct[0]["prompt_tokens"]
+    assert done.choices[0].message.content == reply[: reply.index(word)]
+    assert done.choices[0].finish_reason == "stop"
