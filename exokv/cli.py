@@ -284,6 +284,7 @@ def serve(
         model=settled.model,
         max_tokens=max_tokens,
         temp=_temperature(temp, settled.defaults.temperature),
+        system=settled.defaults.system,  # for a request without a system message
         max_kv_size=max_kv_size,
         chat_template=settled.chat_template,
         prompt_format=settled.prompt_format,

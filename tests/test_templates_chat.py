@@ -183,11 +183,11 @@ def test_serve_renders_and_stops_as_the_chat_does(env: dict[str, Any]) -> None:
     reply = direct[0]["reply"]
     word = next(m for m in re.finditer(r"[A-Za-z]{3,}", reply) if m.start() > 0).group()
     params = json.dumps({"stop": [word]}).encode()
-    _pull(env, "served", {"template": GO_CHATML, "params": params})
+    _pull(env, "served", {"template": GO_CHATML, "system": system.encode(), "params": params})
     with serving(
         env["home"], "--model", "ollama:served", "--disk-budget", "0", env=env["env"]
     ) as server:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": TURNS[0]}]
+        messages = [{"role": "user", "content": TURNS[0]}]  # the manifest's system prompt
         done = server.client().chat.completions.create(
             model="ollama:served", messages=messages, max_tokens=10, temperature=0
         )

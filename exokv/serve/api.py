@@ -32,6 +32,7 @@ class Defaults:
 
     max_tokens: int = 256
     temperature: float = 0.0
+    system: str | None = None  # the model's own system prompt (an ollama model's SYSTEM)
 
 
 class ApiError(Exception):
@@ -193,6 +194,9 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
     if doc.get("logprobs"):
         raise _bad("logprobs are not supported by this server", "logprobs")
     messages = _messages(doc, limits)
+    if defaults.system and messages[0]["role"] != "system":
+        # As `ollama run` does: the model's SYSTEM when the request brings none.
+        messages = [{"role": "system", "content": defaults.system}, *messages]
     max_tokens = _whole(doc, "max_completion_tokens")
     name = "max_completion_tokens"
     if max_tokens is None:

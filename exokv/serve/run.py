@@ -143,7 +143,9 @@ def run_serve(opts: ServeOptions) -> int:
             ranks=client.ranks,
             api_key=opts.api_key,
             limits=api.Limits(body_bytes=opts.max_body),
-            defaults=api.Defaults(max_tokens=opts.max_tokens, temperature=opts.temp),
+            defaults=api.Defaults(
+                max_tokens=opts.max_tokens, temperature=opts.temp, system=opts.system
+            ),
             use_cache=cluster.keep_cache,
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
