@@ -213,3 +213,21 @@ def test_an_ollama_manifests_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         and form.stops == ()
         and form.notes == ["the params of ollama:tiny are not JSON: ignored"]
     )
+
+
+def test_generation_stops_on_every_end_of_turn_token_of_the_template(
+    tokenizers: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exokv.model.resolve import load_model
+    from exokv.rank.engine import Engine, EngineOptions
+
+    monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
+    model, tokenizer = load_model("builtin:tiny")
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert endoftext not in tokenizer.eos_token_ids  # not an end for the model's own template
+    options = EngineOptions(chat_template="qwen", stops=("!",), context=16)  # num_ctx 16
+    engine = Engine(model, tokenizer, options=options)
+    assert engine.context == 16
+    assert {endoftext, tokenizer.convert_tokens_to_ids("<|im_end|>")} <= engine._eos
+    assert endoftext in tokenizer.eos_token_ids  # decode() stops on it too
+    assert engine.stops == ("!",) and engine.template.name == "qwen"
