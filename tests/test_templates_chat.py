@@ -113,6 +113,16 @@ def test_chat_template_changes_the_prompt_and_a_resumed_session_keeps_it(
 
 
 def test_a_bad_chat_template_is_one_line_and_exit_2(env: dict[str, Any]) -> None:
+    refusing = env["root"] / "refuses.jinja"
+    refusing.write_text("{{ raise_exception('no conversation here') }}")
+    proc = run_exokv(
+        ["chat", "--model", "builtin:tiny", "--chat-template", str(refusing), "hi"],
+        env["home"],
+        env=env["env"],
+    )
+    lines = proc.stderr.decode().strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, lines
+    assert "cannot render a conversation" in lines[0] and "no conversation here" in lines[0]
     for value, words in (
         ("nope", "not a built-in template"),
         ("/no/such.jinja", "nor a Jinja file"),

@@ -229,11 +229,15 @@ def _check_renders(tokenizer: Any, settled: Settled) -> None:
         {"role": "assistant", "content": "a"},
         {"role": "user", "content": "u"},
     ]
-    try:
-        tokenizer.apply_chat_template(
-            sample, add_generation_prompt=True, tokenize=False, chat_template=settled.text
-        )
-    except Exception as e:  # noqa: BLE001 - Jinja's errors are many; each is one line here
-        raise ExokvError(
-            f"the chat template ({settled.name}) cannot render a conversation: {one_line(e)}"
-        ) from None
+    error: Exception | None = None
+    for conversation in (sample, sample[1:]):  # some templates refuse a system message
+        try:
+            tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False, chat_template=settled.text
+            )
+            return
+        except Exception as e:  # noqa: BLE001 - Jinja's errors are many; each is one line here
+            error = error or e
+    raise ExokvError(
+        f"the chat template ({settled.name}) cannot render a conversation: {one_line(error)}"
+    ) from None
