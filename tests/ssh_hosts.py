@@ -32,7 +32,10 @@ from pathlib import Path
 import pytest
 
 SSHD = "/usr/sbin/sshd"
-SSH_PORTS = range(28022, 28100, 7)  # the first one free on both addresses is used
+# The first one free on both addresses is used. Each pytest-xdist worker starts on
+# its own offset, so two workers never race for the same port.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+SSH_PORTS = range(28022 + _WORKER % 7, 28100, 7)
 
 
 def _free_port() -> int:

@@ -390,7 +390,8 @@ def test_ranks_end_when_the_front_end_is_killed(
 
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     _sweep_scratch()
-    assert list(temp.iterdir()) == [], "the launcher's temporary files were left behind"
+    left = [p.name for p in temp.iterdir() if p.name != "mlx"]  # MLX's own kernel cache
+    assert left == [], "the launcher's temporary files were left behind"
 
 
 def _rank_processes(chat: Chat) -> list[psutil.Process]:
@@ -403,3 +404,21 @@ def _rank_processes(chat: Chat) -> list[psutil.Process]:
         except psutil.Error:
             continue  # e.g. the launcher's short-lived mktemp, a zombie for an instant
     return found
+
+
+def test_the_ranks_scratch_folder_shares_mlx_kernel_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' TMPDIR is a folder of the launcher's; MLX's compiled CPU kernels under
+    it are the ones every MLX process on this machine keeps, and survive its removal."""
+    import shutil
+
+    from exokv.wire.launch import make_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scratch = make_scratch()
+    assert scratch.parent == tmp_path
+    (scratch / "mlx" / "kernel.so").write_bytes(b"compiled")
+    shutil.rmtree(scratch)
+    assert (tmp_path / "mlx" / "kernel.so").read_bytes() == b"compiled"
+    assert not scratch.exists()

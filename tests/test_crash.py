@@ -79,7 +79,7 @@ def test_sigkill_of_every_process_resumes_warm(uninterrupted, tmp_path, models_d
     home = home_with_models(tmp_path / "h", models_dir, True)
     kill_after_switch_chat(home, *TWO, "--starting-port", "26710")
     assert len(rank_dirs(home)) == 2
-    turns, err = resume(home, *TWO, "--starting-port", "26720")
+    turns, err = resume(home, *TWO, "--starting-port", "26780")
     assert "torn" not in err and "starting cold" not in err, err
     assert [t["reply"] for t in turns] == [t["reply"] for t in cold]
     for t, ref in zip(turns, full, strict=True):
@@ -101,7 +101,7 @@ def test_a_record_torn_on_one_rank_is_dropped_on_both_with_one_line(
     data = log.read_bytes()
     log.write_bytes(data[: len(data) - len(journal.encode(records[-1])) // 2])
 
-    turns, err = resume(home, *TWO, "--starting-port", "26740")
+    turns, err = resume(home, *TWO, "--starting-port", "26790")
     lines = [x for x in err.splitlines() if "torn" in x]
     assert lines == [
         "exokv: disk tier: rank 1's journal: its last record is torn (a crash while it was "

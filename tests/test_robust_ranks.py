@@ -78,7 +78,8 @@ def test_ranks_ignore_the_working_folder_and_leave_no_temp_files(
     assert chat.proc.returncode == 0, err
     assert sorted(p.name for p in work.iterdir()) == ["concurrent.py", "secrets.py"]
     # mlx.launch makes a pid file and a hostfile per rank with mktemp: none is left.
-    assert list(temp.iterdir()) == []
+    # What stays is MLX's own cache of compiled CPU kernels, as without exokv.
+    assert [p.name for p in temp.iterdir()] == ["mlx"] and not (temp / "mlx").is_symlink()
 
 
 @pytest.mark.timeout(150)

@@ -48,6 +48,7 @@ from exokv.wire.launch import (
     SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
+    make_scratch,
     plan_launch,
     rank_command,
 )
@@ -126,7 +127,7 @@ class ClusterClient(Client):
         # The launcher's temporary files (a pid file and a hostfile per rank, made with
         # mktemp) go to a folder of ours, removed on close: nothing is left in /tmp.
         _sweep_scratch()
-        self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+        self._scratch = make_scratch()
         try:
             self.plan = plan_launch(
                 rank_command(),

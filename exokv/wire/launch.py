@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,23 @@ ERROR_MARK = "exokv-rank-error "  # stderr lines the front end turns into its on
 BEAT_MARK = "exokv-beat "  # stdout lines: this rank is alive (see exokv.rank.boot.beat)
 STATE_MARK = "exokv-state "  # stderr lines: the rank process as its host sees it (wire/watcher)
 SCRATCH_PREFIX = "exokv-ranks-"  # the launcher's temporary folder, made by the front end
+
+
+def make_scratch() -> Path:
+    """The launcher's temporary folder, given to the local ranks as their TMPDIR.
+
+    MLX's CPU backend keeps the kernels it compiles (g++, a second or more each) under
+    $TMPDIR/mlx; a fresh TMPDIR per chat would compile them again at every start. So
+    the folder's `mlx` is a link to the one MLX uses outside exokv, and removing the
+    folder removes the link alone."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
+    kernels = Path(tempfile.gettempdir()) / "mlx"
+    try:
+        kernels.mkdir(exist_ok=True)
+        (scratch / "mlx").symlink_to(kernels, target_is_directory=True)
+    except OSError:
+        pass  # the kernels are compiled again, as without the link: slower, not wrong
+    return scratch
 
 
 @dataclass
