@@ -33,6 +33,7 @@ from exokv.prompt import PromptRenderer
 from exokv.rank import typeahead
 from exokv.rank.pace import Pace
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
+from exokv.templating import Marked
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
@@ -74,7 +75,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
-        self.prompt = PromptRenderer(tokenizer)
+        self.prompt = PromptRenderer(Marked(tokenizer))  # exokv.templating: raw prompts, tools
         self._eos = set(tokenizer.eos_token_ids)
         self.decision = 0
         # Rank 0's measure of the prefill rate sizes every rank's steps (exokv.rank.pace).

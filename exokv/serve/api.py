@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,7 +84,7 @@ class ChatCall:
     include_usage: bool = False
 
 
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
@@ -92,36 +93,36 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, default: f
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(f"{name} must be a number", name)
+        raise bad(f"{name} must be a number", name)
     if not low <= value <= high:
-        raise _bad(f"{name} must be between {low:g} and {high:g}, not {value!r}", name)
+        raise bad(f"{name} must be between {low:g} and {high:g}, not {value!r}", name)
     return float(value)
 
 
-def _whole(body: dict[str, Any], name: str) -> int | None:
+def whole(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer", name)
+        raise bad(f"{name} must be an integer", name)
     return value
 
 
-def _content(message: dict[str, Any], i: int, limits: Limits) -> str:
+def content(message: dict[str, Any], i: int, limits: Limits) -> str:
     content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
             if not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content: a text part needs a string 'text'", "messages")
+                raise bad(f"messages[{i}].content: a text part needs a string 'text'", "messages")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
     if len(content) > limits.message_chars:
-        raise _bad(
+        raise bad(
             f"messages[{i}].content is {len(content):,} characters; at most "
             f"{limits.message_chars:,}",
             "messages",
@@ -132,39 +133,38 @@ def _content(message: dict[str, Any], i: int, limits: Limits) -> str:
 def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise _bad("messages must be a non-empty list", "messages")
+        raise bad("messages must be a non-empty list", "messages")
     if len(raw) > limits.messages:
-        raise _bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
+        raise bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
     messages = []
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object", "messages")
+            raise bad(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
         if role not in ROLES:
-            raise _bad(f"messages[{i}].role {role!r}: use system, user or assistant", "messages")
+            raise bad(f"messages[{i}].role {role!r}: use system, user or assistant", "messages")
         role = "system" if role == "developer" else role
-        messages.append({"role": role, "content": _content(message, i, limits)})
+        messages.append({"role": role, "content": content(message, i, limits)})
     if messages[-1]["role"] != "user":
-        raise _bad("the last message must be the user's", "messages")
+        raise bad("the last message must be the user's", "messages")
     return messages
 
 
-def _stops(body: dict[str, Any], limits: Limits) -> list[str]:
-    stop = body.get("stop")
+def stops(body: dict[str, Any], limits: Limits, name: str = "stop") -> list[str]:
+    stop = body.get(name)
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise _bad("stop must be a non-empty string or a list of them", "stop")
+        raise bad(f"{name} must be a non-empty string or a list of them", name)
     if len(stops) > limits.stops or any(len(s) > limits.stop_chars for s in stops):
-        raise _bad(
-            f"stop: at most {limits.stops} strings of {limits.stop_chars} characters", "stop"
-        )
+        raise bad(f"{name}: at most {limits.stops} strings of {limits.stop_chars} characters", name)
     return stops
 
 
-def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits) -> ChatCall:
-    """The request's fields, checked; ApiError (400, or 404 for another model) otherwise.
+def read_doc(body: bytes, models: set[str]) -> dict[str, Any]:
+    """The body as a JSON object whose `model` (if any) names the loaded model;
+    ApiError (400, or 404 for another model) otherwise.
 
     `models` are the names that select the loaded model: a request never names a path
     or anything else to load.
@@ -172,12 +172,12 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
-        raise _bad(f"the body is not valid JSON: {err}") from None
+        raise bad(f"the body is not valid JSON: {err}") from None
     if not isinstance(doc, dict):
-        raise _bad("the body must be a JSON object")
+        raise bad("the body must be a JSON object")
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("model must be a string", "model")
+        raise bad("model must be a string", "model")
     if model is not None and model not in models:
         served = ", ".join(sorted(models))
         raise ApiError(
@@ -186,36 +186,50 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
             param="model",
             code="model_not_found",
         )
-    if (_whole(doc, "n") or 1) != 1:
-        raise _bad("n: only one choice per request is supported", "n")
-    if doc.get("tools") or doc.get("functions"):
-        raise _bad("tools are not supported by this server", "tools")
-    if doc.get("logprobs"):
-        raise _bad("logprobs are not supported by this server", "logprobs")
-    messages = _messages(doc, limits)
-    max_tokens = _whole(doc, "max_completion_tokens")
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = _whole(doc, "max_tokens"), "max_tokens"
+    return doc
+
+
+def sampling(
+    doc: dict[str, Any], defaults: Defaults, limits: Limits, names: tuple[str, ...]
+) -> dict[str, Any]:
+    """The fields every API shares, checked: ChatCall's keyword arguments but messages.
+    `names`: the reply-length fields, first found wins (max_completion_tokens, ...)."""
+    max_tokens, name = None, names[-1]
+    for name in names:
+        max_tokens = whole(doc, name)
+        if max_tokens is not None:
+            break
     if max_tokens is not None and not 1 <= max_tokens <= limits.reply_tokens:
-        raise _bad(f"{name} must be between 1 and {limits.reply_tokens:,}", name)
-    seed = _whole(doc, "seed")
+        raise bad(f"{name} must be between 1 and {limits.reply_tokens:,}", name)
+    seed = whole(doc, "seed")
     stream = doc.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("stream must be true or false", "stream")
+        raise bad("stream must be true or false", "stream")
     options = doc.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
-        raise _bad("stream_options is an object, and only with stream: true", "stream_options")
-    return ChatCall(
-        messages=messages,
+        raise bad("stream_options is an object, and only with stream: true", "stream_options")
+    return dict(
         max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
         temperature=_number(doc, "temperature", 0.0, 2.0, defaults.temperature),
         top_p=_number(doc, "top_p", 0.0, 1.0, 1.0),  # mlx-lm: 0 and 1 both mean off
         seed=None if seed is None else seed % SEED_RANGE,
-        stop=_stops(doc, limits),
         stream=stream,
         include_usage=bool((options or {}).get("include_usage")),
     )
+
+
+def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits) -> ChatCall:
+    """The request's fields, checked; ApiError (400, or 404 for another model) otherwise."""
+    doc = read_doc(body, models)
+    if (whole(doc, "n") or 1) != 1:
+        raise bad("n: only one choice per request is supported", "n")
+    if doc.get("tools") or doc.get("functions"):
+        raise bad("tools are not supported by this server", "tools")
+    if doc.get("logprobs"):
+        raise bad("logprobs are not supported by this server", "logprobs")
+    messages = _messages(doc, limits)
+    fields = sampling(doc, defaults, limits, ("max_completion_tokens", "max_tokens"))
+    return ChatCall(messages=messages, stop=stops(doc, limits), **fields)
 
 
 def conversation_name(messages: list[dict[str, str]]) -> str:
@@ -310,6 +324,7 @@ class StopText:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
         self.hit = False
+        self.which: str | None = None  # the stop string that ended it
 
     def feed(self, piece: str) -> str:
         """What of the text so far may be sent now."""
@@ -318,10 +333,11 @@ class StopText:
         if not self.stops:
             return piece
         self.pending += piece
-        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if found:
             self.hit = True
-            out, self.pending = self.pending[: min(found)], ""
+            at, self.which = min(found)
+            out, self.pending = self.pending[:at], ""
             return out
         cut = max(len(self.pending) - self.hold, 0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
@@ -331,3 +347,49 @@ class StopText:
         """The reply ended: what was held back is not a stop string."""
         out, self.pending = ("" if self.hit else self.pending), ""
         return out
+
+
+class ChatShape:
+    """POST /v1/chat/completions's reply: a chat.completion, or its chunks streamed."""
+
+    def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
+        self.model = model
+        self.call = call
+        self.stream = call.stream
+        self.ident = f"chatcmpl-{secrets.token_hex(12)}"
+
+    def tools_messages(self) -> list[dict[str, Any]]:
+        return []
+
+    def error_doc(self, err: ApiError) -> dict[str, Any]:
+        return err.doc()
+
+    def _finish(self, job: Any, result: Any) -> str:
+        return finish_reason(result.finish_reason, job.stop_text.hit)
+
+    def _usage(self, result: Any) -> dict[str, Any]:
+        return usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
+
+    def whole(self, job: Any, result: Any) -> dict[str, Any]:
+        finish = self._finish(job, result)
+        return completion(self.ident, self.model, job.reply, finish, self._usage(result))
+
+    def opening(self) -> list[bytes]:
+        return [sse(chunk(self.ident, self.model, {"role": "assistant", "content": ""}))]
+
+    def piece(self, text: str) -> list[bytes]:
+        return [sse(chunk(self.ident, self.model, {"content": text}))]
+
+    def closing(self, job: Any, result: Any) -> list[bytes]:
+        out = [sse(chunk(self.ident, self.model, {}, self._finish(job, result)))]
+        if self.call.include_usage:
+            out.append(sse(chunk(self.ident, self.model, None, used=self._usage(result))))
+        return out + [sse("[DONE]")]
+
+    def broken(self, err: ApiError, job: Any) -> list[bytes]:
+        # The error event first (OpenAI's clients raise on it), then the end a reader
+        # that ignores it still sees: a finish_reason (cut short: "length"), [DONE].
+        out = [sse(err.doc()), sse(chunk(self.ident, self.model, {}, "length"))]
+        if self.call.include_usage and job.result is not None:
+            out.append(sse(chunk(self.ident, self.model, None, used=self._usage(job.result))))
+        return out + [sse("[DONE]")]
