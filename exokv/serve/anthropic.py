@@ -87,7 +87,7 @@ def _event(kind: str, doc: dict[str, Any]) -> bytes:
 class Shape:
     """The reply: a message, or Anthropic's stream of events."""
 
-    def __init__(self, model: str, call: api.ChatCall, tools: Any = None) -> None:
+    def __init__(self, model: str, call: api.ChatCall) -> None:
         self.model = model
         self.call = call
         self.stream = call.stream

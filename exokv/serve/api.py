@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = {"system", "user", "assistant", "developer"}  # developer: OpenAI's newer name for system
+# developer: OpenAI's newer name for system, rendered as a system message; tool: a
+# tool call's result (exokv.serve.tools).
+ROLES = {"system", "user", "assistant", "developer", "tool"}
 SEED_RANGE = 2**64  # mx.random.seed takes an unsigned 64-bit number
 
 
@@ -82,6 +84,8 @@ class ChatCall:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    tools: list[dict[str, Any]] = field(default_factory=list)  # rendered; [] with "none"
+    tool_messages: bool = False  # role "tool" or assistant tool_calls in the messages
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -110,6 +114,8 @@ def whole(body: dict[str, Any], name: str) -> int | None:
 
 def content(message: dict[str, Any], i: int, limits: Limits) -> str:
     content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""  # an assistant message that only calls tools
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
@@ -142,12 +148,73 @@ def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
             raise bad(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role {role!r}: use system, user or assistant", "messages")
+            raise bad(
+                f"messages[{i}].role {role!r}: use system, developer, user, assistant or tool",
+                "messages",
+            )
         role = "system" if role == "developer" else role
-        messages.append({"role": role, "content": content(message, i, limits)})
-    if messages[-1]["role"] != "user":
-        raise bad("the last message must be the user's", "messages")
+        entry = {"role": role, "content": content(message, i, limits)}
+        if role == "tool":
+            entry["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        messages.append(entry)
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise bad("the last message must be the user's (or a tool's result)", "messages")
     return messages
+
+
+def _tool_calls(calls: Any, i: int) -> str:
+    """An assistant message's tool calls as the template reads them (each call's
+    arguments an object), kept as JSON text (exokv.templating unpacks it)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be a list", "messages")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"{where}: each call needs function.name", "messages")
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise bad(f"{where}: function.arguments must be JSON", "messages") from None
+        out.append(
+            {
+                "id": str(call.get("id") or ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return json.dumps(out, sort_keys=True, ensure_ascii=False)
+
+
+def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools, as the template gets them; [] for none or tool_choice none."""
+    if doc.get("functions"):
+        raise bad("functions is OpenAI's older form: send tools", "functions")
+    tools = doc.get("tools")
+    if tools is None or tools == []:
+        return []
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise bad("tools: a list of {type: function, function: {name, ...}}", "tools")
+    choice = doc.get("tool_choice", "auto")
+    if choice == "none":
+        return []
+    if choice != "auto":
+        raise bad(
+            "tool_choice: auto or none (the model decides; forcing a call is not supported)",
+            "tool_choice",
+        )
+    return tools
 
 
 def stops(body: dict[str, Any], limits: Limits, name: str = "stop") -> list[str]:
@@ -223,13 +290,19 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
     doc = read_doc(body, models)
     if (whole(doc, "n") or 1) != 1:
         raise bad("n: only one choice per request is supported", "n")
-    if doc.get("tools") or doc.get("functions"):
-        raise bad("tools are not supported by this server", "tools")
+    tools = _tools(doc)
     if doc.get("logprobs"):
         raise bad("logprobs are not supported by this server", "logprobs")
     messages = _messages(doc, limits)
     fields = sampling(doc, defaults, limits, ("max_completion_tokens", "max_tokens"))
-    return ChatCall(messages=messages, stop=stops(doc, limits), **fields)
+    tool_messages = any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+    return ChatCall(
+        messages=messages,
+        stop=stops(doc, limits),
+        tools=tools,
+        tool_messages=tool_messages,
+        **fields,
+    )
 
 
 def conversation_name(messages: list[dict[str, str]]) -> str:
@@ -287,7 +360,7 @@ def completion(
 def chunk(
     ident: str,
     model: str,
-    delta: dict[str, str] | None,
+    delta: dict[str, Any] | None,
     finish: str | None = None,
     used: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -353,35 +426,67 @@ class ChatShape:
     """POST /v1/chat/completions's reply: a chat.completion, or its chunks streamed."""
 
     def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
+        from exokv.serve.tools import ToolText, check
+        from exokv.templating import tools_message
+
         self.model = model
         self.call = call
         self.stream = call.stream
         self.ident = f"chatcmpl-{secrets.token_hex(12)}"
+        check(tools, model, bool(call.tools) or call.tool_messages)
+        self._marker = [tools_message(call.tools)] if call.tools else []
+        self._text = ToolText(tools, call.tools) if call.tools else None
+        self._new_text = lambda: ToolText(tools, call.tools)
 
     def tools_messages(self) -> list[dict[str, Any]]:
-        return []
+        return self._marker
 
     def error_doc(self, err: ApiError) -> dict[str, Any]:
         return err.doc()
 
-    def _finish(self, job: Any, result: Any) -> str:
-        return finish_reason(result.finish_reason, job.stop_text.hit)
+    def _finish(self, job: Any, result: Any, calls: bool = False) -> str:
+        return "tool_calls" if calls else finish_reason(result.finish_reason, job.stop_text.hit)
 
     def _usage(self, result: Any) -> dict[str, Any]:
         return usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
 
     def whole(self, job: Any, result: Any) -> dict[str, Any]:
-        finish = self._finish(job, result)
-        return completion(self.ident, self.model, job.reply, finish, self._usage(result))
+        text, calls = job.reply, []
+        if self._text is not None:
+            reader = self._new_text()
+            said, calls = reader.feed(text)
+            rest, more = reader.flush()
+            text, calls = said + rest, calls + more
+        finish = self._finish(job, result, bool(calls))
+        doc = completion(self.ident, self.model, text, finish, self._usage(result))
+        if calls:
+            doc["choices"][0]["message"]["tool_calls"] = calls
+            doc["choices"][0]["message"]["content"] = text or None
+        return doc
 
     def opening(self) -> list[bytes]:
         return [sse(chunk(self.ident, self.model, {"role": "assistant", "content": ""}))]
 
+    def _deltas(self, text: str, calls: list[dict[str, Any]]) -> list[bytes]:
+        out = [sse(chunk(self.ident, self.model, {"content": text}))] if text else []
+        assert self._text is not None
+        first = len(self._text.calls) - len(calls)
+        for n, call in enumerate(calls):  # each call whole, at its index (as OpenAI)
+            delta = {"tool_calls": [{"index": first + n, **call}]}
+            out.append(sse(chunk(self.ident, self.model, delta)))
+        return out
+
     def piece(self, text: str) -> list[bytes]:
-        return [sse(chunk(self.ident, self.model, {"content": text}))]
+        if self._text is None:
+            return [sse(chunk(self.ident, self.model, {"content": text}))]
+        return self._deltas(*self._text.feed(text))
 
     def closing(self, job: Any, result: Any) -> list[bytes]:
-        out = [sse(chunk(self.ident, self.model, {}, self._finish(job, result)))]
+        out: list[bytes] = []
+        if self._text is not None:
+            out = self._deltas(*self._text.flush())
+        calls = self._text is not None and bool(self._text.calls)
+        out.append(sse(chunk(self.ident, self.model, {}, self._finish(job, result, calls))))
         if self.call.include_usage:
             out.append(sse(chunk(self.ident, self.model, None, used=self._usage(result))))
         return out + [sse("[DONE]")]

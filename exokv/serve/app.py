@@ -54,7 +54,8 @@ class Service:
     # The ranks down or starting again (a healing client), in words; None when ready.
     health: Callable[[], str | None] = lambda: None
     metrics: Metrics = field(default_factory=Metrics)
-    tools: Any = None  # exokv.serve.tools.Tools: the model's tool calling, if any
+    # The model's tool calling (exokv.serve.tools.ModelTools), read when first asked for.
+    tools: Callable[[], Any] = lambda: None
     open: int = 0  # requests with a job not answered yet (the drain counts them)
     halted: bool = False  # the drain limit passed: what still runs was stopped
 
@@ -244,7 +245,8 @@ def build_app(service: Service) -> Starlette:
 
     def chat(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
         call = api.parse_chat(body, service.names, service.defaults, service.limits)
-        shape = api.ChatShape(service.model, call, service.tools)
+        tools = service.tools() if call.tools or call.tool_messages else None
+        shape = api.ChatShape(service.model, call, tools)
         return _turn(service, call, shape.tools_messages()), call.stop, shape
 
     def complete(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
@@ -253,7 +255,7 @@ def build_app(service: Service) -> Starlette:
 
     def messages(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
         call = anthropic.parse(body, service.names, service.defaults, service.limits)
-        shape = anthropic.Shape(service.model, call, service.tools)
+        shape = anthropic.Shape(service.model, call)
         return _turn(service, call, shape.tools_messages()), call.stop, shape
 
     def route(parse: Parse, error_doc: Callable[[api.ApiError], dict[str, Any]]) -> Any:

@@ -3,6 +3,7 @@ the Starlette app under uvicorn; on SIGTERM or Ctrl-C, drain and shut down like 
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import signal
 import sys
@@ -109,6 +110,7 @@ def run_serve(opts: ServeOptions) -> int:
     from exokv.serve.app import Service, build_app
     from exokv.serve.drain import AFTER_STOP_S, DrainingServer
     from exokv.serve.replies import RepliesFromStore
+    from exokv.serve.tools import model_tools
     from exokv.serve.work import TurnQueue
 
     cluster, plan = prepare(opts)
@@ -154,6 +156,7 @@ def run_serve(opts: ServeOptions) -> int:
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
             health=run.client.health,
+            tools=functools.cache(lambda: model_tools(opts.model)),
         )
 
         def halt() -> None:
