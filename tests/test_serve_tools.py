@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 import uvicorn
@@ -151,7 +152,7 @@ def forced(model: Path):
     running: list[tuple[uvicorn.Server, threading.Thread, TurnQueue]] = []
     tools = model_tools(str(model))
 
-    def start(text: str, model_tools: ModelTools | None = tools) -> openai.OpenAI:
+    def start(text: str, model_tools: ModelTools | None = tools) -> str:
         queue = TurnQueue(Replies(text), 4)
         service = Service(model="m", names={"m"}, queue=queue, ranks=1, log=lambda _: None)
         service.tools = lambda: model_tools
@@ -163,7 +164,7 @@ def forced(model: Path):
         while not server.started:
             time.sleep(0.02)
         running.append((server, thread, queue))
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        return f"http://127.0.0.1:{port}"
 
     yield start
     for server, thread, queue in running:
@@ -173,11 +174,24 @@ def forced(model: Path):
 
 
 ASK = [{"role": "user", "content": "weather in Paris?"}]
+CLAUDE_WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": WEATHER["function"]["parameters"],
+}
+
+
+def gpt(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+def claude(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
 
 
 @pytest.mark.timeout(60)
 def test_a_tool_call_is_returned_as_tool_calls(forced) -> None:
-    client = forced("Sure. " + CALL)
+    client = gpt(forced("Sure. " + CALL))
     done = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER])
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -190,7 +204,7 @@ def test_a_tool_call_is_returned_as_tool_calls(forced) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_tool_call_is_streamed_as_openai_streams_it(forced) -> None:
-    client = forced("Sure. " + CALL + CALL.replace("Paris", "Rome"))
+    client = gpt(forced("Sure. " + CALL + CALL.replace("Paris", "Rome")))
     chunks = list(
         client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True)
     )
@@ -205,10 +219,31 @@ def test_a_tool_call_is_streamed_as_openai_streams_it(forced) -> None:
 
 @pytest.mark.timeout(60)
 def test_without_tools_the_same_text_is_text(forced) -> None:
-    client = forced(CALL)
+    client = gpt(forced(CALL))
     done = client.chat.completions.create(model="m", messages=ASK)
     assert done.choices[0].message.content == CALL
     assert done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(60)
+def test_anthropics_tool_use_blocks_whole_and_streamed(forced) -> None:
+    url = forced("Sure. " + CALL)
+    done = claude(url).messages.create(
+        model="m", max_tokens=50, messages=ASK, tools=[CLAUDE_WEATHER]
+    )
+    assert done.stop_reason == "tool_use"
+    text, use = done.content
+    assert (text.type, text.text) == ("text", "Sure. ")
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert use.id.startswith("toolu_")
+    with claude(url).messages.stream(
+        model="m", max_tokens=50, messages=ASK, tools=[CLAUDE_WEATHER]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Sure. "
+    assert final.content[1].input == {"city": "Paris"}
 
 
 # -- rendered by the model's template, on the real model -----------------------------
@@ -249,6 +284,43 @@ def test_tools_are_rendered_and_a_tool_result_is_accepted(tools_server, model: P
     assert result.choices[0].message.content is not None
     assert result.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10
     assert result.usage.prompt_tokens_details.cached_tokens > 0  # the tools' prefix
+
+
+@pytest.mark.timeout(300)
+def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Path) -> None:
+    client = claude(tools_server.url)
+    plain = client.messages.create(model=model.name, max_tokens=4, messages=ASK)
+    with_tools = client.messages.create(
+        model=model.name, max_tokens=4, messages=ASK, tools=[CLAUDE_WEATHER]
+    )
+    assert with_tools.usage.input_tokens + with_tools.usage.cache_read_input_tokens > (
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens + 20
+    )
+    result = client.messages.create(
+        model=model.name,
+        max_tokens=4,
+        tools=[CLAUDE_WEATHER],
+        messages=[
+            *ASK,
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "tool_use",
+                        "id": "t1",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                    }
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}],
+            },
+        ],
+    )
+    assert result.usage.cache_read_input_tokens > 0
+    assert result.content
 
 
 @pytest.mark.timeout(300)

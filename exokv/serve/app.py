@@ -255,7 +255,8 @@ def build_app(service: Service) -> Starlette:
 
     def messages(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
         call = anthropic.parse(body, service.names, service.defaults, service.limits)
-        shape = anthropic.Shape(service.model, call)
+        tools = service.tools() if call.tools or call.tool_messages else None
+        shape = anthropic.Shape(service.model, call, tools)
         return _turn(service, call, shape.tools_messages()), call.stop, shape
 
     def route(parse: Parse, error_doc: Callable[[api.ApiError], dict[str, Any]]) -> Any:
