@@ -131,6 +131,8 @@ def _turned(message: dict[str, Any], i: int, limits: api.Limits) -> list[dict[st
             content = _text(content if content is not None else "", where, limits)
             tool_id = str(block.get("tool_use_id", ""))
             results.append({"role": "tool", "tool_call_id": tool_id, "content": content})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # an agent's record of its reasoning: not shown to this model again
         else:
             texts.append(block)
     text = _text(texts, where, limits) if texts else ""
