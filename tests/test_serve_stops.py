@@ -32,9 +32,10 @@ def _sse_lines(url: str, body: dict) -> list[str]:
     return [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [["-n", "1"], ["-n", "2", "--starting-port", "26880"]])
 def test_sigterm_past_the_drain_limit_ends_every_stream_with_a_final_chunk(
-    tmp_path: Path, models_dir: Path
+    tmp_path: Path, models_dir: Path, ranks: list[str]
 ) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
     body = {
@@ -43,7 +44,7 @@ def test_sigterm_past_the_drain_limit_ends_every_stream_with_a_final_chunk(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with serving(home, "--drain-timeout", "1") as s:
+    with serving(home, "--drain-timeout", "1", *ranks) as s:
         got: list[list[str]] = []
         reader = threading.Thread(target=lambda: got.append(_sse_lines(s.url, body)))
         reader.start()
