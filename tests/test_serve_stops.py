@@ -164,3 +164,29 @@ def test_health_says_a_rank_is_down_and_the_ranks_start_again_without_a_request(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         assert done.choices[0].message.content
+
+
+@pytest.mark.timeout(400)
+def test_a_client_that_leaves_during_a_long_prefill_stops_it_on_every_rank(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    long = " ".join(f"word{i}" for i in range(1500))  # some 7,000 tokens: seconds of prefill
+    body = {"messages": [{"role": "user", "content": long}], "max_tokens": 5, "stream": True}
+    with serving(home, "-n", "2", "--starting-port", "26900") as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
+        resp = conn.getresponse()
+        assert resp.status == 200  # the headers did not wait for the prefill
+        assert resp.readline().startswith(b"data: ")  # the role chunk; no token yet
+        conn.close()  # the client leaves during the prefill
+        (line,) = s.wait_log(lambda x: " 499 " in x, timeout=300)
+        assert "finish=interrupted" in line and "completion=0" in line, line
+        # What the ranks prefilled before the stop is cached, alike on both (a mismatch
+        # would fail this prefill): a part of the prompt, not all of it.
+        again = s.client().chat.completions.create(
+            model=MODEL, messages=body["messages"], max_tokens=1
+        )
+        prompt, cached = again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < prompt - 1, (cached, prompt)  # stopped in the prefill, not after
