@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.options",
             "exokv.placement",  # pure: layers and budgets from gathered numbers
             "exokv.prompt",
+            "exokv.templating",  # the marker messages of raw prompts and tools
             "exokv.tables",
         ),
     ),

@@ -62,5 +62,8 @@ class StubClient:
     def cache_held(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         return CacheFileReport(session=session)
 
+    def health(self) -> str | None:
+        return None
+
     def close(self) -> None:
         pass

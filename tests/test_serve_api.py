@@ -125,3 +125,45 @@ def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> 
         assert [m["content"] for m in stored] == ["hi", "one", "more", "two"]
         assert [m.get("tokens") for m in stored if m["role"] == "assistant"] == [[3, 1], [3, 1]]
         assert store.get_system(request.session) == "s"
+
+
+def test_a_client_cannot_send_the_marker_roles() -> None:
+    from exokv.templating import RAW, TOOLS
+
+    for role in (RAW, TOOLS):
+        body = json.dumps({"messages": [{"role": role, "content": "x"}]}).encode()
+        with pytest.raises(api.ApiError, match="role"):
+            api.parse_chat(body, {"m"}, api.Defaults(), api.Limits())
+
+
+def test_developer_is_rendered_as_system() -> None:
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+        ]
+    }
+    call = api.parse_chat(json.dumps(body).encode(), {"m"}, api.Defaults(), api.Limits())
+    assert call.messages[0] == {"role": "system", "content": "be brief"}
+
+
+def test_the_marked_template_reads_a_raw_prompt_and_tools() -> None:
+    from exokv.templating import Marked, raw_prompt, tools_message
+
+    seen: list[tuple[list, dict]] = []
+
+    class Tokenizer:
+        def apply_chat_template(self, messages: list, **kw: object) -> str:
+            seen.append((messages, kw))
+            return "templated"
+
+    marked = Marked(Tokenizer())
+    assert marked.apply_chat_template(raw_prompt("as is"), add_generation_prompt=True) == "as is"
+    assert not seen  # no template for a raw prompt
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    calls = json.dumps([{"id": "c", "function": {"name": "f", "arguments": {}}}])
+    messages = [tools_message(tools), {"role": "assistant", "content": "", "tool_calls": calls}]
+    assert marked.apply_chat_template(messages, tokenize=False) == "templated"
+    ((given, kw),) = seen
+    assert kw == {"tokenize": False, "tools": tools}
+    assert given == [{"role": "assistant", "content": "", "tool_calls": json.loads(calls)}]

@@ -1,5 +1,6 @@
-"""The README's `exokv serve` examples — curl, the OpenAI Python client, llm — run as
-written against a server on builtin:tiny (only the port is changed)."""
+"""The README's `exokv serve` examples — curl, the OpenAI Python client, llm, the
+Anthropic Python client configured from the environment — run as written against a
+server on builtin:tiny (only the port is changed)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,24 @@ def test_the_llm_example(server, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     # llm streams and sends no max_tokens or temperature: the server's defaults (256, 0).
     assert proc.stdout.rstrip("\n") == reference(server, "hello")
+
+
+def test_the_anthropic_example(server) -> None:
+    setup = on_port(block("sh", "export ANTHROPIC_BASE_URL"), server)
+    code = block("python", "anthropic.Anthropic()")
+    proc = subprocess.run(
+        ["bash", "-c", f'{setup}\n"{sys.executable}" -c "$CODE"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CODE": code},
+    )
+    assert proc.returncode == 0, proc.stderr
+    cached, new = re.search(r"(\d+) prompt tokens from the cache, (\d+) new", proc.stdout).groups()
+    assert int(cached) > 0 and int(new) > 0
+
+
+def test_the_agents_are_pointed_at_the_server() -> None:
+    agent = block("sh", "claude")
+    assert "ANTHROPIC_BASE_URL=http://127.0.0.1:8000 " in agent
+    assert "ANTHROPIC_AUTH_TOKEN=" in agent  # Claude Code's bearer key: the server takes it

@@ -95,6 +95,11 @@ class Client(Protocol):
         """How much of a resumed conversation the cache holds."""
         ...
 
+    def health(self) -> str | None:
+        """Why the ranks cannot take a request now (down, starting again), in words;
+        None when they can (a server's /health says it)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -335,6 +335,9 @@ class ClusterClient(Client):
         while len(self._replies) > MAX_REMEMBERED_REPLIES:
             self._replies.popitem(last=False)
 
+    def health(self) -> str | None:
+        return self.failure  # no restarts: a failure ends the server
+
     def close(self, graceful: bool = True) -> None:
         """End the ranks: a clean shutdown first (if `graceful`), then the whole process group."""
         with self._state:

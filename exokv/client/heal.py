@@ -63,6 +63,11 @@ class HealingClient:
         self._lock = threading.Lock()  # _said and _busy, between the notifier and main
         self._busy = False  # a request is in flight: it says and heals a failure itself
         self._restarted: list[str] = []  # why, for the next turn's events
+        self._heal_lock = threading.Lock()  # one restart at a time (a request's or the watch's)
+        self._restarting: Cause | None = None  # a restart under way, for health()
+        # Start the ranks again as soon as they are found dead while idle (a server: the
+        # next request should not pay for it), not only with the next request (the chat).
+        self.heal_when_idle = False
         self._quiet_watcher()
 
     # -- the client interface ----------------------------------------------------
@@ -163,6 +168,14 @@ class HealingClient:
     def close(self) -> None:
         self._inner.close()
 
+    def health(self) -> str | None:
+        """Why the ranks cannot take a request now, in words; None when they can."""
+        restarting = self._restarting
+        if restarting is not None:
+            return f"{restarting.text}; the ranks are starting again"
+        cause = self._inner.cause
+        return None if cause is None else f"{cause.text}; the ranks are down"
+
     # -- healing -------------------------------------------------------------------
 
     def _healing(self, call: Callable[[ClusterClient], T]) -> T:
@@ -170,13 +183,15 @@ class HealingClient:
             self._busy = True
         try:
             while True:
+                with self._heal_lock:  # a restart the watch began is waited for
+                    inner = self._inner
                 try:
-                    return call(self._inner)
+                    return call(inner)
                 except ExokvError:
-                    cause = self._inner.cause
+                    cause = inner.cause
                     if cause is None:
                         raise  # not the ranks: a refused turn, a message too large
-                self._heal(cause)
+                self._heal(cause, inner)
         finally:
             with self._lock:
                 self._busy = False
@@ -188,7 +203,17 @@ class HealingClient:
             self._said = cause
         self._say(text)
 
-    def _heal(self, cause: Cause) -> None:
+    def _heal(self, cause: Cause, inner: ClusterClient) -> None:
+        with self._heal_lock:
+            if inner is not self._inner:
+                return  # started again meanwhile (by the watch)
+            self._restarting = cause
+            try:
+                self._restart(cause)
+            finally:
+                self._restarting = None
+
+    def _restart(self, cause: Cause) -> None:
         self._say_once(cause, f"{cause.text}; starting the ranks again")
         self._inner.close()
         last = ""
@@ -221,9 +246,16 @@ class HealingClient:
             if cause is not None:
                 with self._lock:
                     busy = self._busy
-                if not busy:
+                if busy:
+                    return  # the request in flight heals it
+                if not self.heal_when_idle:
                     text = f"{cause.text}; the ranks start again with the next request"
                     self._say_once(cause, text)
+                    return
+                try:
+                    self._heal(cause, inner)
+                except ExokvError as err:  # every try failed: the next request says so
+                    self._say(str(err))
                 return
             time.sleep(0.25)
 

@@ -119,6 +119,9 @@ class LocalClient(Client):
         """A thread of the caller's that ran turns is about to end (a server's worker)."""
         forget_thread()
 
+    def health(self) -> str | None:
+        return None  # the model runs in this process: up while it runs
+
     def close(self) -> None:
         self._drafts.close()
         with self._engine_lock:

@@ -34,6 +34,7 @@ from exokv.rank import typeahead
 from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
+from exokv.templating import Marked
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
 STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
@@ -81,7 +82,8 @@ class Engine:
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
         self.template = self._settle_template(model, tokenizer)
-        self.prompt = PromptRenderer(tokenizer, self.template.text)
+        # exokv.templating: raw prompts and tools ride in the messages
+        self.prompt = PromptRenderer(Marked(tokenizer), self.template.text)
         self._eos = set(tokenizer.eos_token_ids)
         # Stop sequences: the template's (a base model's next "User:") and the model's own.
         self.stops = tuple(dict.fromkeys(self.template.stops + tuple(self.options.stops)))

@@ -6,11 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = {"system", "user", "assistant", "developer"}  # developer: OpenAI's newer name for system
+# developer: OpenAI's newer name for system, rendered as a system message; tool: a
+# tool call's result (exokv.serve.tools).
+ROLES = {"system", "user", "assistant", "developer", "tool"}
 SEED_RANGE = 2**64  # mx.random.seed takes an unsigned 64-bit number
 
 
@@ -82,9 +85,11 @@ class ChatCall:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    tools: list[dict[str, Any]] = field(default_factory=list)  # rendered; [] with "none"
+    tool_messages: bool = False  # role "tool" or assistant tool_calls in the messages
 
 
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
@@ -93,36 +98,38 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, default: f
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _bad(f"{name} must be a number", name)
+        raise bad(f"{name} must be a number", name)
     if not low <= value <= high:
-        raise _bad(f"{name} must be between {low:g} and {high:g}, not {value!r}", name)
+        raise bad(f"{name} must be between {low:g} and {high:g}, not {value!r}", name)
     return float(value)
 
 
-def _whole(body: dict[str, Any], name: str) -> int | None:
+def whole(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{name} must be an integer", name)
+        raise bad(f"{name} must be an integer", name)
     return value
 
 
-def _content(message: dict[str, Any], i: int, limits: Limits) -> str:
+def content(message: dict[str, Any], i: int, limits: Limits) -> str:
     content = message.get("content")
+    if content is None and message.get("tool_calls"):
+        content = ""  # an assistant message that only calls tools
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
             if not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content: a text part needs a string 'text'", "messages")
+                raise bad(f"messages[{i}].content: a text part needs a string 'text'", "messages")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
     if len(content) > limits.message_chars:
-        raise _bad(
+        raise bad(
             f"messages[{i}].content is {len(content):,} characters; at most "
             f"{limits.message_chars:,}",
             "messages",
@@ -133,39 +140,99 @@ def _content(message: dict[str, Any], i: int, limits: Limits) -> str:
 def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise _bad("messages must be a non-empty list", "messages")
+        raise bad("messages must be a non-empty list", "messages")
     if len(raw) > limits.messages:
-        raise _bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
+        raise bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
     messages = []
     for i, message in enumerate(raw):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object", "messages")
+            raise bad(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
         if role not in ROLES:
-            raise _bad(f"messages[{i}].role {role!r}: use system, user or assistant", "messages")
+            raise bad(
+                f"messages[{i}].role {role!r}: use system, developer, user, assistant or tool",
+                "messages",
+            )
         role = "system" if role == "developer" else role
-        messages.append({"role": role, "content": _content(message, i, limits)})
-    if messages[-1]["role"] != "user":
-        raise _bad("the last message must be the user's", "messages")
+        entry = {"role": role, "content": content(message, i, limits)}
+        if role == "tool":
+            entry["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if role == "assistant" and message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        messages.append(entry)
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise bad("the last message must be the user's (or a tool's result)", "messages")
     return messages
 
 
-def _stops(body: dict[str, Any], limits: Limits) -> list[str]:
-    stop = body.get("stop")
+def _tool_calls(calls: Any, i: int) -> str:
+    """An assistant message's tool calls as the template reads them (each call's
+    arguments an object), kept as JSON text (exokv.templating unpacks it)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be a list", "messages")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"{where}: each call needs function.name", "messages")
+        arguments = function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise bad(f"{where}: function.arguments must be JSON", "messages") from None
+        out.append(
+            {
+                "id": str(call.get("id") or ""),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return json.dumps(out, sort_keys=True, ensure_ascii=False)
+
+
+def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's tools, as the template gets them; [] for none or tool_choice none."""
+    if doc.get("functions"):
+        raise bad("functions is OpenAI's older form: send tools", "functions")
+    tools = doc.get("tools")
+    if tools is None or tools == []:
+        return []
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise bad("tools: a list of {type: function, function: {name, ...}}", "tools")
+    choice = doc.get("tool_choice", "auto")
+    if choice == "none":
+        return []
+    if choice != "auto":
+        raise bad(
+            "tool_choice: auto or none (the model decides; forcing a call is not supported)",
+            "tool_choice",
+        )
+    return tools
+
+
+def stops(body: dict[str, Any], limits: Limits, name: str = "stop") -> list[str]:
+    stop = body.get(name)
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise _bad("stop must be a non-empty string or a list of them", "stop")
+        raise bad(f"{name} must be a non-empty string or a list of them", name)
     if len(stops) > limits.stops or any(len(s) > limits.stop_chars for s in stops):
-        raise _bad(
-            f"stop: at most {limits.stops} strings of {limits.stop_chars} characters", "stop"
-        )
+        raise bad(f"{name}: at most {limits.stops} strings of {limits.stop_chars} characters", name)
     return stops
 
 
-def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits) -> ChatCall:
-    """The request's fields, checked; ApiError (400, or 404 for another model) otherwise.
+def read_doc(body: bytes, models: set[str]) -> dict[str, Any]:
+    """The body as a JSON object whose `model` (if any) names the loaded model;
+    ApiError (400, or 404 for another model) otherwise.
 
     `models` are the names that select the loaded model: a request never names a path
     or anything else to load.
@@ -173,12 +240,12 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
-        raise _bad(f"the body is not valid JSON: {err}") from None
+        raise bad(f"the body is not valid JSON: {err}") from None
     if not isinstance(doc, dict):
-        raise _bad("the body must be a JSON object")
+        raise bad("the body must be a JSON object")
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("model must be a string", "model")
+        raise bad("model must be a string", "model")
     if model is not None and model not in models:
         served = ", ".join(sorted(models))
         raise ApiError(
@@ -187,38 +254,58 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
             param="model",
             code="model_not_found",
         )
-    if (_whole(doc, "n") or 1) != 1:
-        raise _bad("n: only one choice per request is supported", "n")
-    if doc.get("tools") or doc.get("functions"):
-        raise _bad("tools are not supported by this server", "tools")
-    if doc.get("logprobs"):
-        raise _bad("logprobs are not supported by this server", "logprobs")
-    messages = _messages(doc, limits)
-    if defaults.system and messages[0]["role"] != "system":
-        # As `ollama run` does: the model's SYSTEM when the request brings none.
-        messages = [{"role": "system", "content": defaults.system}, *messages]
-    max_tokens = _whole(doc, "max_completion_tokens")
-    name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, name = _whole(doc, "max_tokens"), "max_tokens"
+    return doc
+
+
+def sampling(
+    doc: dict[str, Any], defaults: Defaults, limits: Limits, names: tuple[str, ...]
+) -> dict[str, Any]:
+    """The fields every API shares, checked: ChatCall's keyword arguments but messages.
+    `names`: the reply-length fields, first found wins (max_completion_tokens, ...)."""
+    max_tokens, name = None, names[-1]
+    for name in names:
+        max_tokens = whole(doc, name)
+        if max_tokens is not None:
+            break
     if max_tokens is not None and not 1 <= max_tokens <= limits.reply_tokens:
-        raise _bad(f"{name} must be between 1 and {limits.reply_tokens:,}", name)
-    seed = _whole(doc, "seed")
+        raise bad(f"{name} must be between 1 and {limits.reply_tokens:,}", name)
+    seed = whole(doc, "seed")
     stream = doc.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("stream must be true or false", "stream")
+        raise bad("stream must be true or false", "stream")
     options = doc.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
-        raise _bad("stream_options is an object, and only with stream: true", "stream_options")
-    return ChatCall(
-        messages=messages,
+        raise bad("stream_options is an object, and only with stream: true", "stream_options")
+    return dict(
         max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
         temperature=_number(doc, "temperature", 0.0, 2.0, defaults.temperature),
         top_p=_number(doc, "top_p", 0.0, 1.0, 1.0),  # mlx-lm: 0 and 1 both mean off
         seed=None if seed is None else seed % SEED_RANGE,
-        stop=_stops(doc, limits),
         stream=stream,
         include_usage=bool((options or {}).get("include_usage")),
+    )
+
+
+def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits) -> ChatCall:
+    """The request's fields, checked; ApiError (400, or 404 for another model) otherwise."""
+    doc = read_doc(body, models)
+    if (whole(doc, "n") or 1) != 1:
+        raise bad("n: only one choice per request is supported", "n")
+    tools = _tools(doc)
+    if doc.get("logprobs"):
+        raise bad("logprobs are not supported by this server", "logprobs")
+    messages = _messages(doc, limits)
+    if defaults.system and messages[0]["role"] != "system":
+        # As `ollama run` does: the model's SYSTEM when the request brings none.
+        messages = [{"role": "system", "content": defaults.system}, *messages]
+    fields = sampling(doc, defaults, limits, ("max_completion_tokens", "max_tokens"))
+    tool_messages = any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+    return ChatCall(
+        messages=messages,
+        stop=stops(doc, limits),
+        tools=tools,
+        tool_messages=tool_messages,
+        **fields,
     )
 
 
@@ -277,7 +364,7 @@ def completion(
 def chunk(
     ident: str,
     model: str,
-    delta: dict[str, str] | None,
+    delta: dict[str, Any] | None,
     finish: str | None = None,
     used: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -314,6 +401,7 @@ class StopText:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
         self.hit = False
+        self.which: str | None = None  # the stop string that ended it
 
     def feed(self, piece: str) -> str:
         """What of the text so far may be sent now."""
@@ -322,10 +410,11 @@ class StopText:
         if not self.stops:
             return piece
         self.pending += piece
-        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if found:
             self.hit = True
-            out, self.pending = self.pending[: min(found)], ""
+            at, self.which = min(found)
+            out, self.pending = self.pending[:at], ""
             return out
         cut = max(len(self.pending) - self.hold, 0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
@@ -335,3 +424,81 @@ class StopText:
         """The reply ended: what was held back is not a stop string."""
         out, self.pending = ("" if self.hit else self.pending), ""
         return out
+
+
+class ChatShape:
+    """POST /v1/chat/completions's reply: a chat.completion, or its chunks streamed."""
+
+    def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
+        from exokv.serve.tools import ToolText, check
+        from exokv.templating import tools_message
+
+        self.model = model
+        self.call = call
+        self.stream = call.stream
+        self.ident = f"chatcmpl-{secrets.token_hex(12)}"
+        check(tools, model, bool(call.tools) or call.tool_messages)
+        self._marker = [tools_message(call.tools)] if call.tools else []
+        self._text = ToolText(tools, call.tools) if call.tools else None
+        self._new_text = lambda: ToolText(tools, call.tools)
+
+    def tools_messages(self) -> list[dict[str, Any]]:
+        return self._marker
+
+    def error_doc(self, err: ApiError) -> dict[str, Any]:
+        return err.doc()
+
+    def _finish(self, job: Any, result: Any, calls: bool = False) -> str:
+        return "tool_calls" if calls else finish_reason(result.finish_reason, job.stop_text.hit)
+
+    def _usage(self, result: Any) -> dict[str, Any]:
+        return usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
+
+    def whole(self, job: Any, result: Any) -> dict[str, Any]:
+        text, calls = job.reply, []
+        if self._text is not None:
+            reader = self._new_text()
+            said, calls = reader.feed(text)
+            rest, more = reader.flush()
+            text, calls = said + rest, calls + more
+        finish = self._finish(job, result, bool(calls))
+        doc = completion(self.ident, self.model, text, finish, self._usage(result))
+        if calls:
+            doc["choices"][0]["message"]["tool_calls"] = calls
+            doc["choices"][0]["message"]["content"] = text or None
+        return doc
+
+    def opening(self) -> list[bytes]:
+        return [sse(chunk(self.ident, self.model, {"role": "assistant", "content": ""}))]
+
+    def _deltas(self, text: str, calls: list[dict[str, Any]]) -> list[bytes]:
+        out = [sse(chunk(self.ident, self.model, {"content": text}))] if text else []
+        assert self._text is not None
+        first = len(self._text.calls) - len(calls)
+        for n, call in enumerate(calls):  # each call whole, at its index (as OpenAI)
+            delta = {"tool_calls": [{"index": first + n, **call}]}
+            out.append(sse(chunk(self.ident, self.model, delta)))
+        return out
+
+    def piece(self, text: str) -> list[bytes]:
+        if self._text is None:
+            return [sse(chunk(self.ident, self.model, {"content": text}))]
+        return self._deltas(*self._text.feed(text))
+
+    def closing(self, job: Any, result: Any) -> list[bytes]:
+        out: list[bytes] = []
+        if self._text is not None:
+            out = self._deltas(*self._text.flush())
+        calls = self._text is not None and bool(self._text.calls)
+        out.append(sse(chunk(self.ident, self.model, {}, self._finish(job, result, calls))))
+        if self.call.include_usage:
+            out.append(sse(chunk(self.ident, self.model, None, used=self._usage(result))))
+        return out + [sse("[DONE]")]
+
+    def broken(self, err: ApiError, job: Any) -> list[bytes]:
+        # The error event first (OpenAI's clients raise on it), then the end a reader
+        # that ignores it still sees: a finish_reason (cut short: "length"), [DONE].
+        out = [sse(err.doc()), sse(chunk(self.ident, self.model, {}, "length"))]
+        if self.call.include_usage and job.result is not None:
+            out.append(sse(chunk(self.ident, self.model, None, used=self._usage(job.result))))
+        return out + [sse("[DONE]")]

@@ -1,31 +1,40 @@
-"""The Starlette application: OpenAI's routes over the turn queue.
+"""The Starlette application: the API routes over the one turn queue.
 
-POST /v1/chat/completions, GET /v1/models, GET /health. Every error is OpenAI's
-error shape with its status; one access log line per request.
+POST /v1/chat/completions (OpenAI chat), POST /v1/completions (a prompt in, text
+out), POST /v1/messages (Anthropic's Messages API), GET /v1/models, GET /metrics
+(Prometheus), GET /health. Each API only reads its request into a `TurnRequest` and
+writes the turn's events in its own shape (a `Shape`); the job, its queue, its
+stream, its keep-alives, its disconnect and its access line are the same for all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from exokv.records import TurnRequest
+from exokv.records import TurnRequest, TurnResult
 from exokv.serve import api
+from exokv.serve.metrics import Metrics
 from exokv.serve.work import Job, TurnQueue
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 DRAIN_BYTES = 16 << 20  # of a body over the limit, read and dropped so the 413 arrives
+# A stream's headers wait this long for the turn's first event (so a refused prompt
+# is still a 400); a longer prefill is streamed with keep-alive comments meanwhile.
+HEAD_WAIT_S = 1.0
+KEEPALIVE_S = 5.0  # between two SSE comments while nothing else is sent
+KEEPALIVE = b": keep-alive\n\n"
+SHUT_DOWN = "the server shut down before the reply was complete"
 
 
 @dataclass
@@ -42,14 +51,40 @@ class Service:
     use_cache: bool = True
     log: Callable[[str], None] = print
     failure: Callable[[], str | None] = lambda: None
+    # The ranks down or starting again (a healing client), in words; None when ready.
+    health: Callable[[], str | None] = lambda: None
+    metrics: Metrics = field(default_factory=Metrics)
+    # The model's tool calling (exokv.serve.tools.ModelTools), read when first asked for.
+    tools: Callable[[], Any] = lambda: None
+    open: int = 0  # requests with a job not answered yet (the drain counts them)
+    halted: bool = False  # the drain limit passed: what still runs was stopped
+
+    def in_flight(self) -> int:
+        return max(self.open, int(self.queue.busy) + self.queue.waiting)
+
+
+class Shape(Protocol):
+    """One API's request read and reply written (api.OpenAIChat, completions, anthropic)."""
+
+    stream: bool
+
+    def error_doc(self, err: api.ApiError) -> dict[str, Any]: ...
+
+    def whole(self, job: Job, result: TurnResult) -> dict[str, Any]: ...
+
+    def opening(self) -> list[bytes]: ...
+
+    def piece(self, text: str) -> list[bytes]: ...
+
+    def closing(self, job: Job, result: TurnResult) -> list[bytes]: ...
+
+    def broken(self, err: api.ApiError, job: Job) -> list[bytes]:
+        """A stream that cannot finish: an error event, its end, then the stream's end."""
+        ...
 
 
 class Disconnected(Exception):
     """The client went away before its reply was complete."""
-
-
-def error_response(err: api.ApiError) -> JSONResponse:
-    return JSONResponse(err.doc(), status_code=err.status, headers=err.headers)
 
 
 class _Request:
@@ -61,8 +96,16 @@ class _Request:
         client = request.client
         self.peer = f"{client.host}:{client.port}" if client else "-"
         self.route = f"{request.method} {request.url.path}"
+        self.counted = False  # in service.open until written
+
+    def opened(self) -> None:
+        self.counted = True
+        self.service.open += 1
 
     def write(self, status: int, job: Job | None = None, stream: bool = False) -> None:
+        if self.counted:
+            self.counted = False
+            self.service.open -= 1
         parts = [
             time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime()),
             self.peer,
@@ -85,6 +128,7 @@ class _Request:
         if stream:
             parts.append("stream")
         self.service.log(" ".join(parts))
+        self.service.metrics.answered(self.route, status, job)
 
 
 def _check_key(service: Service, request: Request) -> None:
@@ -92,12 +136,12 @@ def _check_key(service: Service, request: Request) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, key = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        key.strip().encode(), service.api_key.encode()
-    ):
+    if scheme.lower() != "bearer":  # Anthropic's clients send their key as x-api-key
+        scheme, key = "bearer", request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(key.strip().encode(), service.api_key.encode()):
         raise api.ApiError(
             401,
-            "missing or wrong API key: send 'Authorization: Bearer KEY'",
+            "missing or wrong API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')",
             code="invalid_api_key",
         )
 
@@ -121,11 +165,20 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _next_event(job: Job, request: Request) -> tuple[str, Any]:
-    """The job's next event; Disconnected (the job cancelled) if the client leaves first."""
+async def _next_event(
+    job: Job, request: Request, within: float | None = None
+) -> tuple[str, Any] | None:
+    """The job's next event; Disconnected (the job cancelled) if the client leaves first;
+    None if `within` seconds pass first."""
+    deadline = None if within is None else time.monotonic() + within
     while True:
+        wait = DISCONNECT_POLL_S
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                return None
         try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            return await asyncio.wait_for(job.events.get(), wait)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 raise Disconnected from None
@@ -144,23 +197,32 @@ class _Stream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except OSError:
+            pass  # the client's connection broke mid-write: it left, on_close says so
         finally:
             self.on_close()
 
 
+Parse = Callable[[bytes], tuple[TurnRequest, list[str], Shape]]
+
+
 def build_app(service: Service) -> Starlette:
+    from exokv.serve import anthropic, completions
+
     async def health(request: Request) -> Response:
         failure = service.failure()
+        trouble = failure or service.health()
+        status = "failed" if failure else ("ok" if trouble is None else "degraded")
         doc = {
-            "status": "failed" if failure else "ok",
+            "status": status,
             "model": service.model,
             "ranks": service.ranks,
             "waiting": service.queue.waiting,
             "busy": service.queue.busy,
         }
-        if failure:
-            doc["error"] = failure
-        return JSONResponse(doc, status_code=503 if failure else 200)
+        if trouble:
+            doc["error"] = trouble
+        return JSONResponse(doc, status_code=200 if trouble is None else 503)
 
     async def models(request: Request) -> Response:
         log = _Request(service, request)
@@ -168,63 +230,111 @@ def build_app(service: Service) -> Starlette:
             _check_key(service, request)
         except api.ApiError as err:
             log.write(err.status)
-            return error_response(err)
+            return JSONResponse(err.doc(), status_code=err.status, headers=err.headers)
         log.write(200)
         entry = {"id": service.model, "object": "model", "created": 0, "owned_by": "exokv"}
         return JSONResponse({"object": "list", "data": [entry]})
 
-    async def chat_completions(request: Request) -> Response:
-        log = _Request(service, request)
-        job: Job | None = None
+    async def metrics(request: Request) -> Response:
         try:
             _check_key(service, request)
-            body = await _body(request, service.limits.body_bytes)
-            call = api.parse_chat(body, service.names, service.defaults, service.limits)
-            job = Job(
-                TurnRequest(
-                    session=api.conversation_name(call.messages),
-                    messages=call.messages,
-                    max_tokens=call.max_tokens,
-                    temp=call.temperature,
-                    use_cache=service.use_cache,
-                    top_p=call.top_p,
-                    sample_seed=call.seed,
-                ),
-                call.stop,
-                asyncio.get_running_loop(),
-            )
-            service.queue.submit(job)
-            first = await _next_event(job, request)  # errors (a prompt too long) before headers
-            if first[0] == "error":
-                raise first[1]
         except api.ApiError as err:
-            log.write(err.status, job)
-            return error_response(err)
-        except (Disconnected, ClientDisconnect):
-            if job is None:
-                log.write(499)
-            else:
-                service.queue.cancel(job)
-                _log_when_over(log, job)
-            return Response(status_code=499)
-        ident = f"chatcmpl-{secrets.token_hex(12)}"
-        if call.stream:
-            return _stream(service, log, job, call, first, ident)
-        return await _whole(service, log, job, request, first, ident)
+            return JSONResponse(err.doc(), status_code=err.status, headers=err.headers)
+        text = service.metrics.render(service.queue.waiting, service.in_flight())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def chat(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+        call = api.parse_chat(body, service.names, service.defaults, service.limits)
+        tools = service.tools() if call.tools or call.tool_messages else None
+        shape = api.ChatShape(service.model, call, tools)
+        return _turn(service, call, shape.tools_messages()), call.stop, shape
+
+    def complete(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+        call = completions.parse(body, service.names, service.defaults, service.limits)
+        return _turn(service, call), call.stop, completions.Shape(service.model, call)
+
+    def messages(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+        call = anthropic.parse(body, service.names, service.defaults, service.limits)
+        tools = service.tools() if call.tools or call.tool_messages else None
+        shape = anthropic.Shape(service.model, call, tools)
+        return _turn(service, call, shape.tools_messages()), call.stop, shape
+
+    def route(parse: Parse, error_doc: Callable[[api.ApiError], dict[str, Any]]) -> Any:
+        async def endpoint(request: Request) -> Response:
+            return await _call(service, request, parse, error_doc)
+
+        return endpoint
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
         err = api.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         _Request(service, request).write(exc.status_code)
-        return error_response(err)
+        return JSONResponse(err.doc(), status_code=err.status)
 
     return Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/chat/completions", route(chat, api.ApiError.doc), methods=["POST"]),
+            Route("/v1/completions", route(complete, api.ApiError.doc), methods=["POST"]),
+            Route("/v1/messages", route(messages, anthropic.error_doc), methods=["POST"]),
         ],
         exception_handlers={HTTPException: not_found},
     )
+
+
+def _turn(service: Service, call: Any, extra: list[dict[str, Any]] | None = None) -> TurnRequest:
+    """The turn a checked call asks for (every API's call has these fields)."""
+    messages = (extra or []) + call.messages
+    return TurnRequest(
+        session=api.conversation_name(messages),
+        messages=messages,
+        max_tokens=call.max_tokens,
+        temp=call.temperature,
+        use_cache=service.use_cache,
+        top_p=call.top_p,
+        sample_seed=call.seed,
+    )
+
+
+async def _call(
+    service: Service,
+    request: Request,
+    parse: Parse,
+    error_doc: Callable[[api.ApiError], dict[str, Any]],
+) -> Response:
+    log = _Request(service, request)
+    job: Job | None = None
+    shape: Shape | None = None
+
+    def refused(err: api.ApiError) -> Response:
+        log.write(err.status, job)
+        return JSONResponse(error_doc(err), status_code=err.status, headers=err.headers)
+
+    try:
+        _check_key(service, request)
+        body = await _body(request, service.limits.body_bytes)
+        turn, stops, shape = parse(body)
+        job = Job(turn, stops, asyncio.get_running_loop())
+        service.queue.submit(job)
+        log.opened()
+        service.metrics.queued(job)
+        # Errors (a prompt too long) come before the headers; a stream waits only so long.
+        first = await _next_event(job, request, HEAD_WAIT_S if shape.stream else None)
+        if first is not None and first[0] == "error":
+            raise first[1]
+    except api.ApiError as err:
+        return refused(err)
+    except (Disconnected, ClientDisconnect):
+        if job is None:
+            log.write(499)
+        else:
+            service.queue.cancel(job)
+            _log_when_over(log, job)
+        return Response(status_code=499)
+    if shape.stream:
+        return _stream(service, log, job, shape, first)
+    return await _whole(service, log, job, request, first, shape, refused)
 
 
 _draining: set[asyncio.Task[None]] = set()  # log lines waiting for their stopped turns
@@ -244,59 +354,70 @@ def _log_when_over(log: _Request, job: Job, stream: bool = False) -> None:
     task.add_done_callback(_draining.discard)
 
 
+def _cut_by_drain(service: Service, result: TurnResult) -> bool:
+    return service.halted and result.finish_reason == "interrupted"
+
+
 async def _whole(
     service: Service,
     log: _Request,
     job: Job,
     request: Request,
-    event: tuple[str, Any],
-    ident: str,
+    event: tuple[str, Any] | None,
+    shape: Shape,
+    refused: Callable[[api.ApiError], Response],
 ) -> Response:
     try:
-        while event[0] == "text":
+        while event is None or event[0] == "text":
             event = await _next_event(job, request)
     except Disconnected:
         service.queue.cancel(job)
         _log_when_over(log, job)
         return Response(status_code=499)
     if event[0] == "error":
-        log.write(event[1].status, job)
-        return error_response(event[1])
+        return refused(event[1])
     result = event[1]
-    finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
-    used = api.usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
+    if _cut_by_drain(service, result):
+        return refused(api.ApiError(503, SHUT_DOWN, code="shutting_down"))
     log.write(200, job)
-    return JSONResponse(api.completion(ident, service.model, job.reply, finish, used))
+    return JSONResponse(shape.whole(job, result))
 
 
 def _stream(
-    service: Service,
-    log: _Request,
-    job: Job,
-    call: api.ChatCall,
-    first: tuple[str, Any],
-    ident: str,
+    service: Service, log: _Request, job: Job, shape: Shape, first: tuple[str, Any] | None
 ) -> Response:
     status = {"code": 499}  # until the stream ends as it should
 
+    async def next_or_keepalive() -> tuple[str, Any] | None:
+        try:
+            return await asyncio.wait_for(job.events.get(), KEEPALIVE_S)
+        except asyncio.TimeoutError:
+            return None  # nothing for a while (a long prefill): say the stream lives
+
     async def events() -> AsyncIterator[bytes]:
-        model = service.model
-        yield api.sse(api.chunk(ident, model, {"role": "assistant", "content": ""}))
+        for out in shape.opening():
+            yield out
         event = first
-        while event[0] == "text":
-            yield api.sse(api.chunk(ident, model, {"content": event[1]}))
-            event = await job.events.get()
+        while event is None or event[0] == "text":
+            if event is None:
+                yield KEEPALIVE
+            else:
+                for out in shape.piece(event[1]):
+                    yield out
+            event = await next_or_keepalive()
         if event[0] == "error":
             status["code"] = event[1].status
-            yield api.sse(event[1].doc())
+            for out in shape.broken(event[1], job):
+                yield out
             return
         result = event[1]
-        finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
-        yield api.sse(api.chunk(ident, model, {}, finish))
-        if call.include_usage:
-            used = api.usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
-            yield api.sse(api.chunk(ident, model, None, used=used))
-        yield api.sse("[DONE]")
+        if _cut_by_drain(service, result):
+            status["code"] = 503
+            for out in shape.broken(api.ApiError(503, SHUT_DOWN, code="shutting_down"), job):
+                yield out
+            return
+        for out in shape.closing(job, result):
+            yield out
         status["code"] = 200
 
     def on_close() -> None:

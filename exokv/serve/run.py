@@ -3,6 +3,7 @@ the Starlette app under uvicorn; on SIGTERM or Ctrl-C, drain and shut down like 
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import signal
 import sys
@@ -105,7 +106,11 @@ def run_serve(opts: ServeOptions) -> int:
     import uvicorn
 
     from exokv.chat.signals import ended_by_signals
+    from exokv.client.heal import HealingClient
     from exokv.serve.app import Service, build_app
+    from exokv.serve.drain import AFTER_STOP_S, DrainingServer
+    from exokv.serve.replies import RepliesFromStore
+    from exokv.serve.tools import model_tools
     from exokv.serve.work import TurnQueue
 
     cluster, plan = prepare(opts)
@@ -116,11 +121,14 @@ def run_serve(opts: ServeOptions) -> int:
     for warning in check(opts):
         _say(f"warning: {warning}")
     with ended_by_signals(), started(opts, cluster, kind="serve") as run:
-        client = run.client
+        # Replies' tokens a restart forgot come back from the store (exokv.serve.replies).
+        client = RepliesFromStore(run.client, run.store.load_reply_tokens)
+        if isinstance(run.client, HealingClient):
+            run.client.heal_when_idle = True  # /health says so; no request waits for it
         # No session locks: an API conversation is not opened like a chat's session.
         hooks = store_hooks(run, opts, locks=False)
         failed: list[str] = []
-        server: uvicorn.Server | None = None
+        server: DrainingServer | None = None
 
         def on_failure(why: str) -> None:
             failed.append(why)
@@ -149,27 +157,46 @@ def run_serve(opts: ServeOptions) -> int:
             use_cache=cluster.keep_cache,
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
+            health=run.client.health,
+            tools=functools.cache(lambda: model_tools(opts.model)),
         )
+
+        def halt() -> None:
+            # The drain limit passed (or nothing runs): what is left is stopped on every
+            # rank and each stream then ends with its own last chunk.
+            service.halted = service.in_flight() > 0
+            queue.close(timeout=0.0)
+
         config = uvicorn.Config(
             build_app(service),
             host=opts.host,
             port=opts.port,
             log_level="warning",
             access_log=False,  # ours has the tokens, the cached share and the TTFT
-            timeout_graceful_shutdown=opts.drain_s,
+            timeout_graceful_shutdown=AFTER_STOP_S,  # after exokv's own drain
             lifespan="off",
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(
+            config,
+            drain_s=opts.drain_s,
+            busy=service.in_flight,
+            halt=halt,
+            say=lambda text: _say(text),
+        )
         _watch_ranks(service, server)
         try:
             server.run()
         finally:
-            # In-flight requests had their drain; what is left is stopped on every rank.
+            # Normally done by the drain; after a failure, what is left is stopped here.
             queue.close(timeout=0.0 if service.failure() else 2.0)
         why = service.failure()
         if why:  # the ranks are gone: one line, exit 1, as the chat
             raise ExokvError(why)
-        return 0
+        if server.stopped:
+            _say(f"stopped {server.stopped} request(s) at the drain limit")
+        if server.signal == signal.SIGINT:
+            _say("interrupted")
+        return server.exit_code
 
 
 def _watch_ranks(service: Any, server: Any) -> None:

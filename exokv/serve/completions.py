@@ -1,0 +1,88 @@
+"""POST /v1/completions: OpenAI's legacy completions, a prompt in and its continuation out.
+
+The prompt is not templated: it travels as exokv.templating's raw prompt through the
+same turn path as a chat, cached in the same prefix tree (a prompt that starts like
+an earlier one is served from the cache as far as they agree).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from exokv.serve import api
+from exokv.templating import raw_prompt
+
+
+def parse(
+    body: bytes, models: set[str], defaults: api.Defaults, limits: api.Limits
+) -> api.ChatCall:
+    doc = api.read_doc(body, models)
+    prompt = doc.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise api.bad("prompt must be a non-empty string (one prompt per request)", "prompt")
+    if len(prompt) > limits.message_chars:
+        raise api.bad(
+            f"prompt is {len(prompt):,} characters; at most {limits.message_chars:,}", "prompt"
+        )
+    if (api.whole(doc, "n") or 1) != 1 or (api.whole(doc, "best_of") or 1) != 1:
+        raise api.bad("n and best_of: only one choice per request is supported", "n")
+    for name in ("echo", "logprobs", "suffix"):
+        if doc.get(name):
+            raise api.bad(f"{name} is not supported by this server", name)
+    fields = api.sampling(doc, defaults, limits, ("max_tokens",))
+    return api.ChatCall(messages=raw_prompt(prompt), stop=api.stops(doc, limits), **fields)
+
+
+def _doc(ident: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "id": ident,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+class Shape:
+    """The reply: a text_completion, or its chunks streamed (as OpenAI streams them)."""
+
+    def __init__(self, model: str, call: api.ChatCall) -> None:
+        self.model = model
+        self.call = call
+        self.stream = call.stream
+        self.ident = f"cmpl-{secrets.token_hex(12)}"
+
+    def error_doc(self, err: api.ApiError) -> dict[str, Any]:
+        return err.doc()
+
+    def _usage(self, result: Any) -> dict[str, Any]:
+        return api.usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
+
+    def whole(self, job: Any, result: Any) -> dict[str, Any]:
+        finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
+        return {**_doc(self.ident, self.model, job.reply, finish), "usage": self._usage(result)}
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def piece(self, text: str) -> list[bytes]:
+        return [api.sse(_doc(self.ident, self.model, text, None))]
+
+    def _used(self, result: Any) -> list[bytes]:
+        if not self.call.include_usage or result is None:
+            return []
+        doc = {**_doc(self.ident, self.model, "", None), "choices": []}
+        return [api.sse({**doc, "usage": self._usage(result)})]
+
+    def closing(self, job: Any, result: Any) -> list[bytes]:
+        finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
+        last = api.sse(_doc(self.ident, self.model, "", finish))
+        return [last, *self._used(result), api.sse("[DONE]")]
+
+    def broken(self, err: api.ApiError, job: Any) -> list[bytes]:
+        last = api.sse(_doc(self.ident, self.model, "", "length"))
+        return [api.sse(err.doc()), last, *self._used(job.result), api.sse("[DONE]")]

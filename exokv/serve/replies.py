@@ -1,0 +1,67 @@
+"""The replies' exact tokens a restarted server gives back to its ranks.
+
+A client resends the whole conversation with each call, so the server renders each
+earlier reply from its text; the ranks render it as the tokens they generated while
+they remember them (exokv.prompt), and the store keeps those tokens with every
+assistant message it records (messages.tokens, as for the chat). A server started
+again knows none of them: re-encoding the text can give other tokens, the disk
+tier's entry for the conversation is missed from the reply on, and the reply at
+temperature 0 changes. So before a request runs, the assistant messages the ranks
+do not know are looked up in its conversation's stored session and handed to them,
+in the worker thread, as the chat does when it resumes a session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from exokv.records import RowOutcome, TurnRequest, TurnResult
+
+
+class RepliesFromStore:
+    """A client that, before each turn, restores the stored tokens of the request's
+    replies it does not know. `stored(session)`: (reply, tokens) pairs of a session."""
+
+    def __init__(self, inner: Any, stored: Callable[[str], list[tuple[str, list[int]]]]) -> None:
+        self._inner = inner
+        self._stored = stored
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def restore(self, requests: list[TurnRequest]) -> int:
+        """Give the ranks the stored tokens of the requests' unknown replies; how many."""
+        pairs: list[tuple[str, list[int]]] = []
+        for request in requests:
+            unknown = {
+                m["content"]
+                for m in request.messages
+                if m["role"] == "assistant"
+                and m.get("content")
+                and self._inner.reply_tokens(m["content"]) is None
+            }
+            if unknown:
+                pairs += [(r, t) for r, t in self._stored(request.session) if r in unknown]
+        if pairs:
+            self._inner.remember_replies(pairs)
+        return len(pairs)
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        self.restore([request])
+        return self._inner.turn(request, on_text=on_text, on_progress=on_progress)
+
+    def turns(
+        self,
+        requests: list[TurnRequest],
+        on_text: Callable[[int, str], None] | None = None,
+        should_stop: Callable[[int], bool] | None = None,
+        on_row: Callable[[int, RowOutcome], None] | None = None,
+    ) -> list[RowOutcome]:
+        self.restore(requests)
+        return self._inner.turns(requests, on_text=on_text, should_stop=should_stop, on_row=on_row)

@@ -1,0 +1,160 @@
+"""OpenAI tool calling through the model's own chat template and mlx-lm's tool parsers.
+
+The request's `tools` reach the template as its `tools` argument (exokv.templating's
+marker message, so every rank renders them alike), `role: "tool"` results and
+assistant `tool_calls` as the template expects them; the reply's tool calls are
+cut out of its text where the model's parser marks them (mlx-lm's
+`tool_call_start`/`tool_call_end` and `parse_tool_call`, as mlx_lm.server reads them)
+and returned as OpenAI's `tool_calls`, each streamed whole in one delta. A model whose
+template does not read `tools` gets one clear 400.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exokv.serve.api import ApiError
+from exokv.templating import has_tools_support
+
+
+@dataclass(frozen=True)
+class ModelTools:
+    """What the loaded model's tokenizer says of tool calling."""
+
+    template: bool  # its chat template reads `tools`
+    start: str | None = None  # the markers around a call in its output (mlx-lm's parser)
+    end: str | None = None
+    parser: Callable[..., Any] | None = None
+
+
+def model_tools(name: str) -> ModelTools:
+    """The tool calling of model `name`, from its tokenizer's files on this machine
+    (none found: no tools)."""
+    try:
+        from mlx_lm.tokenizer_utils import load
+
+        tokenizer = load(_files(name))
+    except Exception:  # noqa: BLE001 - a front end without the files serves no tools
+        return ModelTools(template=False)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    return ModelTools(
+        template=has_tools_support(template),
+        start=tokenizer.tool_call_start,
+        end=tokenizer.tool_call_end,
+        parser=tokenizer.tool_parser,
+    )
+
+
+def _files(name: str) -> Path:
+    from exokv.model import hub
+    from exokv.model.resolve import resolve_model
+
+    repo = hub.parse_name(name) if not Path(name).expanduser().exists() else None
+    if repo is not None:  # a repo: only what is here already (the ranks loaded it)
+        snapshot = hub.cached_snapshot(*repo)
+        if snapshot is None:
+            raise FileNotFoundError(name)
+        return Path(snapshot)
+    return resolve_model(name)
+
+
+def check(tools: ModelTools | None, model: str, asked: bool) -> None:
+    """A request with tools (or tool messages) for a model whose template has none: 400."""
+    if asked and (tools is None or not tools.template):
+        raise ApiError(
+            400,
+            f"the model {model!r} has no tools support: its chat template does not read "
+            "`tools`; send the request without tools, or serve a model whose template has them",
+            param="tools",
+            code="tools_not_supported",
+        )
+
+
+def openai_call(parsed: dict[str, Any]) -> dict[str, Any]:
+    arguments = parsed.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": str(parsed.get("name", "")), "arguments": arguments},
+    }
+
+
+class ToolText:
+    """A reply's text, cut into what it says and the tool calls it makes, as it streams.
+
+    Text that could be the start of a call's marker is held back until the next piece
+    says whether it is; a call is parsed once its end marker has come (or the reply
+    ended). A call the parser cannot read stays in the text, as the model wrote it.
+    """
+
+    def __init__(self, tools: ModelTools, declared: list[dict[str, Any]]) -> None:
+        self.tools = tools
+        self.declared = declared
+        self.pending = ""
+        self.inside = False
+        self.calls: list[dict[str, Any]] = []
+
+    def feed(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
+        start, end = self.tools.start, self.tools.end
+        if not start or not end or self.tools.parser is None:
+            return piece, []
+        self.pending += piece
+        out, new = "", []
+        while True:
+            if not self.inside:
+                at = self.pending.find(start)
+                if at < 0:
+                    keep = _partial_suffix(self.pending, start)
+                    out += self.pending[: len(self.pending) - keep]
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return out, new
+                out += self.pending[:at]
+                self.pending = self.pending[at + len(start) :]
+                self.inside = True
+            at = self.pending.find(end)
+            if at < 0:
+                return out, new
+            body, self.pending = self.pending[:at], self.pending[at + len(end) :]
+            self.inside = False
+            calls = self._parse(body)
+            if calls is None:
+                out += start + body + end
+            else:
+                new += calls
+
+    def flush(self) -> tuple[str, list[dict[str, Any]]]:
+        """The reply ended: a call left open is parsed as it is, the rest is text."""
+        pending, self.pending = self.pending, ""
+        if not self.inside:
+            return pending, []
+        self.inside = False
+        calls = self._parse(pending)
+        return (self.tools.start or "") + pending if calls is None else "", calls or []
+
+    def _parse(self, body: str) -> list[dict[str, Any]] | None:
+        assert self.tools.parser is not None
+        try:
+            parsed = self.tools.parser(body, self.declared)
+        except Exception:  # noqa: BLE001 - not a call the parser reads: it stays text
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if not items or not all(isinstance(p, dict) and p.get("name") for p in items):
+            return None
+        calls = [openai_call(p) for p in items]
+        self.calls += calls
+        return calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

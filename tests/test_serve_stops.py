@@ -1,0 +1,192 @@
+"""`exokv serve` stopped and started again as a user of a server sees it: SIGTERM past
+the drain limit ends every stream with its last chunk, a restarted server answers a
+resent conversation as an uninterrupted one, /health says when a rank is down."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.chat_helpers import home_with_models
+from tests.serve_helpers import MODEL, raw, serving
+
+TRACEBACKS = ("Traceback", "Exception in", "Event loop is closed", "Task was destroyed")
+TURNS = ["hello there", "tell me more about gardens", "and about the sea"]
+
+
+def _sse_lines(url: str, body: dict) -> list[str]:
+    """The data lines of a stream, read to its end (the body's end, however it came)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    lines = [x.decode().strip() for x in resp]
+    return [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [["-n", "1"], ["-n", "2", "--starting-port", "26880"]])
+def test_sigterm_past_the_drain_limit_ends_every_stream_with_a_final_chunk(
+    tmp_path: Path, models_dir: Path, ranks: list[str]
+) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    body = {
+        "messages": [{"role": "user", "content": "a very long story"}],
+        "max_tokens": 20000,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with serving(home, "--drain-timeout", "1", *ranks) as s:
+        got: list[list[str]] = []
+        reader = threading.Thread(target=lambda: got.append(_sse_lines(s.url, body)))
+        reader.start()
+        # The real client sees the error event as an error, not as a normal end.
+        stream = s.client().chat.completions.create(
+            model=MODEL, messages=body["messages"], max_tokens=20000, stream=True
+        )
+        first = next(iter(stream))
+        assert first.choices[0].delta.role == "assistant"
+        s.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shut"):
+            for _ in stream:
+                pass
+        reader.join(timeout=120)
+        assert s.proc.wait(timeout=60) == 128 + signal.SIGTERM  # the drain had to stop them
+    lines = got[0]
+    assert lines[-1] == "[DONE]"
+    error, finish, used = (json.loads(x) for x in lines[-4:-1])
+    assert error["error"]["code"] == "shutting_down"
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert 0 < used["usage"]["completion_tokens"] < 20000
+    assert any(x.startswith("exokv: draining: 2 requests in flight") for x in s.log), s.log
+    # One line each: the one running (stopped on the ranks), the one still waiting.
+    stopped = [x for x in s.access(503) if x.endswith("stream")]
+    assert len(stopped) == 2, s.log
+    assert sum("finish=interrupted" in x for x in stopped) == 1, s.log
+    assert not [x for x in s.log if any(t in x for t in TRACEBACKS)], s.log
+
+
+def _conversation(server, turns: list[str]) -> list:
+    client = server.client()
+    messages: list[dict[str, str]] = [{"role": "system", "content": "be brief"}]
+    out = []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        done = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0
+        )
+        out.append(done)
+        messages.append({"role": "assistant", "content": done.choices[0].message.content})
+    return out
+
+
+def _resend(server, earlier: list, turns: list[str]):
+    """The last turn of `turns` sent with the replies `earlier` gave the others."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "be brief"}]
+    for text, done in zip(turns, earlier, strict=False):
+        messages += [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": done.choices[0].message.content},
+        ]
+    messages.append({"role": "user", "content": turns[-1]})
+    return server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0
+    )
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("ranks", ["1", "2"])
+def test_a_restarted_server_answers_a_resent_conversation_as_an_uninterrupted_one(
+    tmp_path: Path, models_dir: Path, ranks: str
+) -> None:
+    args = ["-n", ranks, "--starting-port", "26810" if ranks == "2" else "0"]
+    args = args if ranks == "2" else ["-n", "1"]
+    whole = home_with_models(tmp_path / "whole", models_dir, link=True)
+    with serving(whole, *args) as s:
+        uninterrupted = _conversation(s, TURNS)
+    cut = home_with_models(tmp_path / "cut", models_dir, link=True)
+    with serving(cut, *args) as s:
+        before = _conversation(s, TURNS[:2])
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=90) == 0  # a clean drain
+    assert [d.choices[0].message.content for d in before] == [
+        d.choices[0].message.content for d in uninterrupted[:2]
+    ]
+    with serving(cut, *args) as again:
+        after = _resend(again, before, TURNS)
+    want = uninterrupted[-1]
+    assert after.choices[0].message.content == want.choices[0].message.content
+    assert after.usage.prompt_tokens == want.usage.prompt_tokens
+    assert after.usage.prompt_tokens_details.cached_tokens == (
+        want.usage.prompt_tokens_details.cached_tokens
+    )
+
+
+@pytest.mark.timeout(300)
+def test_health_says_a_rank_is_down_and_the_ranks_start_again_without_a_request(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    import psutil
+
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    with serving(home, "-n", "2", "--starting-port", "26850") as s:
+        status, _, doc = raw(s.url + "/health")
+        assert (status, doc["status"]) == (200, "ok")
+        ranks = [
+            p
+            for p in psutil.Process(s.proc.pid).children(recursive=True)
+            if p.environ().get("MLX_RANK") == "1"
+        ]
+        assert len(ranks) == 1
+        ranks[0].kill()
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status, _, doc = raw(s.url + "/health")
+            seen.append((status, doc["status"]))
+            if seen[-1] == (200, "ok") and len(seen) > 1 and seen[-2] != (200, "ok"):
+                break
+            time.sleep(0.1)
+        assert (503, "degraded") in seen, seen
+        assert seen[-1] == (200, "ok"), seen
+        # Started again by the watch, with no request: the log says so.
+        s.wait_log(lambda x: "starting the ranks again" in x)
+        assert not s.access()  # no request was sent
+        done = s.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert done.choices[0].message.content
+
+
+@pytest.mark.timeout(400)
+def test_a_client_that_leaves_during_a_long_prefill_stops_it_on_every_rank(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    long = " ".join(f"word{i}" for i in range(1500))  # some 7,000 tokens: seconds of prefill
+    body = {"messages": [{"role": "user", "content": long}], "max_tokens": 5, "stream": True}
+    with serving(home, "-n", "2", "--starting-port", "26900") as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
+        resp = conn.getresponse()
+        assert resp.status == 200  # the headers did not wait for the prefill
+        assert resp.readline().startswith(b"data: ")  # the role chunk; no token yet
+        conn.close()  # the client leaves during the prefill
+        (line,) = s.wait_log(lambda x: " 499 " in x, timeout=300)
+        assert "finish=interrupted" in line and "completion=0" in line, line
+        # What the ranks prefilled before the stop is cached, alike on both (a mismatch
+        # would fail this prefill): a part of the prompt, not all of it.
+        again = s.client().chat.completions.create(
+            model=MODEL, messages=body["messages"], max_tokens=1
+        )
+        prompt, cached = again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < prompt - 1, (cached, prompt)  # stopped in the prefill, not after

@@ -1,0 +1,339 @@
+"""OpenAI tool calling on `exokv serve`: tools rendered by the model's own chat template,
+a tool's result accepted, a tool call in the reply parsed (mlx-lm's parser) and
+streamed as OpenAI streams it, and one clear 400 for a template without tools.
+
+The model is builtin:tiny with a tools template (Hermes-style, which mlx-lm reads with
+its json_tools parser). A random model calls no tool by itself, so the parsing and
+streaming tests run the app in this process over a client that replies a given text.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+import uvicorn
+
+from exokv.records import TurnRequest, TurnResult
+from exokv.serve.app import Service, build_app
+from exokv.serve.tools import ModelTools, ToolText, model_tools
+from exokv.serve.work import TurnQueue
+from tests.chat_helpers import home_with_models
+from tests.serve_helpers import free_port, raw, serving
+from tests.stub_client import StubClient
+
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{%- for tool in tools %}{{ tool | tojson }}\n{% endfor -%}</tools>\n"
+    'Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls -%}"
+    "<|im_start|>assistant\n{{ message.content or '' }}"
+    "{%- for tool_call in message.tool_calls -%}{%- set tool_call = tool_call.function -%}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor -%}<|im_end|>\n"
+    "{%- elif message.role == 'tool' -%}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else -%}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def tools_model(root: Path, models_dir: Path) -> Path:
+    """builtin:tiny's checkpoint with a chat template that reads `tools`."""
+    out = root / "tiny-tools"
+    out.mkdir(parents=True)
+    for item in (models_dir / "tiny").iterdir():
+        if item.name == "exokv_builtin.json":
+            continue
+        if item.suffix == ".safetensors":
+            (out / item.name).symlink_to(item)
+        else:
+            shutil.copy(item, out / item.name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Path:
+    return tools_model(tmp_path_factory.mktemp("tools-model"), models_dir)
+
+
+# -- the model's tools and the reply's calls ---------------------------------------
+
+
+def test_the_model_with_a_tools_template_has_mlx_lms_json_parser(model: Path) -> None:
+    tools = model_tools(str(model))
+    assert tools.template and (tools.start, tools.end) == ("<tool_call>", "</tool_call>")
+
+
+@pytest.mark.parametrize("cut", range(0, len(CALL) + 1, 7))
+def test_a_call_is_cut_out_of_the_text_however_it_streams(model: Path, cut: int) -> None:
+    reader = ToolText(model_tools(str(model)), [WEATHER])
+    text = "Let me look. " + CALL + " done"
+    said, calls = "", []
+    for piece in (text[: 13 + cut], text[13 + cut :]):
+        out, new = reader.feed(piece)
+        said, calls = said + out, calls + new
+    out, new = reader.flush()
+    said, calls = said + out, calls + new
+    assert said == "Let me look.  done"
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_text_the_parser_cannot_read_stays_text(model: Path) -> None:
+    reader = ToolText(model_tools(str(model)), [WEATHER])
+    out, calls = reader.feed("a <tool_call>not json</tool_call> b")
+    assert (out, calls) == ("a <tool_call>not json</tool_call> b", [])
+
+
+# -- parsed and streamed through the real client -------------------------------------
+
+
+class Replies(StubClient):
+    """Replies `text` to every turn, in pieces of 5 characters."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.requests: list[TurnRequest] = []
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        self.requests.append(request)
+        for i in range(0, len(self.text), 5):
+            if on_text is not None:
+                on_text(self.text[i : i + 5])
+        return TurnResult(
+            session=request.session,
+            reply=self.text,
+            prompt_tokens=10,
+            cached_tokens=0,
+            prefilled_tokens=10,
+            generated_tokens=len(self.text) // 5,
+            ttft_s=0.0,
+            decode_tps=0.0,
+            overhead_s=0.0,
+            ranks=1,
+        )
+
+
+@pytest.fixture
+def forced(model: Path):
+    """An in-process server over `Replies`; yields (start(text) -> openai client)."""
+    running: list[tuple[uvicorn.Server, threading.Thread, TurnQueue]] = []
+    tools = model_tools(str(model))
+
+    def start(text: str, model_tools: ModelTools | None = tools) -> str:
+        queue = TurnQueue(Replies(text), 4)
+        service = Service(model="m", names={"m"}, queue=queue, ranks=1, log=lambda _: None)
+        service.tools = lambda: model_tools
+        port = free_port()
+        config = uvicorn.Config(build_app(service), port=port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.02)
+        running.append((server, thread, queue))
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread, queue in running:
+        server.should_exit = True
+        thread.join(timeout=10)
+        queue.close(timeout=1)
+
+
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+CLAUDE_WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": WEATHER["function"]["parameters"],
+}
+
+
+def gpt(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+
+def claude(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.mark.timeout(60)
+def test_a_tool_call_is_returned_as_tool_calls(forced) -> None:
+    client = gpt(forced("Sure. " + CALL))
+    done = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER])
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure. "
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+@pytest.mark.timeout(60)
+def test_a_tool_call_is_streamed_as_openai_streams_it(forced) -> None:
+    client = gpt(forced("Sure. " + CALL + CALL.replace("Paris", "Rome")))
+    chunks = list(
+        client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], stream=True)
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Sure. "
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.index for d in deltas] == [0, 1]
+    cities = [json.loads(d.function.arguments)["city"] for d in deltas]
+    assert cities == ["Paris", "Rome"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.timeout(60)
+def test_without_tools_the_same_text_is_text(forced) -> None:
+    client = gpt(forced(CALL))
+    done = client.chat.completions.create(model="m", messages=ASK)
+    assert done.choices[0].message.content == CALL
+    assert done.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.timeout(60)
+def test_anthropics_tool_use_blocks_whole_and_streamed(forced) -> None:
+    url = forced("Sure. " + CALL)
+    done = claude(url).messages.create(
+        model="m", max_tokens=50, messages=ASK, tools=[CLAUDE_WEATHER]
+    )
+    assert done.stop_reason == "tool_use"
+    text, use = done.content
+    assert (text.type, text.text) == ("text", "Sure. ")
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert use.id.startswith("toolu_")
+    with claude(url).messages.stream(
+        model="m", max_tokens=50, messages=ASK, tools=[CLAUDE_WEATHER]
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Sure. "
+    assert final.content[1].input == {"city": "Paris"}
+
+
+# -- rendered by the model's template, on the real model -----------------------------
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path, model: Path):
+    home = home_with_models(tmp_path_factory.mktemp("tools") / "h", models_dir, link=True)
+    with serving(home, "--model", str(model), "--max-tokens", "4") as s:
+        yield s
+
+
+@pytest.mark.timeout(300)
+def test_tools_are_rendered_and_a_tool_result_is_accepted(tools_server, model: Path) -> None:
+    client = tools_server.client()
+    plain = client.chat.completions.create(model=model.name, messages=ASK)
+    with_tools = client.chat.completions.create(model=model.name, messages=ASK, tools=[WEATHER])
+    grown = with_tools.usage.prompt_tokens - plain.usage.prompt_tokens
+    assert grown > len(json.dumps(WEATHER)) // 4  # the tools' text is in the prompt
+    none = client.chat.completions.create(
+        model=model.name, messages=ASK, tools=[WEATHER], tool_choice="none"
+    )
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    result = client.chat.completions.create(
+        model=model.name,
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        ],
+        tools=[WEATHER],
+    )
+    assert result.choices[0].message.content is not None
+    assert result.usage.prompt_tokens > with_tools.usage.prompt_tokens + 10
+    assert result.usage.prompt_tokens_details.cached_tokens > 0  # the tools' prefix
+
+
+@pytest.mark.timeout(300)
+def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Path) -> None:
+    client = claude(tools_server.url)
+    plain = client.messages.create(model=model.name, max_tokens=4, messages=ASK)
+    with_tools = client.messages.create(
+        model=model.name, max_tokens=4, messages=ASK, tools=[CLAUDE_WEATHER]
+    )
+    assert with_tools.usage.input_tokens + with_tools.usage.cache_read_input_tokens > (
+        plain.usage.input_tokens + plain.usage.cache_read_input_tokens + 20
+    )
+    result = client.messages.create(
+        model=model.name,
+        max_tokens=4,
+        tools=[CLAUDE_WEATHER],
+        messages=[
+            *ASK,
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "tool_use",
+                        "id": "t1",
+                        "name": "get_weather",
+                        "input": {"city": "Paris"},
+                    }
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}],
+            },
+        ],
+    )
+    assert result.usage.cache_read_input_tokens > 0
+    assert result.content
+
+
+@pytest.mark.timeout(300)
+def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: Path) -> None:
+    home = home_with_models(tmp_path / "h", models_dir, link=True)
+    with serving(home) as s:
+        body = json.dumps({"messages": ASK, "tools": [WEATHER]}).encode()
+        status, _, doc = raw(s.base + "/chat/completions", body)
+        assert status == 400 and doc["error"]["code"] == "tools_not_supported", doc
+        assert "no tools support" in doc["error"]["message"]
+        tool_result = {"role": "tool", "tool_call_id": "c", "content": "x"}
+        body = json.dumps({"messages": [*ASK, tool_result]}).encode()
+        assert raw(s.base + "/chat/completions", body)[0] == 400
+        body = json.dumps({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
+        status, _, doc = raw(s.base + "/chat/completions", body.encode())
+        assert status == 400 and doc["error"]["param"] == "tool_choice"
