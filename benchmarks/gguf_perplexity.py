@@ -148,7 +148,8 @@ def time_conversion(name: str) -> dict[str, Any]:
     after = next((m for m in marks if m[1] >= embedding), marks[-1]) if embedding else marks[0]
     layer_bytes = marks[-1][1] - after[1]
     layer_s = marks[-1][0] - after[0]
-    per_gb = layer_s / (layer_bytes / 1e9) if layer_bytes else wall / (size / 1e9)
+    # A file mx.load reads whole (only kept types) has no per-tensor timing: the whole rate.
+    per_gb = layer_s / (layer_bytes / 1e9) if layer_bytes and layer_s else wall / (size / 1e9)
     return {
         "model": name,
         "file_bytes": size,
