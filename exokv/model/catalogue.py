@@ -337,7 +337,8 @@ def models_table(found: list[dict[str, Any]]) -> Any:
         size = format_size(m["size_bytes"], "decimal") if m.get("size_bytes") else "-"
         tensor = {True: "yes", False: "no"}.get(m.get("tensor"), "?")
         table.add_row(
-            m["name"],
+            # A converted GGUF's name is its file's path: its file name fits the table.
+            Path(m["name"]).name if m.get("kind") == "gguf" else m["name"],
             m.get("family") or "?",
             m.get("cache_kind") or "?",
             m.get("pipeline") or "-",
