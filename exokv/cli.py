@@ -323,7 +323,7 @@ def models(
         print(json.dumps(found, indent=2))
         return
     Console().print(models_table(found))
-    print("smollm2 and builtin: models are made on first use; --json adds paths and sources")
+    print("smollm2, gemma3-270m, builtin: made on first use; --json adds paths and sources")
 
 
 def _models_per_host(hosts: str | None, hostfile: str | None, json_out: bool) -> None:

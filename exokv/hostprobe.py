@@ -145,17 +145,19 @@ def _fake_versions() -> dict[str, str]:
 def model_presence(name: str) -> ModelPresence:
     """Where `name` (a --model value) stands on this host, found without side effects:
     the same kinds, in the same order, as exokv.model.resolve.resolve_model."""
-    from exokv.model import hub, resolve, smollm2
+    from exokv.model import hub, resolve
+    from exokv.model.packaged import MODELS as PACKAGED
 
     name = name.strip()
     if not name:
         return ModelPresence(name, "invalid", "an empty model name")
-    if name == smollm2.NAME:
-        if (smollm2.smollm2_dir() / "config.json").is_file():
-            return ModelPresence(name, "here", "converted", str(smollm2.smollm2_dir()))
-        if smollm2.smollm2_gguf().is_file():
+    if name in PACKAGED:
+        packaged = PACKAGED[name]
+        if (packaged.converted() / "config.json").is_file():
+            return ModelPresence(name, "here", "converted", str(packaged.converted()))
+        if packaged.gguf().is_file():
             return ModelPresence(name, "first-use", "its GGUF is here: converted on first use")
-        return ModelPresence(name, "fetch", f"fetched from {smollm2.SOURCE} on first use")
+        return ModelPresence(name, "fetch", f"fetched from {packaged.source} on first use")
     if name.startswith(resolve.OLLAMA_PREFIX):
         return _gguf_presence(name, lambda: _ollama_blob(name[len(resolve.OLLAMA_PREFIX) :]))
     if name.startswith(resolve.BUILTIN_PREFIX):

@@ -106,3 +106,12 @@ def smollm2_dir() -> Path:
     from exokv.model.smollm2 import ensure_smollm2
 
     return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma 3 270M (base, Q4_K_M) converted for mlx-lm: fetched and converted once per
+    machine, like smollm2_dir; a larger vocabulary and slower, so fewer tests."""
+    from exokv.model.gemma3_270m import ensure_gemma3
+
+    return ensure_gemma3()

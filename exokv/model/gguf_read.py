@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,8 @@ NATIVE_TYPES = {"F32": 32, "F16": 16, "BF16": 16, "Q4_0": 4, "Q4_1": 4, "Q8_0": 
 # Types mx.load reads only by casting to float16 (its Q4_K decoding differs from
 # llama.cpp's): decoded by the gguf package like the ones it cannot read.
 MLX_CASTS = ("Q2_K", "Q4_K", "Q6_K")
+# Raw bytes of a tensor decoded at once (a piece of rows; see _decoded).
+_PIECE_BYTES = 8 << 20
 # Types decoded by the gguf package and quantized again, at about their bits per weight.
 REQUANTIZED = {
     "Q5_0": 5, "Q5_1": 5, "Q2_K": 3, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
@@ -42,8 +44,16 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_gguf(
+    path: Path, on_tensor: Callable[[int, int], None] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors, metadata): tensors as mx arrays, quantized ones in MLX's affine format.
+
+    ``on_tensor(done, total)`` runs first with 0 (the file's types are known to
+    be readable) and then after each tensor is read, in bytes of the file's
+    tensor data: the decoding is most of a conversion's time, and each tensor is
+    evaluated before the next so the count follows the work (and the decoded
+    floats are freed as it goes).
 
     Q4_0, Q4_1 and Q8_0 come from ``mx.load`` as MLX quantized arrays, exactly.
     Other quantized types (Q4_K, Q6_K, Q5_0, ...) are decoded by the ``gguf``
@@ -66,6 +76,10 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             f"{', '.join(NATIVE_TYPES)} (kept as they are) and "
             f"{', '.join(REQUANTIZED)} (quantized again for MLX)"
         )
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    done = 0
+    if on_tensor is not None:
+        on_tensor(done, total)
     loaded: dict[str, Any] = {}
     # mx.load refuses a file holding a type it cannot read at all (Q5_0, ...): then
     # every tensor is decoded, the kept types too.
@@ -76,6 +90,13 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
             raise ExokvError(f"cannot read the GGUF file {path}: {one_line(e, named=False)}") from e
     tensors: dict[str, Any] = {}
+
+    def step(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if on_tensor is not None:
+            on_tensor(done, total)
+
     for tensor in reader.tensors:
         name, kind = tensor.name, tensor.tensor_type.name
         if kind in NATIVE_TYPES and name in loaded:
@@ -83,9 +104,12 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
             parts = [name] + [
                 f"{base}.{p}" for p in ("scales", "biases") if name.endswith(".weight")
             ]
-            tensors.update((key, loaded[key]) for key in parts if key in loaded)
+            read = {key: loaded[key] for key in parts if key in loaded}
+            step(int(tensor.n_bytes))
         else:
-            tensors.update(_decoded(tensor, kind))
+            read = _decoded(tensor, kind, step)
+        mx.eval(list(read.values()))
+        tensors.update(read)
     return tensors, metadata
 
 
@@ -101,20 +125,38 @@ def _gguf_named(path: Path) -> Iterator[Path]:
         yield link
 
 
-def _decoded(tensor: Any, kind: str) -> dict[str, Any]:
-    """One tensor decoded by the gguf package; quantized types quantized again for MLX."""
+def _decoded(tensor: Any, kind: str, step: Callable[[int], None]) -> dict[str, Any]:
+    """One tensor decoded by the gguf package; quantized types quantized again for MLX.
+
+    A 2-D quantized tensor is decoded a few megabytes of rows at a time, each
+    quantized again before the next (groups run along a row, so the result is the
+    one of the whole): the float copy stays small, and ``step(bytes)`` reports each
+    piece, so a large embedding does not hold the progress still.
+    """
     import mlx.core as mx
     import numpy as np
     from gguf import quants
 
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    values = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
-    if kind in FLOAT_TYPES:
-        return {tensor.name: mx.array(values).astype(getattr(mx, FLOAT_TYPES[kind]))}
-    array = mx.array(values.astype(np.float32)).astype(mx.float16)
-    if array.ndim != 2 or shape[-1] % GROUP_SIZE:
-        return {tensor.name: array}
-    weight, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=_bits_for(kind))
+    data = tensor.data
+    bits = _bits_for(kind)
+    if kind in FLOAT_TYPES or len(shape) != 2 or shape[-1] % GROUP_SIZE or data.ndim != 2:
+        values = np.asarray(quants.dequantize(data, tensor.tensor_type)).reshape(shape)
+        step(int(tensor.n_bytes))
+        if kind in FLOAT_TYPES:
+            return {tensor.name: mx.array(values).astype(getattr(mx, FLOAT_TYPES[kind]))}
+        return {tensor.name: mx.array(values.astype(np.float32)).astype(mx.float16)}
+    rows = max(1, _PIECE_BYTES // max(int(data.shape[1]), 1))
+    parts: list[tuple[Any, Any, Any]] = []
+    for start in range(0, shape[0], rows):
+        raw = data[start : start + rows]
+        values = np.asarray(quants.dequantize(raw, tensor.tensor_type), dtype=np.float32)
+        array = mx.array(values).astype(mx.float16)
+        part = mx.quantize(array, group_size=GROUP_SIZE, bits=bits)
+        mx.eval(part)
+        parts.append(part)
+        step(int(raw.nbytes))
+    weight, scales, biases = (mx.concatenate([p[i] for p in parts]) for i in range(3))
     base = tensor.name.removesuffix(".weight")
     return {tensor.name: weight, f"{base}.scales": scales, f"{base}.biases": biases}
 

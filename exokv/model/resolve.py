@@ -1,7 +1,7 @@
 """From a --model value to a model directory, a loaded model and a stable identity.
 
-A value is one of: ``smollm2`` (the default: a real model fetched once per
-machine with pip), ``builtin:tiny|small|base`` (generated on first use), a local
+A value is one of: ``smollm2`` (the default) or ``gemma3-270m`` (real models
+fetched once per machine with pip), ``builtin:tiny|small|base`` (generated on first use), a local
 directory, a GGUF file (converted once), ``ollama:NAME[:TAG]`` (a GGUF in ollama's
 store), or a Hugging Face repo id ``org/name[@revision]``: its cached snapshot, or
 fetched whole from the hub when none is cached (exokv.model.hub; a chat or server
@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError, UsageError, one_line
-from exokv.model import builtin, hub, smollm2, zoo
+from exokv.model import builtin, hub, zoo
+from exokv.model.packaged import MODELS as PACKAGED
+from exokv.model.wheel_gguf import ensure_model
 
 BUILTIN_NAMES = ("tiny", "small", "base")
 BUILTIN_PREFIX = "builtin:"
@@ -69,8 +71,9 @@ def resolve_model(name: str) -> Path:
     name = name.strip()
     if not name:
         raise UsageError(f"empty model name: give a directory, a repo id or {_builtin_list()}")
-    if name == smollm2.NAME:
-        return _converted(name, smollm2.ensure_smollm2, smollm2.smollm2_dir())
+    if name in PACKAGED:
+        packaged = PACKAGED[name]
+        return _converted(name, lambda: ensure_model(packaged), packaged.converted())
     if name.startswith(OLLAMA_PREFIX):
         from exokv.model import ollama
         from exokv.model.gguf_models import converted_dir, ensure_gguf_model
@@ -182,11 +185,12 @@ def model_id(name: str) -> str:
     repos: ``org/name@<commit>``; local dirs: ``<dir name>@<hash of its files>``.
     """
     path = resolve_model(name)
-    if name.strip() == smollm2.NAME:
-        marker = builtin.read_marker(path, smollm2.CONVERT_VERSION)
+    packaged = PACKAGED.get(name.strip())
+    if packaged is not None:
+        marker = builtin.read_marker(path, packaged.convert_version)
         if marker is None:
             raise ExokvError(f"{name} at {path} is incomplete: delete that directory and retry")
-        return f"{smollm2.NAME}@{marker['fingerprint'][:12]}"
+        return f"{packaged.name}@{marker['fingerprint'][:12]}"
     short = builtin_name(name.strip())
     if short is not None:
         marker = generated_marker(short)
