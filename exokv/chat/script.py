@@ -39,6 +39,8 @@ def turn_json(outcome: Outcome) -> dict[str, Any]:
         "evictions": r.evictions,
         "ranks": r.ranks,
         "overhead_s": round(r.overhead_s, 6),
+        "draft_tokens": r.draft_tokens,
+        "accepted_tokens": r.accepted_tokens,
         "finish_reason": r.finish_reason,
         "decision": r.decision,
         "command": outcome.command,

@@ -25,13 +25,15 @@ from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
-from exokv.config import DEFAULT_MEMORY_THRESHOLD, slow_prefill_hook
+from exokv.config import DEFAULT_MEMORY_THRESHOLD, drafts_hook, slow_prefill_hook
 from exokv.errors import PromptTooLong
 from exokv.model import pipeline
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
-from exokv.rank import typeahead
+from exokv.rank import speculate, typeahead
+from exokv.rank.draft import Drafter, ScriptedDrafter
 from exokv.rank.pace import Pace
+from exokv.rank.speculate import Decoded, ReplyText, StepAgreement
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
@@ -112,6 +114,7 @@ class Engine:
         self.draft_events: list[CacheEvent] = []  # typeahead steps', reported by the next turn
         self.last_draft: DraftCost | None = None  # the last typeahead step's draft, for the toolbar
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
+        self.speculation = ""  # why the last turn decoded without drafts ("" if it did not)
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
 
@@ -244,12 +247,11 @@ class Engine:
             if stopped:
                 # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
                 ran = kinds.offset(hit.cache) or ran
-                generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
+                out = Decoded([], "", "interrupted", 0.0, 0.0)
             else:
-                generated, reply, finish, ttft, tps = self._decode(
-                    tokens[-1:], hit.cache, request, start, on_text, should_stop
-                )
-                ran = len(tokens) + len(generated)  # generate_step ran every token it gave
+                out = self._decode(tokens, hit.cache, request, start, on_text, should_stop)
+                ran = len(tokens) + len(out.tokens)  # decode ran every token it gave
+            generated, reply = out.tokens, out.reply
             self._remember_reply(reply, generated)
             tic = time.perf_counter()
             if use_cache:
@@ -274,16 +276,19 @@ class Engine:
             cached_tokens=hit.length,
             prefilled_tokens=len(tokens) - hit.length,
             generated_tokens=len(generated),
-            ttft_s=ttft,
-            decode_tps=tps,
+            ttft_s=out.ttft,
+            decode_tps=out.tps,
             overhead_s=overhead,
             ranks=self.group.size,
-            finish_reason=finish,
+            finish_reason=out.finish,
             decision=self.decision,
             events=events,
             rank_stats=stats,
             entries=entries,
             typed_ahead_tokens=typed_ahead,
+            draft_tokens=out.drafted,
+            accepted_tokens=out.accepted,
+            speculation=self.speculation,
         )
 
     def draft_step_tokens(self) -> int:
@@ -434,30 +439,54 @@ class Engine:
 
     def _decode(
         self,
-        last: list[int],
+        tokens: list[int],
         cache: list[Any],
         request: TurnRequest,
         start: float,
         on_text: Callable[[str], None] | None,
         should_stop: Callable[[], bool] | None,
-    ) -> tuple[list[int], str, str, float, float]:
+    ) -> Decoded:
+        """The reply after `tokens` (all but the last one in `cache`): with drafts from
+        the turn's tokens checked by the model (exokv.rank.speculate) where the request
+        and the cache allow it, else one token at a time."""
+        self.speculation = speculate.unsupported(cache) if request.speculate else "off"
+        if not self.speculation:
+            script = drafts_hook()  # tests only: drafts that are partly wrong
+            drafter = ScriptedDrafter(tokens, script) if script is not None else Drafter(tokens)
+            steps = StepAgreement(self.group, should_stop)
+            return speculate.decode(
+                self.model,
+                self.tokenizer,
+                tokens[-1],
+                cache,
+                request.max_tokens,
+                start,
+                drafter,
+                steps,
+                temp=request.temp,
+                top_p=request.top_p,
+                on_text=on_text,
+            )
+
         def stop(generated: int) -> bool:
             # Across ranks the check is a collective: every few tokens, at the same
             # tokens on every rank, so a Ctrl-C still lands within a few tokens.
             check = self.group.size == 1 or generated % STOP_CHECK_EVERY == 0
             return check and self._agreed_stop(should_stop)
 
-        return decode(
-            self.model,
-            self.tokenizer,
-            last,
-            cache,
-            request.max_tokens,
-            start,
-            temp=request.temp,
-            top_p=request.top_p,
-            on_text=on_text,
-            stop=stop,
+        return Decoded(
+            *decode(
+                self.model,
+                self.tokenizer,
+                tokens[-1:],
+                cache,
+                request.max_tokens,
+                start,
+                temp=request.temp,
+                top_p=request.top_p,
+                on_text=on_text,
+                stop=stop,
+            )
         )
 
     def _new_cache(self) -> list[Any]:
@@ -532,13 +561,7 @@ def decode(
     measured from `start`, decode tokens/s). stop(tokens generated) is asked after
     each token. The engine and the bench share this code path.
     """
-    detok = tokenizer.detokenizer
-    detok.reset()
-    streamed = 0  # characters of the reply passed to on_text
-    eos = set(tokenizer.eos_token_ids)
-    generated: list[int] = []
-    ttft = 0.0
-    first = last_time = time.perf_counter()
+    text = ReplyText(tokenizer, start, on_text)
     finish = "length"
     steps = generate_step(
         mx.array(last),
@@ -548,32 +571,16 @@ def decode(
         sampler=make_sampler(temp=temp, top_p=top_p),  # top_p 1.0: off
     )
     for token, _ in steps:
-        token = int(token)
-        last_time = time.perf_counter()
-        if not generated:
-            ttft = last_time - start
-            first = last_time
-        generated.append(token)
-        if token in eos:
+        if text.add(int(token)):
             finish = "stop"
             break
-        detok.add_token(token)
-        if on_text:
-            piece = detok.last_segment
-            streamed += len(piece)
-            on_text(piece)
-        if stop is not None and stop(len(generated)):
+        if stop is not None and stop(len(text.tokens)):
             finish = "interrupted"
             break
-        if len(generated) >= max_tokens:
+        if len(text.tokens) >= max_tokens:
             break
-    detok.finalize()
-    # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
-    # a cut UTF-8 sequence), and what was streamed must be the reply.
-    if on_text and len(detok.text) > streamed:
-        on_text(detok.text[streamed:])
-    tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
-    return generated, detok.text, finish, ttft, tps
+    reply, ttft, tps = text.finish()
+    return text.tokens, reply, finish, ttft, tps
 
 
 def _flat_params(model: Any) -> list[tuple[str, mx.array]]:

@@ -1,0 +1,140 @@
+"""Drafts of a reply's next tokens from the turn's own tokens (speculative decoding, issue 33).
+
+Not typing ahead's draft (exokv.rank.typeahead: the user's unsent line): here a draft is
+a guess at the next few tokens of the reply, which the model then checks in one forward
+pass (exokv.rank.speculate). The guesses cost no model: prompt-lookup decoding finds
+the last earlier place where the turn's tokens (the rendered conversation, then the
+reply so far) end as they end now, and proposes what followed there. A reply that
+quotes the conversation (code being edited, a paragraph to repeat) is drafted almost
+token for token; a free answer is drafted rarely, and `DraftLength` stops drafting
+while drafts keep failing, so they cost little.
+
+Pure: no MLX. Every rank holds the same tokens and the same policy state (it changes
+only with the accepted counts, which every rank computes alike); rank 0's proposal is
+still the one broadcast with the step, so every rank verifies the same draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MAX_NGRAM = 3  # the longest tail looked up: a longer match is a likelier continuation
+MIN_NGRAM = 2  # one token matches too often to predict what follows
+MOST = 8  # the longest draft: what one verify pass may run besides its own token
+START = 4  # a turn's first draft length
+MISSES = 3  # drafts rejected in a row before drafting pauses
+FIRST_PAUSE = 4  # tokens decoded plainly after those misses; doubles each time, to
+LONGEST_PAUSE = 32  # at most, so a reply that starts quoting late is still drafted
+
+
+class PromptLookup:
+    """The turn's tokens with an index of their n-grams: `propose` is a dictionary lookup.
+
+    For each n-gram (n from MIN_NGRAM to MAX_NGRAM) the index keeps the position just
+    after its latest occurrence that has a token after it, so the tail the tokens end
+    with now is never its own match.
+    """
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            end = len(self.tokens)  # `t` follows every n-gram that ends here
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if end >= n:
+                    self._after[tuple(self.tokens[end - n : end])] = end
+            self.tokens.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest tail of the tokens seen before."""
+        if k <= 0:
+            return []
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            if len(self.tokens) < n:
+                continue
+            at = self._after.get(tuple(self.tokens[-n:]))
+            if at is not None:
+                return self.tokens[at : at + k]
+        return []
+
+
+class DraftLength:
+    """How many tokens to draft next, from how the last drafts fared.
+
+    A draft accepted whole grows the next one by two (up to MOST); a rejected one sets
+    it to what was accepted plus one. MISSES drafts in a row with nothing accepted
+    pause drafting for FIRST_PAUSE tokens, then twice as long each time (up to
+    LONGEST_PAUSE); an accepted token ends the pauses.
+    """
+
+    def __init__(self, most: int = MOST, start: int = START) -> None:
+        self.most = most
+        self.length = min(start, most)
+        self.misses = 0  # drafts rejected whole in a row
+        self.pause = 0  # tokens still to decode before the next draft
+        self.next_pause = FIRST_PAUSE
+
+    def next(self, room: int) -> int:
+        """The next draft's length (0: do not draft now); `room` is the tokens the reply
+        may still add, of which the verify pass's own token is one."""
+        if self.pause > 0 or room <= 1:
+            return 0
+        return min(self.length, room - 1)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify pass kept `accepted` of `drafted` tokens."""
+        if drafted <= 0:
+            return
+        if accepted >= drafted:
+            self.length = min(self.length + 2, self.most)
+        else:
+            self.length = max(1, min(self.most, accepted + 1))
+        if accepted > 0:
+            self.misses, self.next_pause = 0, FIRST_PAUSE
+            return
+        self.misses += 1
+        if self.misses >= MISSES:
+            self.pause, self.misses = self.next_pause, 0
+            self.next_pause = min(self.next_pause * 2, LONGEST_PAUSE)
+
+    def decoded(self, tokens: int) -> None:
+        """`tokens` more of the reply were decoded (a pause runs out with them)."""
+        self.pause = max(0, self.pause - tokens)
+
+
+class Drafter:
+    """The turn's draft source and its length policy, together: what decode asks."""
+
+    def __init__(self, tokens: Sequence[int], most: int = MOST) -> None:
+        self.lookup = PromptLookup(tokens)
+        self.length = DraftLength(most)
+
+    def size(self, room: int) -> int:
+        return self.length.next(room)
+
+    def propose(self, k: int) -> list[int]:
+        return self.lookup.propose(k)
+
+    def advance(self, drafted: int, accepted: int, new: Sequence[int]) -> None:
+        """A step's outcome: `drafted` proposed, `accepted` kept, `new` tokens decoded."""
+        self.length.record(drafted, accepted)
+        self.length.decoded(len(new))
+        self.lookup.extend(new)
+
+
+class ScriptedDrafter(Drafter):
+    """Tests only (EXOKV_TEST_DRAFTS): drafts a reply from a given token list, what
+    follows the reply's length in it, with every third of its tokens made wrong, so
+    a verify pass meets right and wrong tokens on models that never repeat text."""
+
+    def __init__(self, tokens: Sequence[int], script: Sequence[int], most: int = MOST) -> None:
+        super().__init__(tokens, most)
+        self.prompt = len(tokens)
+        self.script = list(script)
+
+    def propose(self, k: int) -> list[int]:
+        at = len(self.lookup.tokens) - self.prompt
+        return [t + 1 if (at + i) % 3 == 2 else t for i, t in enumerate(self.script[at : at + k])]
