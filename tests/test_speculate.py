@@ -292,3 +292,34 @@ def test_two_pipeline_ranks_verify_rank_0s_drafts(
     assert [t["reply"] for t in spec] == [t["reply"] for t in plain]
     assert [t["cached_tokens"] for t in spec] == [t["cached_tokens"] for t in plain]
     assert 0 < spec[0]["accepted_tokens"] < spec[0]["draft_tokens"]
+
+
+def test_stats_show_the_acceptance_rate(tiny, models_dir: Path, tmp_path: Path) -> None:
+    home = home_with_models(tmp_path / "home", models_dir, link=True)
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer)
+    first = engine.turn(TurnRequest(session="s", messages=QUESTION, max_tokens=24))
+    drafts = tmp_path / "drafts.json"
+    drafts.write_text(json.dumps(engine.reply_tokens(first.reply)))
+    args = ["chat", "--model", "builtin:tiny", "--json", "--max-tokens", "24"]
+    env = {"EXOKV_TEST_DRAFTS": str(drafts)}
+    proc = run_exokv(args, home, QUESTION[0]["content"] + "\n/stats\n", env=env)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    docs = [json.loads(line) for line in proc.stdout.decode().splitlines() if line.strip()]
+    turn, stats = docs[0], docs[1]["data"][0]
+    assert turn["reply"] == first.reply
+    assert 0 < turn["accepted_tokens"] < turn["draft_tokens"]
+    assert stats["draft_tokens"] == turn["draft_tokens"]
+    assert stats["acceptance_rate"] == round(turn["accepted_tokens"] / turn["draft_tokens"], 4)
+    cache = run_exokv(["cache", "stats", "--json"], home)
+    total = json.loads(cache.stdout)["total"]
+    assert (total["draft_tokens"], total["accepted_tokens"]) == (
+        turn["draft_tokens"],
+        turn["accepted_tokens"],
+    )
+    text = run_exokv(["cache", "stats"], home, env={"COLUMNS": "120"}).stdout.decode()
+    rate = f"{100 * turn['accepted_tokens'] / turn['draft_tokens']:.0f}%"
+    assert (
+        f"{turn['accepted_tokens']} of {turn['draft_tokens']} draft tokens accepted ({rate})"
+        in text
+    )

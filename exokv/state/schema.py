@@ -184,6 +184,18 @@ def _v6_pins(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
 
 
+def _v7_speculation(db: sqlite3.Connection) -> None:
+    # Speculative decoding (exokv.rank.speculate): a turn's draft tokens the model
+    # checked and those it kept, for the acceptance rate of /stats and cache stats.
+    _script(
+        db,
+        """
+        ALTER TABLE turns ADD COLUMN draft_tokens INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE turns ADD COLUMN accepted_tokens INTEGER NOT NULL DEFAULT 0
+        """,
+    )
+
+
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1,
     _v2,
@@ -191,6 +203,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v4_session_options,
     _v5_disk_tier,
     _v6_pins,
+    _v7_speculation,
 ]
 LATEST = len(MIGRATIONS)
 
