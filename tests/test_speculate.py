@@ -93,6 +93,32 @@ def chi_square(observed: np.ndarray, probs: np.ndarray) -> float:
     return float(((observed - expected) ** 2 / expected).sum())
 
 
+def _tree(*paths: list[int]) -> Any:
+    from exokv.cache.radix import RadixTree
+
+    tree = RadixTree()
+    for path in paths:
+        tree.insert(path, lambda a, b: None, lambda payload, k: (None, None))
+    return tree
+
+
+def test_the_tree_drafts_what_it_stored_after_this_context() -> None:
+    from exokv.rank.draft import TreeContinuation
+
+    tree = _tree([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9])  # the second one used last
+    cursor = TreeContinuation(tree, [1, 2])
+    assert cursor.propose(3) == [3, 9, 9]  # the branch used last
+    cursor.extend([3, 4])
+    assert cursor.propose(5) == [5, 6]
+    cursor.extend([5, 7])  # off the stored path: nothing more
+    assert cursor.propose(2) == []
+    assert TreeContinuation(tree, [1, 8]).propose(2) == []
+    # The tree's continuation comes before prompt lookup's.
+    drafter = Drafter([1, 2], tree=tree)
+    assert drafter.propose(2) == [3, 9]
+    assert Drafter([7, 8, 7, 8], tree=tree).propose(2) == [7, 8]
+
+
 # -- accepting drafts -------------------------------------------------------------------
 
 
@@ -193,6 +219,21 @@ def test_partly_wrong_drafts_give_the_plain_reply_and_cache(
     again = [e.turn(TurnRequest(session="s", messages=follow, max_tokens=8)) for e in (plain, spec)]
     assert again[0].cached_tokens == again[1].cached_tokens > want.prompt_tokens
     assert again[0].reply == again[1].reply
+
+
+def test_a_retry_is_drafted_from_the_tree_whole(tiny) -> None:
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer)
+    request = TurnRequest(session="s", messages=QUESTION, max_tokens=30, speculate=False)
+    first = engine.turn(request)
+    request.speculate = True
+    again = engine.turn(request)  # /retry at temperature 0: the same messages
+    assert again.reply == first.reply
+    assert again.cached_tokens == first.prompt_tokens - 1
+    # Every draft was the stored reply and kept whole: 30 tokens in 4 passes
+    # (drafts of 4, 6, 8 and 8 tokens, each pass adding its own token).
+    assert again.accepted_tokens == again.draft_tokens == 26
+    assert again.generated_tokens - again.accepted_tokens == 4
 
 
 def test_the_cache_holds_exactly_the_turn_after_a_verify(tiny, tmp_path, monkeypatch) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from exokv.cache.radix import Node, RadixTree
+
 MAX_NGRAM = 3  # the longest tail looked up: a longer match is a likelier continuation
 MIN_NGRAM = 2  # one token matches too often to predict what follows
 MOST = 8  # the longest draft: what one verify pass may run besides its own token
@@ -105,24 +107,74 @@ class DraftLength:
         self.pause = max(0, self.pause - tokens)
 
 
-class Drafter:
-    """The turn's draft source and its length policy, together: what decode asks."""
+class TreeContinuation:
+    """What the prefix tree stored after the turn's tokens so far: a reply given before
+    to the same context (after /retry, a resent conversation, another session's turn).
 
-    def __init__(self, tokens: Sequence[int], most: int = MOST) -> None:
+    A cursor at the tokens' end in the tree, moved on with each decoded token (the tree
+    does not change during a turn's decode); off the tree, it proposes nothing. Where
+    the stored path branches, the branch used last is followed.
+    """
+
+    def __init__(self, tree: RadixTree, tokens: Sequence[int]) -> None:
+        found = tree.match(tokens)
+        self.node: Node | None = None
+        self.at = 0  # tokens of self.node's edge the cursor is past
+        if found.length == len(tokens) and found.last is not None:
+            self.node, self.at = found.last, len(tokens) - found.last.start
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            node = self.node
+            if node is None:
+                return
+            if self.at < len(node.key):
+                if node.key[self.at] == t:
+                    self.at += 1
+                else:
+                    self.node = None
+            else:
+                child = node.children.get(t)
+                self.node, self.at = (child, 1) if child is not None else (None, 0)
+
+    def propose(self, k: int) -> list[int]:
+        node = self.node
+        if node is None or k <= 0:
+            return []
+        out = list(node.key[self.at : self.at + k])
+        while len(out) < k and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_used)
+            out += node.key[: k - len(out)]
+        return out
+
+
+class Drafter:
+    """The turn's draft sources and the length policy, together: what decode asks.
+
+    The prefix tree's stored continuation comes first (a whole earlier reply to this
+    very context), then prompt lookup in the turn's own tokens."""
+
+    def __init__(
+        self, tokens: Sequence[int], most: int = MOST, tree: RadixTree | None = None
+    ) -> None:
         self.lookup = PromptLookup(tokens)
+        self.tree = TreeContinuation(tree, tokens) if tree is not None else None
         self.length = DraftLength(most)
 
     def size(self, room: int) -> int:
         return self.length.next(room)
 
     def propose(self, k: int) -> list[int]:
-        return self.lookup.propose(k)
+        stored = self.tree.propose(k) if self.tree is not None else []
+        return stored or self.lookup.propose(k)
 
     def advance(self, drafted: int, accepted: int, new: Sequence[int]) -> None:
         """A step's outcome: `drafted` proposed, `accepted` kept, `new` tokens decoded."""
         self.length.record(drafted, accepted)
         self.length.decoded(len(new))
         self.lookup.extend(new)
+        if self.tree is not None:
+            self.tree.extend(new)
 
 
 class ScriptedDrafter(Drafter):

@@ -452,7 +452,12 @@ class Engine:
         self.speculation = speculate.unsupported(cache) if request.speculate else "off"
         if not self.speculation:
             script = drafts_hook()  # tests only: drafts that are partly wrong
-            drafter = ScriptedDrafter(tokens, script) if script is not None else Drafter(tokens)
+            tree = self.cache.tree if request.use_cache else None
+            drafter = (
+                ScriptedDrafter(tokens, script)
+                if script is not None
+                else Drafter(tokens, tree=tree)
+            )
             steps = StepAgreement(self.group, should_stop)
             return speculate.decode(
                 self.model,
