@@ -75,6 +75,28 @@ def test_draft_length_grows_shrinks_and_pauses_while_drafts_fail() -> None:
     assert length.next_pause == draft_mod.FIRST_PAUSE
 
 
+def test_a_draft_is_as_long_as_its_pass_pays() -> None:
+    from exokv.rank.draft import PassCost
+
+    cost = PassCost()
+    assert cost.worth(5, 0.1) == 5  # not measured yet: draft, which measures it
+    cost.took(1, 0.10)
+    cost.took(5, 0.14)  # a GPU: four more tokens cost 40 ms
+    assert cost.worth(8, 0.9) == 8
+    assert cost.worth(8, 0.0) == 0  # nothing kept: no draft pays
+    cpu = PassCost()
+    cpu.took(1, 0.10)
+    cpu.took(5, 0.50)  # a busy CPU: each token costs as much as the first
+    assert cpu.worth(8, 0.6) == 0
+    assert cpu.worth(8, 1.0) == 0  # k + 1 tokens for k + 1 passes' time: even
+    for _ in range(20):
+        cpu.took(5, 0.30)  # half a token's cost each: a few drafted tokens pay, not 8
+    assert 0 < cpu.worth(8, 0.95) < 8
+    drafter = Drafter([1, 2, 3, 1, 2], cost=cpu)
+    drafter.rate = 0.1
+    assert drafter.propose(3) == []  # cut to nothing on rank 0, which sends no draft
+
+
 def test_drafter_follows_the_reply_as_it_grows() -> None:
     drafter = Drafter([10, 11, 12, 13, 14, 10, 11])
     k = drafter.size(room=50)
@@ -224,6 +246,7 @@ def test_partly_wrong_drafts_give_the_plain_reply_and_cache(
 def test_a_retry_is_drafted_from_the_tree_whole(tiny) -> None:
     model, tokenizer = tiny
     engine = Engine(model, tokenizer)
+    engine.pass_cost = None  # the drafts' lengths by the policy alone, not this CPU's load
     request = TurnRequest(session="s", messages=QUESTION, max_tokens=30, speculate=False)
     first = engine.turn(request)
     request.speculate = True

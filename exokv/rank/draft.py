@@ -27,6 +27,7 @@ START = 4  # a turn's first draft length
 MISSES = 3  # drafts rejected in a row before drafting pauses
 FIRST_PAUSE = 4  # tokens decoded plainly after those misses; doubles each time, to
 LONGEST_PAUSE = 32  # at most, so a reply that starts quoting late is still drafted
+FIRST_RATE = 0.8  # a turn's first guess at a draft token's chance of being kept
 
 
 class PromptLookup:
@@ -148,6 +149,49 @@ class TreeContinuation:
         return out
 
 
+class PassCost:
+    """What a verify pass costs on this machine, as rank 0 measured it, and so how long a
+    draft is worth its pass.
+
+    A pass of 1 + j tokens takes about `one + extra * j` seconds: on a GPU `extra` is
+    small (a few tokens cost about one's weights read), on a busy CPU nearly `one` (the
+    products are compute-bound). With each draft token kept with probability `rate`,
+    a pass with j draft tokens yields 1 + rate + ... + rate^j tokens; `worth` is the
+    j up to k with the most tokens per second, 0 where drafting loses to plain steps.
+    Only rank 0's proposal is cut by it (the draft is carried to the others), so the
+    ranks' different clocks never split their decisions.
+    """
+
+    WEIGHT = 0.3  # of a new measurement in the running estimates
+
+    def __init__(self) -> None:
+        self.one: float | None = None  # seconds of a one-token pass
+        self.extra: float | None = None  # seconds each draft token adds to a pass
+
+    def took(self, tokens: int, seconds: float) -> None:
+        if tokens <= 1:
+            self.one = _blend(self.one, seconds, self.WEIGHT)
+        elif self.one is not None:
+            self.extra = _blend(
+                self.extra, max(0.0, seconds - self.one) / (tokens - 1), self.WEIGHT
+            )
+
+    def worth(self, k: int, rate: float) -> int:
+        if self.one is None or self.extra is None or k <= 0:
+            return k  # not measured yet: draft, which measures it
+        best, best_speed, tokens = 0, 1.0 / self.one, 1.0
+        for j in range(1, k + 1):
+            tokens += rate**j
+            speed = tokens / (self.one + self.extra * j)
+            if speed > best_speed:
+                best, best_speed = j, speed
+        return best
+
+
+def _blend(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
 class Drafter:
     """The turn's draft sources and the length policy, together: what decode asks.
 
@@ -155,21 +199,35 @@ class Drafter:
     very context), then prompt lookup in the turn's own tokens."""
 
     def __init__(
-        self, tokens: Sequence[int], most: int = MOST, tree: RadixTree | None = None
+        self,
+        tokens: Sequence[int],
+        most: int = MOST,
+        tree: RadixTree | None = None,
+        cost: PassCost | None = None,
     ) -> None:
         self.lookup = PromptLookup(tokens)
         self.tree = TreeContinuation(tree, tokens) if tree is not None else None
         self.length = DraftLength(most)
+        self.cost = cost
+        self.rate = FIRST_RATE  # a draft token's chance of being kept, as this turn's went
 
     def size(self, room: int) -> int:
         return self.length.next(room)
 
     def propose(self, k: int) -> list[int]:
+        """Rank 0's draft of at most `k` tokens (fewer where a longer one is not worth
+        its pass, by `cost`)."""
+        if self.cost is not None:
+            k = self.cost.worth(k, self.rate)
+        if k <= 0:
+            return []
         stored = self.tree.propose(k) if self.tree is not None else []
         return stored or self.lookup.propose(k)
 
     def advance(self, drafted: int, accepted: int, new: Sequence[int]) -> None:
         """A step's outcome: `drafted` proposed, `accepted` kept, `new` tokens decoded."""
+        if drafted:
+            self.rate = _blend(self.rate, accepted / drafted, PassCost.WEIGHT)
         self.length.record(drafted, accepted)
         self.length.decoded(len(new))
         self.lookup.extend(new)

@@ -31,7 +31,7 @@ from exokv.model import pipeline
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
 from exokv.rank import speculate, typeahead
-from exokv.rank.draft import Drafter, ScriptedDrafter
+from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
 from exokv.rank.pace import Pace
 from exokv.rank.speculate import Decoded, ReplyText, StepAgreement
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
@@ -115,6 +115,8 @@ class Engine:
         self.last_draft: DraftCost | None = None  # the last typeahead step's draft, for the toolbar
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
         self.speculation = ""  # why the last turn decoded without drafts ("" if it did not)
+        # What a verify pass costs here (rank 0's clock): drafts no longer than pays.
+        self.pass_cost: PassCost | None = PassCost()
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
 
@@ -456,7 +458,7 @@ class Engine:
             drafter = (
                 ScriptedDrafter(tokens, script)
                 if script is not None
-                else Drafter(tokens, tree=tree)
+                else Drafter(tokens, tree=tree, cost=self.pass_cost)
             )
             steps = StepAgreement(self.group, should_stop)
             return speculate.decode(

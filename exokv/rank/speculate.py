@@ -203,8 +203,11 @@ def decode(
             if stop:
                 finish = "interrupted"
                 break
+            tic = time.perf_counter()
             logits = model(mx.array([[y, *draft]]), cache=cache)[0]
             kept, y = _verify(logits, draft, temp, top_p)
+            if drafter.cost is not None:
+                drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
             trim(cache, len(draft) - kept)
             new = [*draft[:kept], y]
             drafted, accepted = drafted + len(draft), accepted + kept
