@@ -33,11 +33,10 @@ from exokv.prompt import PromptRenderer
 from exokv.rank import speculate, typeahead
 from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
 from exokv.rank.pace import Pace
-from exokv.rank.speculate import Decoded, ReplyText, StepAgreement
+from exokv.rank.speculate import STOP_CHECK_EVERY, Decoded, ReplyText, StepAgreement
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
-STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
 
 
 def _quiet_tokenizer_warnings() -> None:

@@ -31,7 +31,7 @@ from exokv.cache import kinds
 from exokv.collectives import Group
 from exokv.rank.draft import Drafter
 
-STOP_CHECK_EVERY = 4  # plain steps between stop checks when there are several ranks
+STOP_CHECK_EVERY = 4  # decode steps between stop checks when there are several ranks
 
 
 def unsupported(cache: Sequence[Any]) -> str:
