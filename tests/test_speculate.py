@@ -97,6 +97,18 @@ def test_a_draft_is_as_long_as_its_pass_pays() -> None:
     assert drafter.propose(3) == []  # cut to nothing on rank 0, which sends no draft
 
 
+def test_a_draft_step_with_nothing_to_draft_pauses_briefly() -> None:
+    drafter = Drafter([1, 2, 3])
+    k = drafter.size(room=50)
+    assert drafter.propose(k) == []
+    drafter.advance(0, 0, [4], asked=k)
+    assert drafter.size(50) == 0  # paused: the next steps are plain
+    drafter.advance(0, 0, [5] * (draft_mod.FIRST_PAUSE - 1))
+    assert drafter.size(50) == 0
+    drafter.advance(0, 0, [6])
+    assert drafter.size(50) == k
+
+
 def test_drafter_follows_the_reply_as_it_grows() -> None:
     drafter = Drafter([10, 11, 12, 13, 14, 10, 11])
     k = drafter.size(room=50)

@@ -103,6 +103,12 @@ class DraftLength:
             self.pause, self.misses = self.next_pause, 0
             self.next_pause = min(self.next_pause * 2, LONGEST_PAUSE)
 
+    def nothing(self) -> None:
+        """A draft step found nothing to draft (or rank 0 found no draft worth its pass):
+        a short pause, so that on several ranks a reply with nothing to draft pays a
+        step's collective only every few tokens, as plain decoding's stop check."""
+        self.pause = max(self.pause, FIRST_PAUSE)
+
     def decoded(self, tokens: int) -> None:
         """`tokens` more of the reply were decoded (a pause runs out with them)."""
         self.pause = max(0, self.pause - tokens)
@@ -224,12 +230,15 @@ class Drafter:
         stored = self.tree.propose(k) if self.tree is not None else []
         return stored or self.lookup.propose(k)
 
-    def advance(self, drafted: int, accepted: int, new: Sequence[int]) -> None:
-        """A step's outcome: `drafted` proposed, `accepted` kept, `new` tokens decoded."""
+    def advance(self, drafted: int, accepted: int, new: Sequence[int], asked: int = 0) -> None:
+        """A step's outcome: `drafted` proposed (of `asked`, 0 on a plain step),
+        `accepted` kept, `new` tokens decoded."""
         if drafted:
             self.rate = _blend(self.rate, accepted / drafted, PassCost.WEIGHT)
         self.length.record(drafted, accepted)
         self.length.decoded(len(new))
+        if asked and not drafted:
+            self.length.nothing()  # after this step's tokens: the next ones are plain
         self.lookup.extend(new)
         if self.tree is not None:
             self.tree.extend(new)

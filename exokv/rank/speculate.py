@@ -211,7 +211,7 @@ def decode(
             trim(cache, len(draft) - kept)
             new = [*draft[:kept], y]
             drafted, accepted = drafted + len(draft), accepted + kept
-            drafter.advance(len(draft), kept, new)
+            drafter.advance(len(draft), kept, new, asked=k)
             done, used = False, 0
             for t in new:
                 used += 1
