@@ -220,6 +220,14 @@ class Drafter:
     def size(self, room: int) -> int:
         return self.length.next(room)
 
+    def plain_after(self, asked: int, room: int) -> bool:
+        """Whether the step after a plain one (one token; `asked`: the draft it asked
+        for, which came empty) is plain too, before that token is known: so its
+        forward pass can start at once. Every rank answers alike."""
+        if asked:
+            return True  # nothing to draft: a pause (DraftLength.nothing)
+        return self.length.pause > 1 or room <= 2
+
     def propose(self, k: int) -> list[int]:
         """Rank 0's draft of at most `k` tokens (fewer where a longer one is not worth
         its pass, by `cost`)."""

@@ -193,9 +193,15 @@ def decode(
     drafted = accepted = 0
     finish = "length"
     y = last
+    # A plain step's token, computed ahead of its step (as generate_step does) while
+    # the steps after it are known to be plain: `y` is then in the cache already.
+    # One rank only: on pipeline ranks two forward passes in one evaluation hung the
+    # ring (not understood yet), so there each plain step waits for its token.
+    ahead: mx.array | None = None
     with mx.stream(generation_stream):
         while True:
-            k = drafter.size(max_tokens - len(text.tokens))
+            room = max_tokens - len(text.tokens)
+            k = 0 if ahead is not None else drafter.size(room)
             if k:
                 stop, draft = steps.draft_step(k, drafter.propose)
             else:
@@ -203,12 +209,24 @@ def decode(
             if stop:
                 finish = "interrupted"
                 break
-            tic = time.perf_counter()
-            logits = model(mx.array([[y, *draft]]), cache=cache)[0]
-            kept, y = _verify(logits, draft, temp, top_p)
-            if drafter.cost is not None:
-                drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
-            trim(cache, len(draft) - kept)
+            if draft:
+                tic = time.perf_counter()
+                logits = model(mx.array([[y, *draft]]), cache=cache)[0]
+                kept, y = _verify(logits, draft, temp, top_p)
+                if drafter.cost is not None:
+                    drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
+                trim(cache, len(draft) - kept)
+            else:
+                kept, tic = 0, time.perf_counter()
+                token = ahead if ahead is not None else _sample(model, y, cache, temp, top_p)
+                if steps.group.size == 1 and drafter.plain_after(k, room):
+                    ahead = _sample(model, token, cache, temp, top_p)
+                    mx.async_eval(ahead)
+                else:
+                    ahead = None
+                y = int(token.item())
+                if drafter.cost is not None and ahead is None:
+                    drafter.cost.took(1, time.perf_counter() - tic)
             new = [*draft[:kept], y]
             drafted, accepted = drafted + len(draft), accepted + kept
             drafter.advance(len(draft), kept, new, asked=k)
@@ -225,8 +243,9 @@ def decode(
                 # Tokens past the end were run (kept draft tokens): off the cache too.
                 trim(cache, len(new) - used)
                 break
-        # The last token into the cache, as generate_step runs it.
-        model(mx.array([[text.tokens[-1] if text.tokens else y]]), cache=cache)
+        if ahead is None:  # else the token computed ahead ran the last one already
+            # The last token into the cache, as generate_step runs it.
+            model(mx.array([[text.tokens[-1] if text.tokens else y]]), cache=cache)
         mx.eval([c.state for c in cache])
     reply, ttft, tps = text.finish()
     return Decoded(text.tokens, reply, finish, ttft, tps, drafted, accepted)
@@ -237,6 +256,17 @@ def trim(cache: list[Any], n: int) -> None:
     if n > 0:
         for c in cache:
             c.trim(n)
+
+
+def _sample(model: Any, y: Any, cache: list[Any], temp: float, top_p: float) -> mx.array:
+    """The token after `y` (an int, or a token still being computed), lazily."""
+    logits = model(mx.array(y).reshape(1, 1), cache=cache)[0, -1].astype(mx.float32)
+    if temp == 0:
+        return mx.argmax(logits)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    return mx.random.categorical(logprobs * (1 / temp))
 
 
 def _verify(logits: mx.array, draft: list[int], temp: float, top_p: float) -> tuple[int, int]:
