@@ -153,6 +153,9 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
     typed = tables.typeahead_line(doc["total"])
     if typed:
         console.print(typed)
+    drafted = tables.speculation_line(doc["total"])
+    if drafted:
+        console.print(drafted)
     console.print(
         f"{_plural(doc['total']['turns'], 'turn')}, {_plural(doc['sessions'], 'session')}. "
         "Saved: prompt tokens not prefilled thanks to hits. Ranks take the same cache "

@@ -178,6 +178,9 @@ def chat(
     no_typeahead: bool = typer.Option(
         False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
     ),
+    no_speculate: bool = typer.Option(
+        False, "--no-speculate", help="decode one token at a time, no drafts from the conversation"
+    ),
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,
@@ -215,6 +218,7 @@ def chat(
         chat_template=settled.chat_template,
         prompt_format=settled.prompt_format,
         no_typeahead=no_typeahead,
+        no_speculate=no_speculate,
         session=session,
         json=json_out,
         plain=plain,

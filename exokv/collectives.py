@@ -29,6 +29,10 @@ class Group(Protocol):
         """`any(flag)`, carrying rank 0's `value` to every rank in the same collective."""
         ...
 
+    def any_with_values(self, flag: bool, values: list[int]) -> tuple[bool, list[int]]:
+        """`any(flag)`, carrying rank 0's `values` (same length on every rank) likewise."""
+        ...
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's JSON-serialisable `obj` on every rank."""
         ...
@@ -46,6 +50,9 @@ class LocalGroup:
 
     def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
         return flag, value
+
+    def any_with_values(self, flag: bool, values: list[int]) -> tuple[bool, list[int]]:
+        return flag, list(values)
 
     def broadcast(self, obj: Any) -> Any:
         return obj
@@ -84,6 +91,14 @@ class MlxGroup:
             mx.array(mine, dtype=mx.int32), group=self.group, stream=generation_stream
         ).tolist()
         return bool(total[0]), int(total[1])
+
+    def any_with_values(self, flag: bool, values: list[int]) -> tuple[bool, list[int]]:
+        # As any_with: a speculative decoding step's stop check and rank 0's draft.
+        mine = [int(flag), *(values if self.rank == 0 else [0] * len(values))]
+        total = mx.distributed.all_sum(
+            mx.array(mine, dtype=mx.int32), group=self.group, stream=generation_stream
+        ).tolist()
+        return bool(total[0]), [int(v) for v in total[1:]]
 
     def broadcast(self, obj: Any) -> Any:
         data = json.dumps(obj).encode() if self.rank == 0 else b""

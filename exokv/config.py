@@ -157,6 +157,15 @@ TEST_SHOWN_REPLY = Setting(
     "piece as the piece's length (nothing once it is all shown); what is stored is unchanged",
     test=True,
 )
+TEST_DRAFTS = Setting(
+    "EXOKV_TEST_DRAFTS",
+    "path of a JSON list of token ids",
+    "none",
+    "rank 0 drafts each reply from this list (what follows the reply's length in it, every "
+    "third token made wrong) instead of the conversation: the verify path on models that "
+    "never repeat",
+    test=True,
+)
 
 SETTINGS: tuple[Setting, ...] = (
     HOME,
@@ -174,6 +183,7 @@ SETTINGS: tuple[Setting, ...] = (
     TEST_WEDGED_S,
     TEST_HOST_MEMORY,
     TEST_SHOWN_REPLY,
+    TEST_DRAFTS,
 )
 # What a rank on another machine should see as this one does.
 FORWARDED_ENV: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.forwarded)
@@ -228,6 +238,17 @@ def fail_at_hook() -> str:
 def slow_texts_hook() -> float:
     """EXOKV_TEST_SLOW_TEXTS in seconds (0: no lag)."""
     return float(TEST_SLOW_TEXTS.text() or 0)
+
+
+def drafts_hook() -> list[int] | None:
+    """The token ids EXOKV_TEST_DRAFTS's file lists (None when unset)."""
+    import json
+
+    path = TEST_DRAFTS.text()
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return [int(t) for t in json.load(f)]
 
 
 def shown_reply_hook() -> str | None:

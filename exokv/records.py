@@ -31,6 +31,9 @@ class TurnRequest:
     sample_seed: int | None = None
     # Sessions pinned with /pin: their cache entries are evicted after every other's.
     pins: list[str] = field(default_factory=list)
+    # Speculative decoding (exokv.rank.speculate): drafts from the turn's own tokens
+    # checked by the model; False: one token at a time (--no-speculate).
+    speculate: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,6 +148,9 @@ class TurnResult:
     rank_stats: list[RankStats] = field(default_factory=list)
     entries: list[EntryInfo] = field(default_factory=list)
     typed_ahead_tokens: int = 0  # of cached_tokens, those prefilled while the user typed
+    draft_tokens: int = 0  # speculative decoding: draft tokens the model checked
+    accepted_tokens: int = 0  # of those, the reply's (each saved a forward pass)
+    speculation: str = ""  # why the turn decoded without drafts ("off", or its cache's kind)
 
     @property
     def evictions(self) -> int:

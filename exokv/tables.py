@@ -269,6 +269,18 @@ def sessions_table(rows: Sequence[dict[str, Any]], width: int) -> RenderableType
     return fit(columns, cells, width)
 
 
+def speculation_line(row: dict[str, Any]) -> str | None:
+    """What speculative decoding did (a stats row or total), or None when nothing was drafted."""
+    drafted = int(row.get("draft_tokens") or 0)
+    if not drafted:
+        return None
+    accepted = int(row.get("accepted_tokens") or 0)
+    return (
+        f"Speculation: {accepted:,} of {drafted:,} draft tokens accepted "
+        f"({pct(accepted / drafted, 100)}), each a forward pass saved."
+    )
+
+
 def typeahead_line(row: dict[str, Any]) -> str | None:
     """What typing ahead did (a stats row or total), or None when it never ran."""
     steps = int(row.get("typeahead_steps") or 0)

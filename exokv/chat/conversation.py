@@ -99,6 +99,7 @@ class TurnSettings:
     temp: float = 0.0
     seed: int | None = None
     use_cache: bool = True
+    speculate: bool = True  # drafts from the conversation checked by the model
 
 
 class ChatController:
@@ -308,6 +309,7 @@ class ChatController:
             seed=self.settings.seed,
             use_cache=self.settings.use_cache,
             pins=sorted(self.hooks.pins()),
+            speculate=self.settings.speculate,
         )
         try:
             result = self.client.turn(request, on_text=on_text, on_progress=on_progress)

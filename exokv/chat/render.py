@@ -346,6 +346,9 @@ class Renderer:
         typed = tables.typeahead_line(rows[0])
         if typed:
             self.note(typed)
+        drafted = tables.speculation_line(rows[0])
+        if drafted:
+            self.note(drafted)
 
     def evictions(self, rows: list[dict[str, Any]]) -> None:
         if not rows:

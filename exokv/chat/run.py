@@ -40,6 +40,7 @@ class ChatOptions:
     max_kv_size: int | None = None
     no_cache: bool = False
     no_typeahead: bool = False  # the REPL sends no draft to the ranks (exokv.chat.typeahead)
+    no_speculate: bool = False  # decode one token at a time (exokv.rank.speculate)
     disk_budget: str | None = None  # the disk tier (exokv.cache.tier_options): 20GB, auto or 0
     kv_bits: int | None = None
     kv_group_size: int = 64
@@ -269,6 +270,7 @@ def _run_chat(
             temp=opts.temp,
             seed=opts.seed,
             use_cache=cluster.keep_cache,
+            speculate=not opts.no_speculate,
         )
         chat = ChatController(client, settings, opts.session, opts.system, hooks)
         if interactive(opts):

@@ -126,7 +126,7 @@ _exokv_completion() {
         "exokv cache stats") subs=""
             opts="--json --help" ;;
         "exokv chat") subs=""
-            opts="--model -m --system --chat-template --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --disk-budget --kv-bits --kv-group-size --session --json --plain --starting-port --restarts --help" ;;
+            opts="--model -m --system --chat-template --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --no-speculate --disk-budget --kv-bits --kv-group-size --session --json --plain --starting-port --restarts --help" ;;
         "exokv completions") subs=""
             opts="--help" ;;
         "exokv hosts") subs="check"

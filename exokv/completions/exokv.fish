@@ -141,6 +141,7 @@ complete -c exokv -n '__exokv_at exokv chat' -l memory-threshold -x -d 'RAM frac
 complete -c exokv -n '__exokv_at exokv chat' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
 complete -c exokv -n '__exokv_at exokv chat' -l no-cache -d 'prefill the whole prompt every turn'
 complete -c exokv -n '__exokv_at exokv chat' -l no-typeahead -d 'REPL: no prefill of the line before Enter'
+complete -c exokv -n '__exokv_at exokv chat' -l no-speculate -d 'decode one token at a time, no drafts from the conversation'
 complete -c exokv -n '__exokv_at exokv chat' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
 complete -c exokv -n '__exokv_at exokv chat' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
 complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantization group size'

@@ -25,19 +25,20 @@ from exokv.cache.coordinate import Coordinator, agree_classes
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
-from exokv.config import DEFAULT_MEMORY_THRESHOLD, slow_prefill_hook
+from exokv.config import DEFAULT_MEMORY_THRESHOLD, drafts_hook, slow_prefill_hook
 from exokv.errors import PromptTooLong
 from exokv.model import pipeline, templates
 from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
 from exokv.prompt import PromptRenderer
-from exokv.rank import typeahead
+from exokv.rank import speculate, typeahead
+from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
 from exokv.rank.pace import Pace
+from exokv.rank.speculate import STOP_CHECK_EVERY, Decoded, ReplyText, StepAgreement
 from exokv.rank.stops import TextStops
 from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
 from exokv.templating import Marked
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
-STOP_CHECK_EVERY = 4  # decode tokens between stop checks when there are several ranks
 
 
 def _quiet_tokenizer_warnings() -> None:
@@ -125,6 +126,9 @@ class Engine:
         self.draft_events: list[CacheEvent] = []  # typeahead steps', reported by the next turn
         self.last_draft: DraftCost | None = None  # the last typeahead step's draft, for the toolbar
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
+        self.speculation = ""  # why the last turn decoded without drafts ("" if it did not)
+        # What a verify pass costs here (rank 0's clock): drafts no longer than pays.
+        self.pass_cost: PassCost | None = PassCost()
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
 
@@ -270,14 +274,12 @@ class Engine:
             if stopped:
                 # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
                 ran = kinds.offset(hit.cache) or ran
-                generated, reply, finish, ttft, tps = [], "", "interrupted", 0.0, 0.0
-                spelled: list[int] = []
+                out = Decoded([], "", "interrupted", 0.0, 0.0)
             else:
-                generated, reply, finish, ttft, tps, spelled = self._decode(
-                    tokens[-1:], hit.cache, request, start, on_text, should_stop
-                )
-                ran = len(tokens) + len(generated)  # generate_step ran every token it gave
-            self._remember_reply(reply, spelled)
+                out = self._decode(tokens, hit.cache, request, start, on_text, should_stop)
+                ran = len(tokens) + len(out.tokens)  # decode ran every token it gave
+            generated, reply = out.tokens, out.reply
+            self._remember_reply(reply, out.spelled)
             tic = time.perf_counter()
             if use_cache:
                 self._insert(tokens + generated, hit.cache, ran, request.session, events)
@@ -301,16 +303,19 @@ class Engine:
             cached_tokens=hit.length,
             prefilled_tokens=len(tokens) - hit.length,
             generated_tokens=len(generated),
-            ttft_s=ttft,
-            decode_tps=tps,
+            ttft_s=out.ttft,
+            decode_tps=out.tps,
             overhead_s=overhead,
             ranks=self.group.size,
-            finish_reason=finish,
+            finish_reason=out.finish,
             decision=self.decision,
             events=events,
             rank_stats=stats,
             entries=entries,
             typed_ahead_tokens=typed_ahead,
+            draft_tokens=out.drafted,
+            accepted_tokens=out.accepted,
+            speculation=self.speculation,
         )
 
     def draft_step_tokens(self) -> int:
@@ -461,14 +466,40 @@ class Engine:
 
     def _decode(
         self,
-        last: list[int],
+        tokens: list[int],
         cache: list[Any],
         request: TurnRequest,
         start: float,
         on_text: Callable[[str], None] | None,
         should_stop: Callable[[], bool] | None,
-    ) -> tuple[list[int], str, str, float, float, list[int]]:
-        """decode, and the tokens that spell the reply (all but a stop sequence's)."""
+    ) -> Decoded:
+        """The reply after `tokens` (all but the last one in `cache`): with drafts from
+        the turn's tokens checked by the model (exokv.rank.speculate) where the request
+        and the cache allow it, else one token at a time."""
+        self.speculation = speculate.unsupported(cache) if request.speculate else "off"
+        if not self.speculation:
+            script = drafts_hook()  # tests only: drafts that are partly wrong
+            tree = self.cache.tree if request.use_cache else None
+            drafter = (
+                ScriptedDrafter(tokens, script)
+                if script is not None
+                else Drafter(tokens, tree=tree, cost=self.pass_cost)
+            )
+            steps = StepAgreement(self.group, should_stop)
+            return speculate.decode(
+                self.model,
+                self.tokenizer,
+                tokens[-1],
+                cache,
+                request.max_tokens,
+                start,
+                drafter,
+                steps,
+                temp=request.temp,
+                top_p=request.top_p,
+                on_text=on_text,
+                stops=TextStops(self.stops),
+            )
 
         def stop(generated: int) -> bool:
             # Across ranks the check is a collective: every few tokens, at the same
@@ -477,10 +508,10 @@ class Engine:
             return check and self._agreed_stop(should_stop)
 
         stops = TextStops(self.stops)
-        generated, reply, finish, ttft, tps = decode(
+        tokens_out, reply, finish, ttft, tps = decode(
             self.model,
             self.tokenizer,
-            last,
+            tokens[-1:],
             cache,
             request.max_tokens,
             start,
@@ -490,7 +521,7 @@ class Engine:
             stop=stop,
             stops=stops,
         )
-        return generated, reply, finish, ttft, tps, stops.kept(generated)
+        return Decoded(tokens_out, reply, finish, ttft, tps, spelled=stops.kept(tokens_out))
 
     def _new_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
@@ -567,14 +598,7 @@ def decode(
     before it; `stops.kept` gives its tokens). The engine and the bench share this
     code path.
     """
-    stops = stops if stops is not None else TextStops(())
-    detok = tokenizer.detokenizer
-    detok.reset()
-    streamed = 0  # characters of the reply passed to on_text
-    eos = set(tokenizer.eos_token_ids)
-    generated: list[int] = []
-    ttft = 0.0
-    first = last_time = time.perf_counter()
+    text = ReplyText(tokenizer, start, on_text, stops)
     finish = "length"
     steps = generate_step(
         mx.array(last),
@@ -584,42 +608,16 @@ def decode(
         sampler=make_sampler(temp=temp, top_p=top_p),  # top_p 1.0: off
     )
     for token, _ in steps:
-        token = int(token)
-        last_time = time.perf_counter()
-        if not generated:
-            ttft = last_time - start
-            first = last_time
-        generated.append(token)
-        if token in eos:
+        if text.add(int(token)):
             finish = "stop"
             break
-        detok.add_token(token)
-        if stops:
-            if stops.feed(detok.text):
-                finish = "stop"
-                break
-            if on_text:  # what cannot begin a stop sequence
-                shown = stops.safe(detok.text)
-                if shown > streamed:
-                    on_text(detok.text[streamed:shown])
-                    streamed = shown
-        elif on_text:
-            piece = detok.last_segment
-            streamed += len(piece)
-            on_text(piece)
-        if stop is not None and stop(len(generated)):
+        if stop is not None and stop(len(text.tokens)):
             finish = "interrupted"
             break
-        if len(generated) >= max_tokens:
+        if len(text.tokens) >= max_tokens:
             break
-    detok.finalize()
-    reply = stops.reply(detok.text)
-    # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
-    # a cut UTF-8 sequence), and what was streamed must be the reply.
-    if on_text and len(reply) > streamed:
-        on_text(reply[streamed:])
-    tps = (len(generated) - 1) / (last_time - first) if len(generated) > 1 else 0.0
-    return generated, reply, finish, ttft, tps
+    reply, ttft, tps = text.finish()
+    return text.tokens, reply, finish, ttft, tps
 
 
 def _flat_params(model: Any) -> list[tuple[str, mx.array]]:

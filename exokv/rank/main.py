@@ -101,6 +101,14 @@ class CountingGroup:
         finally:
             self._count("any", tic)
 
+    def any_with_values(self, flag: bool, values: list[int]) -> tuple[bool, list[int]]:
+        # A speculative decoding step's stop check, carrying rank 0's draft: a stop.
+        tic = time.perf_counter()
+        try:
+            return self.inner.any_with_values(flag, values)
+        finally:
+            self._count("any", tic)
+
     def broadcast(self, obj: Any) -> Any:
         return self._timed("broadcast", self.inner.broadcast, obj)
 

@@ -101,7 +101,8 @@ def _rank_numbers(
 def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
     row = db.execute(
         "SELECT COUNT(*), COALESCE(SUM(cached_tokens > 0), 0), COALESCE(SUM(cached_tokens), 0), "
-        "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(prefilled_tokens), 0) "
+        "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(prefilled_tokens), 0), "
+        "COALESCE(SUM(draft_tokens), 0), COALESCE(SUM(accepted_tokens), 0) "
         "FROM turns WHERE run_id = ?",
         (run_id,),
     ).fetchone()
@@ -128,6 +129,8 @@ def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
         "typeahead_steps": typed[0],
         "typeahead_tokens": typed[1],
         "typeahead_used": typed[2],
+        "draft_tokens": row[5],
+        "accepted_tokens": row[6],
     }
 
 
@@ -156,6 +159,9 @@ _TOTAL_KEYS = (
     "typeahead_steps",
     "typeahead_tokens",
     "typeahead_used",
+    "draft_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
 )
 
 
@@ -175,7 +181,8 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
             "tokens_saved",
         )
         + ("prompt_tokens", "prefilled_tokens", "evictions")
-        + ("typeahead_steps", "typeahead_tokens", "typeahead_used"),
+        + ("typeahead_steps", "typeahead_tokens", "typeahead_used")
+        + ("draft_tokens", "accepted_tokens"),
         0,
     )
     budgets: list[int | None] = []
@@ -219,12 +226,16 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
                     "typeahead_steps": counts["typeahead_steps"],
                     "typeahead_tokens": counts["typeahead_tokens"],
                     "typeahead_used": counts["typeahead_used"],
+                    "draft_tokens": counts["draft_tokens"],
+                    "accepted_tokens": counts["accepted_tokens"],
+                    "acceptance_rate": _ratio(counts["accepted_tokens"], counts["draft_tokens"]),
                 }
             )
     budget_total = None if not budgets or None in budgets else sum(b or 0 for b in budgets)
     total["budget"] = budget_total
     total["budget_pct"] = _ratio(total["bytes"], budget_total, 100.0, 1)
     total["hit_rate"] = _ratio(total["hits"], total["turns"])
+    total["acceptance_rate"] = _ratio(total["accepted_tokens"], total["draft_tokens"])
     total = {key: total[key] for key in _TOTAL_KEYS}
     sessions = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] if db is not None else 0
     return {"runs": runs, "sessions": sessions, "ranks": ranks, "total": total}

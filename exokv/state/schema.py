@@ -190,6 +190,18 @@ def _v7_chat_template(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE sessions ADD COLUMN chat_template TEXT")
 
 
+def _v8_speculation(db: sqlite3.Connection) -> None:
+    # Speculative decoding (exokv.rank.speculate): a turn's draft tokens the model
+    # checked and those it kept, for the acceptance rate of /stats and cache stats.
+    _script(
+        db,
+        """
+        ALTER TABLE turns ADD COLUMN draft_tokens INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE turns ADD COLUMN accepted_tokens INTEGER NOT NULL DEFAULT 0
+        """,
+    )
+
+
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1,
     _v2,
@@ -198,6 +210,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v5_disk_tier,
     _v6_pins,
     _v7_chat_template,
+    _v8_speculation,
 ]
 LATEST = len(MIGRATIONS)
 

@@ -517,8 +517,8 @@ class Store:
             cur = db.execute(
                 "INSERT INTO turns (run_id, session_id, turn, model, prompt_tokens, cached_tokens, "
                 "prefilled_tokens, generated_tokens, ttft_s, decode_tps, overhead_s, evictions, "
-                "decision, finish_reason, created) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "decision, finish_reason, created, draft_tokens, accepted_tokens) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     sid,
@@ -535,6 +535,8 @@ class Store:
                     result.decision,
                     result.finish_reason,
                     now,
+                    result.draft_tokens,
+                    result.accepted_tokens,
                 ),
             )
             turn_id = cur.lastrowid

@@ -1,0 +1,310 @@
+"""Decode with drafts checked by the model, k tokens in one forward pass (issue 33).
+
+Each step runs the last token and a draft (exokv.rank.draft) through the model as one
+piece: on a pipeline that is one message per rank for the whole draft, not one per
+token. At temperature 0 the longest prefix of the draft that the model's own argmax
+agrees with is kept, plus the model's next token, so the reply is the one plain
+decoding gives; above 0, speculative sampling (`point_mass_accept`) keeps the
+distribution. The positions of rejected draft tokens are trimmed off every layer's
+cache, on every rank alike (every rank computes the same logits, and at temperature
+> 0 draws the same random numbers: the ranks are seeded alike).
+
+Only caches that every layer can trim (mlx-lm's KVCache and QuantizedKVCache) allow it:
+a rotating window (sliding-window layers, --max-kv-size) overwrites what a trim
+would have to restore, and a recurrent state (linear attention, SSM) cannot be
+rewound; for those `unsupported` says why and the engine decodes plainly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+from mlx_lm.sample_utils import apply_top_p
+
+from exokv.cache import kinds
+from exokv.collectives import Group
+from exokv.rank.draft import Drafter
+from exokv.rank.stops import TextStops
+
+STOP_CHECK_EVERY = 4  # decode steps between stop checks when there are several ranks
+
+
+def unsupported(cache: Sequence[Any]) -> str:
+    """Why drafts cannot be verified in this cache ("" when they can)."""
+    found = {leaf.cls[0] for leaf in kinds.leaves(cache)}
+    if "window" in found:
+        return "a rotating window cache (sliding-window layers or --max-kv-size) cannot be trimmed"
+    if "state" in found:
+        return "a recurrent state cache cannot be rewound"
+    return ""
+
+
+def greedy_accept(draft: Sequence[int], targets: Sequence[int]) -> int:
+    """Draft tokens kept at temperature 0: those the model's own choices agree with.
+
+    targets[i] is the model's choice after the last token and draft[:i]."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return n
+
+
+def point_mass_accept(
+    probs: np.ndarray, draft: Sequence[int], uniforms: Sequence[float]
+) -> tuple[int, int]:
+    """Speculative sampling for a draft that is one guess per position (prompt lookup).
+
+    probs[i] is the target distribution after draft[:i] (len(draft) + 1 rows); the
+    draft's own distribution is a point mass, so min(1, p/q) is p(draft[i]): draft[i]
+    is kept when uniforms[2i] < p(draft[i]); at the first rejection the token is drawn
+    from p with draft[i] taken out and the rest renormalised (the residual
+    max(0, p - q)), by inverse CDF at uniforms[2i + 1]. With the whole draft kept the
+    next token is drawn from probs[-1] at uniforms[-1]. Each token then follows p
+    exactly. Returns (draft tokens kept, the next token). Needs 2 len(draft) + 1
+    uniforms in [0, 1).
+    """
+    for i, d in enumerate(draft):
+        p = probs[i]
+        if uniforms[2 * i] < p[d]:
+            continue
+        residual = p.astype(np.float64).copy()
+        residual[d] = 0.0
+        return i, _inverse_cdf(residual, uniforms[2 * i + 1])
+    return len(draft), _inverse_cdf(probs[len(draft)].astype(np.float64), uniforms[-1])
+
+
+def _inverse_cdf(weights: np.ndarray, u: float) -> int:
+    cdf = np.cumsum(weights)
+    total = cdf[-1]
+    if total <= 0:
+        return int(np.argmax(weights))
+    return int(min(np.searchsorted(cdf, u * total, side="right"), len(weights) - 1))
+
+
+class StepAgreement:
+    """What every rank must agree on at each step: whether to stop, and the draft.
+
+    A draft step's draft is rank 0's, carried to every rank with the stop check in one
+    collective. Whether a step drafts at all is the draft policy's decision, which
+    every rank takes alike, so plain steps need no collective but the stop check,
+    every STOP_CHECK_EVERY steps as in plain decoding.
+    """
+
+    def __init__(self, group: Group, should_stop: Callable[[], bool] | None) -> None:
+        self.group = group
+        self.should_stop = should_stop
+        self.plain = 0
+
+    def _local(self) -> bool:
+        return self.should_stop() if self.should_stop is not None else False
+
+    def draft_step(self, k: int, propose: Callable[[int], list[int]]) -> tuple[bool, list[int]]:
+        if self.group.size == 1:
+            return self._local(), propose(k)
+        mine = propose(k) if self.group.rank == 0 else []
+        values = [len(mine), *mine, *[0] * (k - len(mine))]
+        stop, shared = self.group.any_with_values(self._local(), values)
+        return stop, shared[1 : 1 + shared[0]]
+
+    def plain_step(self) -> bool:
+        if self.group.size == 1:
+            return self._local()
+        self.plain += 1
+        if self.plain % STOP_CHECK_EVERY:
+            return False
+        return self.group.any(self._local())
+
+
+class ReplyText:
+    """A reply's tokens as text, streamed, with its timings (shared by plain decode).
+
+    With stop sequences (exokv.rank.stops) the reply ends where one begins, and what
+    could begin one is not streamed until known."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        start: float,
+        on_text: Callable[[str], None] | None,
+        stops: TextStops | None = None,
+    ) -> None:
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos = set(tokenizer.eos_token_ids)
+        self.on_text = on_text
+        self.stops = stops if stops is not None else TextStops(())
+        self.start = start
+        self.streamed = 0  # characters passed to on_text
+        self.tokens: list[int] = []
+        self.ttft = 0.0
+        self.first = self.last = time.perf_counter()
+
+    def add(self, token: int) -> bool:
+        """Add one token; True when it ends the reply (end-of-turn token, stop text)."""
+        self.last = time.perf_counter()
+        if not self.tokens:
+            self.ttft, self.first = self.last - self.start, self.last
+        self.tokens.append(token)
+        if token in self.eos:
+            return True
+        self.detok.add_token(token)
+        if self.stops:
+            if self.stops.feed(self.detok.text):
+                return True
+            shown = self.stops.safe(self.detok.text)
+            if self.on_text and shown > self.streamed:
+                self.on_text(self.detok.text[self.streamed : shown])
+                self.streamed = shown
+        elif self.on_text:
+            piece = self.detok.last_segment
+            self.streamed += len(piece)
+            self.on_text(piece)
+        return False
+
+    def finish(self) -> tuple[str, float, float]:
+        """(text, TTFT, decode tokens/s)."""
+        self.detok.finalize()
+        reply = self.stops.reply(self.detok.text)
+        # Not last_segment: after finalize it can miss what text has (e.g. a U+FFFD for
+        # a cut UTF-8 sequence), and what was streamed must be the reply.
+        if self.on_text and len(reply) > self.streamed:
+            self.on_text(reply[self.streamed :])
+        n = len(self.tokens)
+        tps = (n - 1) / (self.last - self.first) if n > 1 and self.last > self.first else 0.0
+        return reply, self.ttft, tps
+
+    def spelled(self) -> list[int]:
+        """The tokens that spell the reply (all but a stop sequence's)."""
+        return self.stops.kept(self.tokens)
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # incl. an end-of-turn token
+    reply: str
+    finish: str
+    ttft: float
+    tps: float
+    drafted: int = 0  # draft tokens the model checked
+    accepted: int = 0  # of those, kept in the reply
+    spelled: list[int] = field(default_factory=list)  # the tokens the reply's text is
+
+
+def decode(
+    model: Any,
+    tokenizer: Any,
+    last: int,
+    cache: list[Any],
+    max_tokens: int,
+    start: float,
+    drafter: Drafter,
+    steps: StepAgreement,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    on_text: Callable[[str], None] | None = None,
+    stops: TextStops | None = None,
+) -> Decoded:
+    """Generate after `last` (not yet in `cache`), a verify pass at a time.
+
+    When it returns, the cache holds every token of the reply, as after mlx-lm's
+    generate_step (which runs each token it yields)."""
+    text = ReplyText(tokenizer, start, on_text, stops)
+    drafted = accepted = 0
+    finish = "length"
+    y = last
+    # A plain step's token, computed ahead of its step (as generate_step does) while
+    # the steps after it are known to be plain: `y` is then in the cache already.
+    # One rank only: on pipeline ranks two forward passes in one evaluation hung the
+    # ring (not understood yet), so there each plain step waits for its token.
+    ahead: mx.array | None = None
+    with mx.stream(generation_stream):
+        while True:
+            room = max_tokens - len(text.tokens)
+            k = 0 if ahead is not None else drafter.size(room)
+            if k:
+                stop, draft = steps.draft_step(k, drafter.propose)
+            else:
+                stop, draft = steps.plain_step() if text.tokens else False, []
+            if stop:
+                finish = "interrupted"
+                break
+            if draft:
+                tic = time.perf_counter()
+                logits = model(mx.array([[y, *draft]]), cache=cache)[0]
+                kept, y = _verify(logits, draft, temp, top_p)
+                if drafter.cost is not None:
+                    drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
+                trim(cache, len(draft) - kept)
+            else:
+                kept, tic = 0, time.perf_counter()
+                token = ahead if ahead is not None else _sample(model, y, cache, temp, top_p)
+                if steps.group.size == 1 and drafter.plain_after(k, room):
+                    ahead = _sample(model, token, cache, temp, top_p)
+                    mx.async_eval(ahead)
+                else:
+                    ahead = None
+                y = int(token.item())
+                if drafter.cost is not None and ahead is None:
+                    drafter.cost.took(1, time.perf_counter() - tic)
+            new = [*draft[:kept], y]
+            drafted, accepted = drafted + len(draft), accepted + kept
+            drafter.advance(len(draft), kept, new, asked=k)
+            done, used = False, 0
+            for t in new:
+                used += 1
+                if text.add(t):
+                    finish, done = "stop", True
+                    break
+                if len(text.tokens) >= max_tokens:
+                    done = True
+                    break
+            if done:
+                # Tokens past the end were run (kept draft tokens): off the cache too.
+                trim(cache, len(new) - used)
+                break
+        if ahead is None:  # else the token computed ahead ran the last one already
+            # The last token into the cache, as generate_step runs it.
+            model(mx.array([[text.tokens[-1] if text.tokens else y]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    reply, ttft, tps = text.finish()
+    return Decoded(text.tokens, reply, finish, ttft, tps, drafted, accepted, text.spelled())
+
+
+def trim(cache: list[Any], n: int) -> None:
+    """Take the last `n` positions off every layer (every rank does the same)."""
+    if n > 0:
+        for c in cache:
+            c.trim(n)
+
+
+def _sample(model: Any, y: Any, cache: list[Any], temp: float, top_p: float) -> mx.array:
+    """The token after `y` (an int, or a token still being computed), lazily."""
+    logits = model(mx.array(y).reshape(1, 1), cache=cache)[0, -1].astype(mx.float32)
+    if temp == 0:
+        return mx.argmax(logits)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    return mx.random.categorical(logprobs * (1 / temp))
+
+
+def _verify(logits: mx.array, draft: list[int], temp: float, top_p: float) -> tuple[int, int]:
+    """(draft tokens kept, the next token) from the pass's logits (len(draft) + 1 rows)."""
+    if temp == 0:
+        targets = mx.argmax(logits, axis=-1).tolist()
+        kept = greedy_accept(draft, targets)
+        return kept, int(targets[kept])
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    probs = mx.softmax(logprobs / temp, axis=-1)
+    uniforms = mx.random.uniform(shape=(2 * len(draft) + 1,))
+    mx.eval(probs, uniforms)
+    return point_mass_accept(np.array(probs), draft, np.array(uniforms).tolist())
