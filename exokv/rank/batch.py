@@ -243,6 +243,10 @@ class _Batch:
         new_tokens = len(tokens) - meets + request.max_tokens + room
         probe = memory.sample(engine.group.rank)
         coord.begin(row.decision, new_tokens, probe, row.events, copied=hit.length)
+        # Its cache is its own copy (nothing was lent): its path is unlocked now, so the
+        # cap of a row that ends while this one prefills may evict what it fetched (a
+        # batch is never held over budget by its own rows).
+        engine.cache.release(hit)
         row.overhead = time.perf_counter() - tic
         if self.on_progress is not None:
             self.on_progress(i, row.done, len(tokens))
@@ -357,7 +361,6 @@ class _Batch:
         row.stopped_in_prefill = True
         row.finish = "interrupted"
         row.cache = row.hit.cache
-        self.engine.cache.release(row.hit)
         self._finish(row)
 
     def _prefill_chunks(self, size: int) -> list[_Row]:
@@ -378,9 +381,6 @@ class _Batch:
                     self.on_progress(row.index, row.done, len(row.tokens))
             if row.done >= len(row.tokens) - 1:
                 self.pending.pop(0)
-                # Its cache is its own copy (nothing was lent): its path is unlocked now,
-                # so any row's cap may evict what the others fetched.
-                engine.cache.release(row.hit)
                 ready.append(row)
         ran = max(1, size) - left
         if ran > 0:
