@@ -186,3 +186,25 @@ def test_a_lone_joinable_request_replies_as_its_turn(tiny) -> None:
     got = run_batch(engine(tiny), reqs, joins=lambda: [])
     assert got[0].result is not None and got[0].result.reply == want.reply
     assert got[0].batch == 1
+
+
+def test_a_joining_row_fetches_the_prompt_a_running_row_shares(tiny) -> None:
+    """A running row's prompt is in the tree once prefilled: a newcomer with the same
+    system prompt fetches it then, not only after that row's reply ends."""
+    first, later = requests([40, 6])
+    eng = engine(tiny)
+    shared = eng.render(first.messages)
+    other = eng.render(later.messages)
+    common = next(i for i, (a, b) in enumerate(zip(shared, other, strict=False)) if a != b)
+    texts: list[int] = []
+
+    def joins() -> list[TurnRequest]:
+        if len(texts) == 2:  # the first row decodes: its prompt was prefilled
+            texts.append(-1)
+            return [later]
+        return []
+
+    outcomes = run_batch(eng, [first], on_text=lambda i, p: texts.append(i), joins=joins)
+    assert outcomes[1].result is not None and outcomes[1].result.cached_tokens >= common > 10
+    assert outcomes[0].result.generated_tokens > outcomes[1].result.generated_tokens
+    assert outcomes[1].result.reply == engine(tiny).turn(later).reply

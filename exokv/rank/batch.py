@@ -381,11 +381,27 @@ class _Batch:
                     self.on_progress(row.index, row.done, len(row.tokens))
             if row.done >= len(row.tokens) - 1:
                 self.pending.pop(0)
+                self._store_prompt(row)
                 ready.append(row)
         ran = max(1, size) - left
         if ran > 0:
             self.pace.took(ran, time.perf_counter() - tic)
         return ready
+
+    def _store_prompt(self, row: _Row) -> None:
+        """A prefilled prompt goes into the tree now, not only with its reply at its end:
+        a request that arrives meanwhile with the same system prompt (or any shared
+        prefix) fetches it instead of prefilling it again. Then the cap, as after any
+        insert, so the budget holds after this step too."""
+        engine, n = self.engine, row.done
+        if n <= row.hit.length:
+            return  # nothing new: the tree held it all
+        session, coord = row.request.session, engine.coord
+        added, changed = engine.cache.insert(row.tokens, row.hit.cache, session, length=n)
+        row.events += [coord.event("update", x, session, row.decision) for x in changed]
+        row.events += [coord.event("add", x, session, row.decision) for x in added]
+        live = engine.cache.tree.match(row.tokens[:n]).path
+        coord.cap(row.decision, live, n, session, row.events)
 
     def _merge(self, row: _Row, picked: mx.array | None) -> mx.array:
         """A row whose prefill is done joins the decoding rows: its cache into the batch
