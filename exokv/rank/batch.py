@@ -212,8 +212,9 @@ class _Batch:
     # -- a row comes in: render, fetch, the one collective -------------------------
 
     def _admit(self, i: int, request: TurnRequest) -> None:
-        """Render, fetch and the turn's one collective, as `Engine.turn` does them; its
-        prefill then runs a chunk per step (`_prefill_chunks`)."""
+        """Render (a prompt over the context is refused here); its fetch and the turn's
+        one collective come when its prefill starts (`_begin`), so it is served what
+        the rows before it stored meanwhile (a shared system prompt)."""
         engine = self.engine
         tic = time.perf_counter()
         tokens = engine.render(request.messages)
@@ -227,10 +228,19 @@ class _Batch:
             if self.on_row is not None:  # refused: its answer need not wait
                 self.on_row(i, self.outcomes[i])
             return
+        row = _Row(i, request, tokens, 0, None, start=tic)  # type: ignore[arg-type]
+        row.overhead = time.perf_counter() - tic
+        self.pending.append(row)
+
+    def _begin(self, row: _Row) -> None:
+        """Fetch and the turn's one collective, as `Engine.turn` does them."""
+        engine, request, tokens = self.engine, row.request, row.tokens
+        tic = time.perf_counter()
         engine.decision += 1
+        row.decision = engine.decision
         expect = len(tokens) + request.max_tokens
         hit = engine.cache.fetch(tokens, expect=expect, lend=False)
-        row = _Row(i, request, tokens, engine.decision, hit, start=tic, done=hit.length)
+        row.hit, row.done = hit, hit.length
         coord = engine.coord
         if coord.tier is not None:
             row.events += coord.tier.take_events(row.decision)
@@ -247,10 +257,9 @@ class _Batch:
         # cap of a row that ends while this one prefills may evict what it fetched (a
         # batch is never held over budget by its own rows).
         engine.cache.release(hit)
-        row.overhead = time.perf_counter() - tic
+        row.overhead += time.perf_counter() - tic
         if self.on_progress is not None:
-            self.on_progress(i, row.done, len(tokens))
-        self.pending.append(row)
+            self.on_progress(row.index, row.done, len(tokens))
 
     def _asked(self, i: int) -> bool:
         return bool(self.should_stop is not None and self.should_stop(i))
@@ -357,6 +366,8 @@ class _Batch:
         return picked[mx.array(keep)]
 
     def _stop_in_prefill(self, row: _Row) -> None:
+        if row.hit is None:  # stopped before its fetch: it begins and ends at once
+            self._begin(row)
         self.pending.remove(row)
         row.stopped_in_prefill = True
         row.finish = "interrupted"
@@ -371,6 +382,8 @@ class _Batch:
         left, ready, tic = max(1, size), [], time.perf_counter()
         while left > 0 and self.pending:
             row = self.pending[0]
+            if row.hit is None:
+                self._begin(row)
             end = min(row.done + left, len(row.tokens) - 1)
             if end > row.done:
                 with mx.stream(generation_stream):
