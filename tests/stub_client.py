@@ -27,6 +27,7 @@ class StubClient:
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
         on_row: Callable[[int, RowOutcome], None] | None = None,
+        joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
         raise NotImplementedError("this fake runs no batches")
 

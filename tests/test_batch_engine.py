@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from exokv.rank.batch import batchable, run_batch
 from exokv.rank.engine import Engine, EngineOptions
+from exokv.rank.pace import Pace
 from exokv.records import TurnRequest
 
 SYSTEM = "You are a terse assistant that answers in one line."
@@ -133,3 +134,77 @@ def test_rows_that_sample_differently_keep_their_own_sampler(tiny) -> None:
         assert outcomes[i].result.generated_tokens == expected[i].generated_tokens
     sampled = outcomes[0].result
     assert 1 <= sampled.generated_tokens <= 14 and sampled.finish_reason in ("stop", "length")
+
+
+def test_requests_that_join_at_a_decode_step_reply_as_one_at_a_time(tiny) -> None:
+    """Rows joining a running batch (one with a long prompt, prefilled a chunk per step
+    while the others decode) reply as one at a time; the tree holds the same."""
+    reqs = requests([40, 30])
+    long_prompt = [{"role": "system", "content": SYSTEM}]
+    long_prompt.append({"role": "user", "content": " ".join(QUESTIONS) * 12})
+    late = [*requests([1, 1, 8])[2:], TurnRequest(session="long", messages=long_prompt)]
+    late[-1].max_tokens = 10
+    alone = engine(tiny)
+    expected = [alone.turn(r) for r in reqs + late]
+    together = engine(tiny)
+    together.join_pace = Pace(most=32)  # chunks of at most 32 tokens: several for the long one
+    given, log = [0], []
+
+    def joins() -> list[TurnRequest]:
+        # The first joins once the first rows decode, the long one a few steps later.
+        steps = sum(1 for e in log if e == ("step", -1))
+        if given[0] < len(late) and ("text", 0) in log and steps >= 3 * (given[0] + 1):
+            given[0] += 1
+            return late[given[0] - 1 : given[0]]
+        return []
+
+    outcomes = run_batch(
+        together,
+        reqs,
+        on_text=lambda i, p: log.append(("text", i)),
+        on_progress=lambda i, d, t: log.append(("progress", i)),
+        on_step=lambda: log.append(("step", -1)),
+        joins=joins,
+    )
+    assert len(outcomes) == len(expected)
+    for want, got in zip(expected, outcomes, strict=True):
+        assert got.result is not None and got.result.reply == want.reply
+        assert got.result.finish_reason == want.finish_reason
+    assert outcomes[2].batch >= 3 and outcomes[3].batch >= 2  # decoded with the others
+    # The long prompt's prefill ran in several chunks, a decode step between each two,
+    # while the first row decoded on (its text before the first chunk and after the last).
+    mine = [k for k, e in enumerate(log) if e == ("progress", 3)]
+    assert len(mine) >= 4
+    assert all(("step", -1) in log[a:b] for a, b in zip(mine[1:], mine[2:], strict=False))
+    assert ("text", 0) in log[: mine[0]] and ("text", 0) in log[mine[-1] :]
+    assert together.cache.total_bytes == alone.cache.total_bytes
+
+
+def test_a_lone_joinable_request_replies_as_its_turn(tiny) -> None:
+    reqs = requests([12])
+    want = engine(tiny).turn(reqs[0])
+    got = run_batch(engine(tiny), reqs, joins=lambda: [])
+    assert got[0].result is not None and got[0].result.reply == want.reply
+    assert got[0].batch == 1
+
+
+def test_a_joining_row_fetches_the_prompt_a_running_row_shares(tiny) -> None:
+    """A running row's prompt is in the tree once prefilled: a newcomer with the same
+    system prompt fetches it then, not only after that row's reply ends."""
+    first, later = requests([40, 6])
+    eng = engine(tiny)
+    shared = eng.render(first.messages)
+    other = eng.render(later.messages)
+    common = next(i for i, (a, b) in enumerate(zip(shared, other, strict=False)) if a != b)
+    texts: list[int] = []
+
+    def joins() -> list[TurnRequest]:
+        if len(texts) == 2:  # the first row decodes: its prompt was prefilled
+            texts.append(-1)
+            return [later]
+        return []
+
+    outcomes = run_batch(eng, [first], on_text=lambda i, p: texts.append(i), joins=joins)
+    assert outcomes[1].result is not None and outcomes[1].result.cached_tokens >= common > 10
+    assert outcomes[0].result.generated_tokens > outcomes[1].result.generated_tokens
+    assert outcomes[1].result.reply == engine(tiny).turn(later).reply

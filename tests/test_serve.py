@@ -233,7 +233,8 @@ def test_queue_full_is_503_with_retry_after_and_a_key_is_required(
     tmp_path: Path, models_dir: Path
 ) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
-    with serving(home, "--queue", "1", "--api-key", "sekrit") as s:
+    # One at a time: above --batch 1 the second request would join the running one.
+    with serving(home, "--queue", "1", "--batch", "1", "--api-key", "sekrit") as s:
         for key in ("none", "wrong"):
             with pytest.raises(openai.AuthenticationError):
                 s.client(key).models.list()

@@ -24,7 +24,10 @@ def homes(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> tuple[P
 
 @pytest.fixture(scope="module")
 def server(homes: tuple[Path, Path]):
-    args = ["-n", "2", "--starting-port", "26700", "--queue", "1", "--api-key", KEY]
+    # One at a time: above --batch 1 a second request would join the running one, and
+    # the queue-full test needs it to wait.
+    args = ["-n", "2", "--starting-port", "26700", "--queue", "1", "--batch", "1"]
+    args += ["--api-key", KEY]
     with serving(homes[0], *args) as s:
         yield s
 

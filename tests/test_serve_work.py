@@ -85,28 +85,76 @@ def test_a_full_batch_does_not_wait_out_the_window() -> None:
     assert client.calls == [["a", "b"]]
 
 
-def test_without_a_window_the_first_request_runs_alone() -> None:
-    client = RecordingClient()
-    started = threading.Event()
-    release = threading.Event()
+class JoiningClient(RecordingClient):
+    """Its batch waits for `release`, then takes the requests that join it (as the ranks
+    do at a decode step) and answers every row; `calls` has the batch's sessions."""
 
-    def turn(request: TurnRequest, **_: object) -> TurnResult:
-        client.calls.append([request.session])
-        started.set()
-        release.wait(10)  # the others arrive while it runs
-        return _result(request)
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.release = threading.Event()
 
-    client.turn = turn  # type: ignore[method-assign]
+    def turns(self, requests: list[TurnRequest], **kw: object) -> list[RowOutcome]:
+        self.started.set()
+        self.release.wait(10)  # the others arrive while it runs
+        joins = kw.get("joins")
+        joined = joins() if callable(joins) else []
+        rows = list(requests) + joined
+        self.calls.append([r.session for r in rows])
+        return [RowOutcome(result=_result(r), batch=len(rows)) for r in rows]
+
+
+def test_requests_that_arrive_during_a_batch_join_it() -> None:
+    client = JoiningClient()
     queue = TurnQueue(client, size=8, batch=8, gather_s=0.0)
     try:
         jobs = _submit_apart(queue, ["a"], gap_s=0.0)
-        assert started.wait(10)
+        assert client.started.wait(10)  # a lone request runs as a batch: others may join
         jobs += _submit_apart(queue, ["b", "c"], gap_s=0.0)
-        release.set()
+        client.release.set()
         assert _finished(jobs)
     finally:
         queue.close(timeout=5)
-    assert client.calls == [["a"], ["b", "c"]]
+    assert client.calls == [["a", "b", "c"]]
+    assert [j.batch for j in jobs] == [3, 3, 3]
+
+
+def test_joins_fill_the_batch_up_to_its_size_and_a_seeded_sample_runs_alone_after() -> None:
+    client = JoiningClient()
+    alone: list[str] = []
+
+    def turn(request: TurnRequest, **_: object) -> TurnResult:
+        alone.append(request.session)
+        return _result(request)
+
+    client.turn = turn  # type: ignore[method-assign]
+    queue = TurnQueue(client, size=8, batch=2, gather_s=0.0)
+    try:
+        jobs = _submit_apart(queue, ["a"], gap_s=0.0)
+        assert client.started.wait(10)
+        loop = asyncio.new_event_loop()
+        seeded = Job(TurnRequest(session="s", messages=[], temp=0.7, sample_seed=3), [], loop)
+        queue.submit(seeded)
+        jobs += _submit_apart(queue, ["b", "c"], gap_s=0.0)
+        client.release.set()
+        assert _finished([*jobs, seeded])
+    finally:
+        queue.close(timeout=5)
+    # "b" fills the batch of 2; "c" waits for the next one; the seeded job runs alone.
+    assert client.calls[0] == ["a", "b"]
+    assert alone == ["s"]
+    assert ["c"] in client.calls[1:]
+
+
+def test_with_batch_1_a_request_runs_alone_and_later_ones_wait() -> None:
+    client = RecordingClient()
+    queue = TurnQueue(client, size=8, batch=1)
+    try:
+        jobs = _submit_apart(queue, ["a", "b"], gap_s=0.0)
+        assert _finished(jobs)
+    finally:
+        queue.close(timeout=5)
+    assert client.calls == [["a"], ["b"]]
 
 
 def test_the_worker_frees_its_thread_state_before_close_returns() -> None:

@@ -54,11 +54,18 @@ class Client(Protocol):
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
         on_row: Callable[[int, RowOutcome], None] | None = None,
+        joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
         """Several requests' turns decoded together (exokv.rank.batch), outcomes in order;
         on_text(row, piece) streams each row, should_stop(row) ends one row (agreed by
-        every rank within a decode step), on_row(row, outcome) as soon as a row ends."""
+        every rank within a decode step), on_row(row, outcome) as soon as a row ends.
+        joins() (if given) is asked while the batch runs for requests that join it at
+        a decode step; their rows are numbered after the rows before them."""
         ...
+
+    def nudge(self) -> None:
+        """A request may join the batch in flight: ask `joins` soon (a cluster's reader
+        waits on the ranks' messages; one rank asks at every step anyway)."""
 
     def stop_now(self) -> None:
         """As `stop`, sent from the calling thread before it returns (not a signal handler)."""

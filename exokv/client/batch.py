@@ -6,6 +6,9 @@ pieces (`texts` messages, every row's pieces since the last one: exokv.rank.text
 progress and `row` messages carry, and which a `stop` names to end that row alone.
 A row's stop is sent the moment it is asked for (`BatchRows.stop`, from whichever
 thread learns the client left), not when the next message happens to be read.
+Requests that join the batch in flight (`joins`, asked whenever a message comes or
+the caller nudges the client) go to rank 0 in a `join` message under new ids, their
+rows numbered after the rows before them; rank 0 admits them at its next decode step.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 from exokv.errors import ExokvError
 from exokv.records import RowOutcome, TurnRequest
-from exokv.wire.messages import Batch, BatchRow, Row, Stop, Texts
+from exokv.wire.messages import Batch, BatchRow, Join, Row, Stop, Texts
 
 
 class BatchRows:
@@ -46,18 +49,19 @@ def cluster_turns(
     on_text: Callable[[int, str], None] | None = None,
     should_stop: Callable[[int], bool] | None = None,
     on_row: Callable[[int, RowOutcome], None] | None = None,
+    joins: Callable[[], list[TurnRequest]] | None = None,
 ) -> list[RowOutcome]:
-    """Run `requests` as one batch on `client`'s ranks (a ClusterClient); outcomes in order,
-    and each to on_row(row, outcome) as soon as it comes (its row ended)."""
+    """Run `requests` as one batch on `client`'s ranks (a ClusterClient); outcomes in order
+    (the joined rows' after), and each to on_row(row, outcome) as soon as it comes."""
     with client._in_flight():
         ids = [client._new_id() for _ in requests]
         rows = BatchRows(client, ids)
         row_of = {ident: i for i, ident in enumerate(ids)}
         batch = [BatchRow(ident, request) for ident, request in zip(ids, requests, strict=True)]
-        client._send(Batch(client._new_id(), batch))
+        client._send(Batch(client._new_id(), batch, join=joins is not None))
         client._rows = rows
         try:
-            return _collect(client, rows, row_of, on_text, should_stop, on_row)
+            return _collect(client, rows, row_of, on_text, should_stop, on_row, joins)
         finally:
             client._rows = None
 
@@ -69,15 +73,20 @@ def _collect(
     on_text: Callable[[int, str], None] | None,
     should_stop: Callable[[int], bool] | None,
     on_row: Callable[[int, RowOutcome], None] | None,
+    joins: Callable[[], list[TurnRequest]] | None = None,
 ) -> list[RowOutcome]:
     """Read the batch's messages until every row's outcome came."""
     outcomes: list[RowOutcome | None] = [None] * len(rows.ids)
     while any(o is None for o in outcomes):
+        if joins is not None:
+            _join(client, rows, row_of, outcomes, joins())
         # A stop asked without a push (a stop string, the server closing) is sent here.
         for i in range(len(outcomes)):
             if outcomes[i] is None and should_stop is not None and should_stop(i):
                 rows.stop(i)
-        message = client._next()
+        message = client._next(idle=joins is not None)
+        if message is None:  # nothing came for a while, or the caller nudged: ask joins
+            continue
         if isinstance(message, Texts):  # the rows' pieces since the last texts message
             for ident, piece in message.pieces:
                 if on_text is not None and ident in row_of:
@@ -93,3 +102,24 @@ def _collect(
         if on_row is not None:
             on_row(i, message.outcome)
     return [o for o in outcomes if o is not None]
+
+
+def _join(
+    client: Any,
+    rows: BatchRows,
+    row_of: dict[int, int],
+    outcomes: list[RowOutcome | None],
+    requests: list[TurnRequest],
+) -> None:
+    """Send `requests` to join the batch in flight, numbered after the rows before them."""
+    if not requests:
+        return
+    joined = []
+    for request in requests:
+        ident = client._new_id()
+        with rows._lock:  # a row's stop may be asked from another thread meanwhile
+            row_of[ident] = len(rows.ids)
+            rows.ids.append(ident)
+        outcomes.append(None)
+        joined.append(BatchRow(ident, request))
+    client._send(Join(joined))

@@ -219,10 +219,11 @@ class ClusterClient(Client):
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
         on_row: Callable[[int, RowOutcome], None] | None = None,
+        joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
         from exokv.client.batch import cluster_turns
 
-        return cluster_turns(self, requests, on_text, should_stop, on_row)
+        return cluster_turns(self, requests, on_text, should_stop, on_row, joins)
 
     def stop_row(self, row: int) -> None:
         """End row `row` of the batch in flight at its next decode step, on every rank."""
@@ -553,10 +554,11 @@ class ClusterClient(Client):
         self._ids += 1
         return self._ids
 
-    def _next(self, ident: int | None = None) -> Message:
+    def _next(self, ident: int | None = None, idle: bool = False) -> Message | None:
         """The next message from rank 0 about request `ident`, or an ExokvError when the
         ranks fail. Messages about an earlier request (one whose caller gave up, say on
-        an exception in on_text) are dropped, so the channel never gets out of step."""
+        an exception in on_text) are dropped, so the channel never gets out of step.
+        With `idle`, None when nothing came for a poll's time or `nudge` was called."""
         while True:
             try:
                 message = self._inbox.get(timeout=_POLL_S)
@@ -578,6 +580,12 @@ class ClusterClient(Client):
             cause, settle = self._trouble()
             if cause is not None:
                 self._fail(cause, settle=settle)
+            if idle and message is _IDLE:
+                return None
+
+    def nudge(self) -> None:
+        """Wake the batch in flight's reader (a request may join it: exokv.client.batch)."""
+        self._inbox.put(_IDLE)
 
     def _seen(self, message: Texts) -> None:
         try:

@@ -102,11 +102,22 @@ class HealingClient:
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
         on_row: Callable[[int, RowOutcome], None] | None = None,
+        joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
-        # A batch the ranks die in runs again whole on the new ranks, as a turn does; a
-        # row answered before they died is not answered again.
+        # A batch the ranks die in runs again whole on the new ranks, as a turn does,
+        # with the rows that had joined it; a row answered before they died is not
+        # answered again.
+        requests = list(requests)
         rows = [ShownOnce(partial(on_text, i) if on_text else None) for i in range(len(requests))]
         answered: set[int] = set()
+
+        def joined() -> list[TurnRequest]:
+            assert joins is not None
+            more = joins()
+            for _ in more:
+                rows.append(ShownOnce(partial(on_text, len(rows)) if on_text else None))
+            requests.extend(more)
+            return more
 
         def answer(row: int, outcome: RowOutcome) -> None:
             if on_row is not None and row not in answered:
@@ -117,7 +128,9 @@ class HealingClient:
             for row in rows:
                 row.rerun()
             relay = (lambda row, piece: rows[row](piece)) if on_text else None
-            return inner.turns(requests, relay, should_stop, answer)
+            return inner.turns(
+                list(requests), relay, should_stop, answer, joined if joins else None
+            )
 
         outcomes = self._healing(run)
         for outcome in outcomes:
@@ -138,6 +151,9 @@ class HealingClient:
 
     def stop_row(self, row: int) -> None:
         self._inner.stop_row(row)
+
+    def nudge(self) -> None:
+        self._inner.nudge()
 
     def release_thread(self) -> None:
         self._inner.release_thread()

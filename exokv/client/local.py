@@ -70,10 +70,13 @@ class LocalClient(Client):
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
         on_row: Callable[[int, RowOutcome], None] | None = None,
+        joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
         from exokv.rank.batch import run_batch
 
-        return run_batch(self.engine, requests, on_text, should_stop=should_stop, on_row=on_row)
+        return run_batch(
+            self.engine, requests, on_text, should_stop=should_stop, on_row=on_row, joins=joins
+        )
 
     def stop(self) -> None:
         """Ask the reply being generated to end at the next token (Ctrl-C)."""

@@ -33,6 +33,9 @@ from mlx_lm.sample_utils import make_sampler
 from exokv.cache import memory
 from exokv.cache.prefix_cache import Hit
 from exokv.errors import PromptTooLong
+from exokv.rank.engine import prefill
+from exokv.rank.joins import JoinBox
+from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
 from exokv.rank.textflow import TextFlow
 from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
@@ -43,6 +46,12 @@ RowText = Callable[[int, str], None]
 RowProgress = Callable[[int, int, int], None]
 RowStop = Callable[[int], bool]
 RowEnd = Callable[[int, RowOutcome], None]
+# Rank 0's requests that join the batch now (the front end's choice and order).
+Joins = Callable[[], list[TurnRequest]]
+
+# A joining row's prefill runs in chunks of about this much time, one chunk per decode
+# step: what a decoding row waits for a newcomer at a step, however long its prompt.
+JOIN_CHUNK_S = 0.1
 
 
 @dataclass
@@ -52,7 +61,10 @@ class _Row:
     tokens: list[int]
     decision: int
     hit: Hit
-    index_in_batch: int = 0  # its place among the decoded rows (its sampler)
+    start: float = 0.0  # when it was admitted (its time to first token counts from here)
+    done: int = 0  # its prompt's tokens in its cache so far
+    peak: int = 0  # the most rows decoded together while it decoded
+    fed_prompt: bool = False  # its last prompt token has run (its tokens since are its reply)
     events: list[CacheEvent] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     finish: str = "length"
@@ -82,15 +94,25 @@ def run_batch(
     should_stop: RowStop | None = None,
     on_step: Callable[[], None] | None = None,
     on_row: RowEnd | None = None,
+    joins: Joins | None = None,
+    joinable: bool | None = None,
 ) -> list[RowOutcome]:
     """Each request's turn, decoded together where the engine allows; outcomes in order.
     on_step() is called after each decode step's text (rank 0 sends the step's pieces
     as one message); on_row(row, outcome) as soon as a row has ended and its tokens
     are in the tree, so its caller need not wait for the batch's longest row.
 
+    With `joinable` (every rank alike; by default, whether `joins` is given), rank 0's
+    `joins()` is asked at every decode step for requests that join the batch: each is
+    admitted at that step on every rank (rank 0 broadcasts it), prefilled a chunk per
+    step while the others decode, then decoded with them; its outcome comes at
+    on_row(i, ...) with i its place after the rows before it. A lone request then runs
+    as a batch of one, so that others can join it.
+
     Every rank must call this with the same requests in the same order, and pass a
     `should_stop` (only rank 0's ever says yes: the stop is agreed by a collective).
     """
+    joinable = joins is not None if joinable is None else joinable
 
     def row_text(i: int) -> Callable[[str], None] | None:
         if on_text is None:
@@ -111,7 +133,7 @@ def run_batch(
 
     # A seeded sample is reproducible alone only; without the cache, a turn is its own.
     alone = any(not r.use_cache or (r.sample_seed is not None and r.temp > 0) for r in requests)
-    if len(requests) == 1 or alone or not batchable(engine):
+    if (len(requests) == 1 and not joinable) or alone or not batchable(engine):
         outcomes = []
         for i, request in enumerate(requests):
             try:
@@ -123,38 +145,23 @@ def run_batch(
             if on_row is not None:
                 on_row(i, outcomes[-1])
         return outcomes
-    return _Batch(engine, requests, on_text, on_progress, should_stop, on_step, on_row).run()
+    return _Batch(
+        engine, requests, on_text, on_progress, should_stop, on_step, on_row, joins, joinable
+    ).run()
+
+
+def join_pace(engine: Any) -> Pace:
+    """The engine's pace for joining rows' prefill chunks (rank 0's decides the sizes),
+    kept across batches: the rate measured in one sizes the next one's first chunk."""
+    pace = getattr(engine, "join_pace", None)
+    if pace is None:
+        pace = Pace(target_s=JOIN_CHUNK_S)
+        engine.join_pace = pace
+    return pace
 
 
 def _refused(err: PromptTooLong) -> RowOutcome:
     return RowOutcome(refused=str(err), tokens=err.tokens, context=err.context)
-
-
-BatchSampler = Callable[[mx.array, list[_Row]], mx.array]
-
-
-def _batch_sampler(requests: Sequence[TurnRequest]) -> BatchSampler:
-    """The next token of each active row from its log-probabilities: one sampler call
-    for the whole batch when every row samples alike (the common case, and the
-    cheapest step), else one call per row with its own temperature and top_p."""
-    settings = {(r.temp, r.top_p) for r in requests}
-    if len(settings) == 1:
-        shared = make_sampler(temp=requests[0].temp, top_p=requests[0].top_p)
-
-        def together(logprobs: mx.array, active: list[_Row]) -> mx.array:
-            with mx.stream(generation_stream):
-                return shared(logprobs)
-
-        return together
-    samplers = [make_sampler(temp=r.temp, top_p=r.top_p) for r in requests]
-
-    def each(logprobs: mx.array, active: list[_Row]) -> mx.array:
-        with mx.stream(generation_stream):
-            return mx.concatenate(
-                [samplers[r.index_in_batch](logprobs[j : j + 1]) for j, r in enumerate(active)]
-            )
-
-    return each
 
 
 class _Batch:
@@ -167,48 +174,49 @@ class _Batch:
         should_stop: RowStop | None,
         on_step: Callable[[], None] | None = None,
         on_row: RowEnd | None = None,
+        joins: Joins | None = None,
+        joinable: bool = False,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
         self.on_row = on_row
-        self.rows = 1  # rows decoded together (the access log's batch=)
         self.requests = list(requests)
         self.on_text = on_text
         self.on_progress = on_progress
         self.should_stop = should_stop
+        self.joins = joins  # rank 0's source of joining requests (None elsewhere)
+        self.joinable = joinable  # every rank alike: whether the steps carry joins
         self.outcomes: list[RowOutcome] = [RowOutcome() for _ in requests]
-        self.start = time.perf_counter()
+        self.pace = join_pace(engine)
+        self.samplers: dict[tuple[float, float], Callable[[mx.array], mx.array]] = {}
+        self.pending: list[_Row] = []  # admitted rows still prefilling, first come first
+        self.starting: list[_Row] = []  # the first rows still prefilling
+        self.ready: list[_Row] = []  # rows prefilled, waiting for the first rows' start
+        self.active: list[_Row] = []  # the rows in `batch`, in its order
+        self.batch: list[Any] | None = None  # the decoding rows' merged caches, per layer
 
     def run(self) -> list[RowOutcome]:
-        rows: list[_Row] = []
         for i, request in enumerate(self.requests):
-            row = self._begin(i, request)
-            if row is not None:
-                rows.append(row)
-            elif self.on_row is not None:  # refused: its answer need not wait
-                self.on_row(i, self.outcomes[i])
-        decoding = [r for r in rows if not r.stopped_in_prefill]
-        self.rows = max(len(decoding), 1)
-        for row in rows:
-            if row.stopped_in_prefill:  # its client left before its first token
-                self._finish(row)
-        for k, row in enumerate(decoding):
-            row.index_in_batch = k
-        if decoding:
-            self._decode(decoding)
+            self._admit(i, request)
+        # The first rows start decoding together, once all are prefilled (as the batch
+        # they came in); a row that joins later starts as soon as its own prefill ends.
+        self.starting = [r for r in self.pending]
+        self._loop()
         return self.outcomes
 
     def _finish(self, row: _Row) -> None:
         """A row that ended: its insert and cap now, at the same step on every rank (the
         rows end where their tokens and the agreed stops say), and its outcome out."""
-        self.outcomes[row.index] = RowOutcome(result=self._end(row), batch=self.rows)
+        self.outcomes[row.index] = RowOutcome(result=self._end(row), batch=max(row.peak, 1))
         if self.on_row is not None:
             self.on_row(row.index, self.outcomes[row.index])
 
-    # -- before decode: each row alone, in the batch's order -----------------------
+    # -- a row comes in: render, fetch, the one collective -------------------------
 
-    def _begin(self, i: int, request: TurnRequest) -> _Row | None:
-        """Render, fetch, the one collective and prefill, as `Engine.turn` does them."""
+    def _admit(self, i: int, request: TurnRequest) -> None:
+        """Render (a prompt over the context is refused here); its fetch and the turn's
+        one collective come when its prefill starts (`_begin`), so it is served what
+        the rows before it stored meanwhile (a shared system prompt)."""
         engine = self.engine
         tic = time.perf_counter()
         tokens = engine.render(request.messages)
@@ -219,11 +227,22 @@ class _Batch:
                 tokens=len(tokens),
                 context=engine.context,
             )
-            return None
+            if self.on_row is not None:  # refused: its answer need not wait
+                self.on_row(i, self.outcomes[i])
+            return
+        row = _Row(i, request, tokens, 0, None, start=tic)  # type: ignore[arg-type]
+        row.overhead = time.perf_counter() - tic
+        self.pending.append(row)
+
+    def _begin(self, row: _Row) -> None:
+        """Fetch and the turn's one collective, as `Engine.turn` does them."""
+        engine, request, tokens = self.engine, row.request, row.tokens
+        tic = time.perf_counter()
         engine.decision += 1
+        row.decision = engine.decision
         expect = len(tokens) + request.max_tokens
         hit = engine.cache.fetch(tokens, expect=expect, lend=False)
-        row = _Row(i, request, tokens, engine.decision, hit)
+        row.hit, row.done = hit, hit.length
         coord = engine.coord
         if coord.tier is not None:
             row.events += coord.tier.take_events(row.decision)
@@ -235,87 +254,203 @@ class _Batch:
         room = -(-expect // KVCache.step) * KVCache.step - expect
         new_tokens = len(tokens) - meets + request.max_tokens + room
         probe = memory.sample(engine.group.rank)
-        try:
-            coord.begin(row.decision, new_tokens, probe, row.events, copied=hit.length)
-            row.overhead = time.perf_counter() - tic
-            progress = (
-                (lambda d, t: self.on_progress(i, d, t)) if self.on_progress is not None else None
-            )
-            row.stopped_in_prefill = engine._prefill(
-                hit.cache,
-                tokens[hit.length : len(tokens) - 1],
-                hit.length,
-                len(tokens),
-                progress,
-                lambda: self._asked(i),
-            )
-        finally:
-            # The row's cache is its own copy (nothing was lent): its path is unlocked
-            # now, so any row's cap may evict what the others fetched (a batch is never
-            # held over budget by its own rows), and a row's end need not wait for them.
-            engine.cache.release(hit)
-        if row.stopped_in_prefill:
-            row.finish = "interrupted"
-            row.cache = hit.cache
-        return row
+        coord.begin(row.decision, new_tokens, probe, row.events, copied=hit.length)
+        # Its cache is its own copy (nothing was lent): its path is unlocked now, so the
+        # cap of a row that ends while this one prefills may evict what it fetched (a
+        # batch is never held over budget by its own rows).
+        engine.cache.release(hit)
+        row.overhead += time.perf_counter() - tic
+        if self.on_progress is not None:
+            self.on_progress(row.index, row.done, len(tokens))
 
     def _asked(self, i: int) -> bool:
         return bool(self.should_stop is not None and self.should_stop(i))
 
-    # -- decode: the rows together --------------------------------------------------
+    # -- the steps: decode the active rows, admit joins, prefill a chunk --------------
 
-    def _decode(self, rows: list[_Row]) -> None:
-        engine = self.engine
-        for row in rows:
-            row.detok = engine.tokenizer.detokenizer  # a fresh copy per row
-            row.detok.reset()
-            row.stops = TextStops(engine.stops)
-        sample = _batch_sampler([r.request for r in rows])
-        with mx.stream(generation_stream):
-            n_layers = len(rows[0].hit.cache)
-            batch = [BatchKVCache.merge([r.hit.cache[k] for r in rows]) for k in range(n_layers)]
-        for r in rows:
-            r.hit.cache = None  # merged: the row's own copy is no longer needed
-        active = list(rows)  # the rows in `batch`, in its order
-        picked = sample(self._step(batch, mx.array([r.tokens[-1] for r in active])), active)
-        mx.async_eval(picked)
-        while True:
-            # The next step is queued before Python handles this one's tokens (as
-            # generate_step does), so the model runs meanwhile. Every rank queues it
-            # before its stop gather, on the same stream: the collectives keep one order.
-            # Running a row's token before its stop is known is what the row's end
-            # needs anyway: its cache, taken out below, holds every token it was given.
-            following = sample(self._step(batch, picked), active)
-            mx.async_eval(following)
-            tokens = picked.tolist()
-            now = time.perf_counter()
-            for r, token in zip(active, tokens, strict=True):
-                self._take(r, token, now)
+    def _loop(self) -> None:
+        picked: mx.array | None = None  # the active rows' next tokens (queued)
+        while self.active or self.pending or self.ready:
+            following = None
+            if self.active:
+                # The next step is queued before Python handles this one's tokens (as
+                # generate_step does), so the model runs meanwhile. Every rank queues it
+                # before its step's gather, on the same stream: the collectives keep one
+                # order. Running a row's token before its stop is known is what the
+                # row's end needs anyway: its cache, taken out below, holds every token
+                # it was given.
+                assert picked is not None and self.batch is not None
+                following = self._sample(self._step(self.batch, picked), self.active)
+                mx.async_eval(following)
+                now = time.perf_counter()
+                for r, token in zip(self.active, picked.tolist(), strict=True):
+                    r.peak = max(r.peak, len(self.active))
+                    if r.fed_prompt:
+                        self._take(r, token, now)
+                    else:  # its last prompt token, run in this step: not a reply's
+                        r.fed_prompt = True
             if self.on_step is not None:
                 self.on_step()
-            for r, stop in zip(active, self._agreed_stops(active), strict=True):
+            stops, stopped, joined, size = self._agree()
+            for r, stop in zip(self.active, stops, strict=True):
                 if stop and r.finish == "length":
                     r.finish = "interrupted"
             picked = following
-            ending = [j for j, r in enumerate(active) if self._ended(r)]
-            if not ending:
+            picked = self._end_rows(picked)
+            for r, stop in zip(list(self.pending), stopped, strict=True):
+                if stop:  # its client left before its first token
+                    self._stop_in_prefill(r)
+            for request in joined:  # at this step, in rank 0's order, on every rank
+                self.requests.append(request)
+                self.outcomes.append(RowOutcome())
+                self._admit(len(self.requests) - 1, request)
+            ready: list[_Row] = []
+            if self.pending:
+                if following is not None:
+                    mx.eval(following)  # the chunk's time is its own, not the step's
+                ready = self._prefill_chunks(size)
+            self.starting = [r for r in self.starting if r in self.pending]
+            if self.starting:
+                self.ready += ready
                 continue
-            for j in ending:
-                row = active[j]
-                row.cache = [c.extract(j) for c in batch]
-                mx.eval([c.keys for c in row.cache])
-                self._flush(row)
-            if self.on_step is not None:
-                self.on_step()
-            for j in ending:  # in the batch's order, on every rank
-                self._finish(active[j])
-            keep = [j for j in range(len(active)) if j not in ending]
-            if not keep:
-                return
-            for c in batch:
-                c.filter(mx.array(keep))
-            active = [active[j] for j in keep]
-            picked = picked[mx.array(keep)]  # the ended rows' next tokens are dropped
+            ready, self.ready = self.ready + ready, []
+            for row in ready:
+                picked = self._merge(row, picked)
+
+    def _agree(self) -> tuple[list[bool], list[bool], list[TurnRequest], int]:
+        """This step's decisions, rank 0's on every rank: which active and which
+        prefilling rows the front end stopped, the requests that join now and the size
+        of the prefill chunk. One gather (when several ranks), and a broadcast of the
+        joining requests only at a step that has some."""
+        local = [int(self._asked(r.index)) for r in self.active + self.pending]
+        joined = self.joins() if self.joins is not None and self.joinable else []
+        chunk = self.pace.tokens()
+        group = self.engine.group
+        n = len(local)
+        if group.size > 1:
+            rows = group.gather(local + [len(joined), chunk if group.rank == 0 else 0])
+            bits = [any(row[j] for row in rows) for j in range(n)]
+            count, chunk = rows[0][n], rows[0][n + 1]
+            if count:
+                sent = group.broadcast([r.to_dict() for r in joined] if group.rank == 0 else None)
+                joined = [TurnRequest.from_dict(r) for r in sent]
+        else:
+            bits = [bool(b) for b in local]
+        k = len(self.active)
+        return bits[:k], bits[k:], joined, chunk
+
+    def _end_rows(self, picked: mx.array | None) -> mx.array | None:
+        """The rows that ended at this step leave the batch: each one's cache taken out
+        whole, then its insert and cap, in the batch's order; the token the queued step
+        sampled for it is dropped. Returns the remaining rows' next tokens."""
+        active = self.active
+        ending = [j for j, r in enumerate(active) if self._ended(r)]
+        if not ending:
+            return picked
+        assert self.batch is not None
+        for j in ending:
+            row = active[j]
+            row.cache = [c.extract(j) for c in self.batch]
+            mx.eval([c.keys for c in row.cache])
+            self._flush(row)
+        if self.on_step is not None:
+            self.on_step()
+        for j in ending:  # in the batch's order, on every rank
+            self._finish(active[j])
+        keep = [j for j in range(len(active)) if j not in ending]
+        self.active = [active[j] for j in keep]
+        if not keep:
+            self.batch = None
+            return None
+        for c in self.batch:
+            c.filter(mx.array(keep))
+        assert picked is not None
+        return picked[mx.array(keep)]
+
+    def _stop_in_prefill(self, row: _Row) -> None:
+        if row.hit is None:  # stopped before its fetch: it begins and ends at once
+            self._begin(row)
+        self.pending.remove(row)
+        row.stopped_in_prefill = True
+        row.finish = "interrupted"
+        row.cache = row.hit.cache
+        self._finish(row)
+
+    def _prefill_chunks(self, size: int) -> list[_Row]:
+        """One chunk of `size` tokens (rank 0's pace) of the prefilling rows' prompts, the
+        first come first (a row's rest, then the next row's): how long the active rows
+        wait at this step. Returns the rows whose prefill is done, in order."""
+        engine = self.engine
+        left, ready, tic = max(1, size), [], time.perf_counter()
+        while left > 0 and self.pending:
+            row = self.pending[0]
+            if row.hit is None:
+                self._begin(row)
+            end = min(row.done + left, len(row.tokens) - 1)
+            if end > row.done:
+                with mx.stream(generation_stream):
+                    prefill(engine.model, row.hit.cache, row.tokens[row.done : end])
+                left -= end - row.done
+                row.done = end
+                if self.on_progress is not None:
+                    self.on_progress(row.index, row.done, len(row.tokens))
+            if row.done >= len(row.tokens) - 1:
+                self.pending.pop(0)
+                self._store_prompt(row)
+                ready.append(row)
+        ran = max(1, size) - left
+        if ran > 0:
+            self.pace.took(ran, time.perf_counter() - tic)
+        return ready
+
+    def _store_prompt(self, row: _Row) -> None:
+        """A prefilled prompt goes into the tree now, not only with its reply at its end:
+        a request that arrives meanwhile with the same system prompt (or any shared
+        prefix) fetches it instead of prefilling it again. Then the cap, as after any
+        insert, so the budget holds after this step too."""
+        engine, n = self.engine, row.done
+        if n <= row.hit.length:
+            return  # nothing new: the tree held it all
+        session, coord = row.request.session, engine.coord
+        added, changed = engine.cache.insert(row.tokens, row.hit.cache, session, length=n)
+        row.events += [coord.event("update", x, session, row.decision) for x in changed]
+        row.events += [coord.event("add", x, session, row.decision) for x in added]
+        live = engine.cache.tree.match(row.tokens[:n]).path
+        coord.cap(row.decision, live, n, session, row.events)
+
+    def _merge(self, row: _Row, picked: mx.array | None) -> mx.array:
+        """A row whose prefill is done joins the decoding rows: its cache into the batch
+        (left padded), its last prompt token into the next step's tokens."""
+        row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
+        row.detok.reset()
+        row.stops = TextStops(self.engine.stops)
+        cache = row.hit.cache
+        row.hit.cache = None  # merged: the row's own copy is no longer needed
+        with mx.stream(generation_stream):
+            own = [BatchKVCache.merge([c]) for c in cache]
+            if self.batch is None:
+                self.batch = own
+            else:
+                for c, mine in zip(self.batch, own, strict=True):
+                    c.extend(mine)
+            last = mx.array([row.tokens[-1]])
+            picked = last if picked is None else mx.concatenate([picked, last])
+        self.active.append(row)
+        return picked
+
+    def _sample(self, logprobs: mx.array, active: list[_Row]) -> mx.array:
+        """The next token of each active row: one sampler call for the whole batch when
+        every row samples alike (the common case, and the cheapest step), else one call
+        per row with its own temperature and top_p."""
+        settings = [(r.request.temp, r.request.top_p) for r in active]
+        for s in set(settings) - self.samplers.keys():
+            self.samplers[s] = make_sampler(temp=s[0], top_p=s[1])
+        with mx.stream(generation_stream):
+            if len(set(settings)) == 1:
+                return self.samplers[settings[0]](logprobs)
+            return mx.concatenate(
+                [self.samplers[s](logprobs[j : j + 1]) for j, s in enumerate(settings)]
+            )
 
     def _step(self, batch: list[Any], tokens: mx.array) -> mx.array:
         """One token per row run (queued, not evaluated); each row's log-probabilities of
@@ -326,7 +461,7 @@ class _Batch:
 
     def _take(self, r: _Row, token: int, now: float) -> None:
         if not r.generated:
-            r.ttft = now - self.start
+            r.ttft = now - r.start
             r.first = now
         r.last = now
         r.generated.append(token)
@@ -350,16 +485,6 @@ class _Batch:
 
     def _ended(self, r: _Row) -> bool:
         return r.finish != "length" or len(r.generated) >= r.request.max_tokens
-
-    def _agreed_stops(self, active: list[_Row]) -> list[bool]:
-        """Which rows the front end stopped, the same answer on every rank: one gather of
-        a bit per row (every rank calls it at every step, whatever it has to say)."""
-        local = [int(self._asked(r.index)) for r in active]
-        group = self.engine.group
-        if group.size == 1:
-            return [bool(b) for b in local]
-        rows = group.gather(local)
-        return [any(row[j] for row in rows) for j in range(len(active))]
 
     def _flush(self, r: _Row) -> None:
         r.detok.finalize()
@@ -415,14 +540,26 @@ class _Batch:
 
 
 def answer_batch(
-    engine: Any, message: Batch, link: Any, stopped: set[Any], flow: TextFlow | None
+    engine: Any,
+    message: Batch,
+    link: Any,
+    stopped: set[Any],
+    flow: TextFlow | None,
+    box: JoinBox | None = None,
 ) -> None:
     """A `batch` message from the front end, run on this rank (every rank alike); rank 0
     (the one with a `link`, and a `flow` for the text) streams each row's text under the
     row's id, and each row's result as soon as the row ends. `stopped` holds the ids of
-    rows the front end asked to stop (rank 0's only)."""
+    rows the front end asked to stop (rank 0's only); `box` (rank 0's) the rows that
+    join a batch sent with `join`."""
     ids = [row.id for row in message.rows]
     requests = [row.request for row in message.rows]
+
+    def joins() -> list[TurnRequest]:
+        assert box is not None
+        rows = box.take()
+        ids.extend(row.id for row in rows)
+        return [row.request for row in rows]
 
     def on_text(i: int, piece: str) -> None:
         flow.add(ids[i], piece)
@@ -439,6 +576,8 @@ def answer_batch(
         tokens = engine.reply_tokens(result.reply) if result is not None else None
         link.send(Row(ids[i], outcome, tokens))
 
+    if box is not None and message.join:
+        box.open()
     try:
         run_batch(
             engine,
@@ -446,9 +585,14 @@ def answer_batch(
             on_text=on_text if flow is not None else None,
             on_progress=on_progress if link is not None else None,
             # Every rank passes one (never true off rank 0): the stop is a collective.
-            should_stop=lambda i: ids[i] in stopped,
+            # Off rank 0 `ids` holds the first rows only: its `stopped` is always empty.
+            should_stop=lambda i: i < len(ids) and ids[i] in stopped,
             on_step=on_step if flow is not None else None,
             on_row=on_row if flow is not None else None,
+            joins=joins if box is not None and message.join else None,
+            joinable=message.join,
         )
     finally:
+        if box is not None and message.join:
+            box.close()  # rows that came too late run next, as a batch of their own
         stopped.difference_update(ids)

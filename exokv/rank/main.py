@@ -43,6 +43,7 @@ from exokv.rank.boot import (
     remove_scratch,
     report_error,
 )
+from exokv.rank.joins import JoinBox
 from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
 from exokv.records import CacheFileReport
@@ -54,6 +55,7 @@ from exokv.wire.messages import (
     DraftStep,
     Heartbeat,
     Held,
+    Join,
     Message,
     Progress,
     Ready,
@@ -249,6 +251,7 @@ class Rank:
         self.current: RequestId = None  # the front end's number for the request in hand
         self._stop_for: RequestId = None  # the request the last stop named
         self.stopped_rows: set[RequestId] = set()  # rows of a batch the front end stopped
+        self.joins = JoinBox(self.inbox)  # rank 0: requests joining the batch in flight
         self._stop_lock = threading.Lock()
         self.drafts = DraftFeed(on_done=self._draft_over)  # rank 0: typed-ahead drafts
         # Rank 0: a batch's text, at the front end's pace (its `seen` messages).
@@ -369,7 +372,8 @@ class Rank:
         """Several requests decoded together (exokv.rank.batch)."""
         from exokv.rank.batch import answer_batch
 
-        answer_batch(self.engine, message, self.link, self.stopped_rows, self.flow)
+        box = self.joins if self.rank == 0 else None
+        answer_batch(self.engine, message, self.link, self.stopped_rows, self.flow, box)
         return True
 
     def _on_shutdown(self, message: Shutdown) -> bool:
@@ -485,6 +489,8 @@ class Rank:
                     self._stop_for = message.id
                     if self._stop_for == self.current:
                         self.stop.set()
+            elif isinstance(message, Join):
+                self.joins.put(message)
             elif isinstance(message, Seen):
                 if self.flow is not None:
                     self.flow.seen(message.step)

@@ -94,6 +94,8 @@ class TurnQueue:
         self.record = record  # called in the worker after each turn that ran
         self.on_failure = on_failure  # the ranks are gone: the server must end
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=size)
+        self._held: list[Job] = []  # came during a batch, cannot join it: run after it
+        self._last = False  # close() was seen: the worker ends after what it holds
         self._current: Job | None = None
         self._lock = threading.Lock()
         self._closing = False
@@ -113,6 +115,10 @@ class TurnQueue:
             raise ApiError(503, "the server is shutting down", headers={"Retry-After": "5"})
         try:
             self._jobs.put_nowait(job)
+            if self._rows:  # a batch is in flight: the job may join it at its next step
+                nudge = getattr(self.client, "nudge", None)
+                if nudge is not None:
+                    nudge()
         except queue.Full:
             raise ApiError(
                 503,
@@ -174,7 +180,7 @@ class TurnQueue:
             job = self._jobs.get()
             if job is None:
                 return
-            jobs, last = [job], False
+            jobs = [job]
             # Requests sent together arrive a few ms apart: the first waits up to
             # `gather_s` for the others, or it would run alone and they after it.
             deadline = time.monotonic() + (self.gather_s if self.batch > 1 else 0.0)
@@ -184,18 +190,19 @@ class TurnQueue:
                 except queue.Empty:
                     break
                 if more is None:
-                    last = True
+                    self._last = True
                     break
                 jobs.append(more)
             for job in jobs:
                 if job.cancelled.is_set():  # its client left while it waited: nothing ran
                     job.fail(ApiError(499, "the client closed the request before it ran"))
             jobs = [j for j in jobs if not j.finished]
-            # A seeded sample is reproducible alone only.
-            alone = [j for j in jobs if j.request.sample_seed is not None and j.request.temp > 0]
+            alone = [j for j in jobs if not _joinable(j)]
             together = [j for j in jobs if j not in alone]
-            # A client without `turns` (a wrapper that does not pass it on) runs each alone.
-            if len(together) > 1 and hasattr(self.client, "turns"):
+            # A client without `turns` (a wrapper that does not pass it on) runs each
+            # alone. Above --batch 1 even a lone job runs as a batch, one that later
+            # requests join at a decode step (exokv.rank.batch).
+            if together and self.batch > 1 and hasattr(self.client, "turns"):
                 with self._lock:
                     self._rows = together
                 try:
@@ -205,6 +212,8 @@ class TurnQueue:
                         self._rows = []
             else:
                 alone = together + alone
+            alone += self._held  # jobs that came during the batch but could not join it
+            self._held = []
             for job in alone:
                 with self._lock:
                     self._current = job
@@ -213,8 +222,34 @@ class TurnQueue:
                 finally:
                     with self._lock:
                         self._current = None
-            if last:
+            if self._last:
                 return
+
+    def _joins(self, jobs: list[Job]) -> list[TurnRequest]:
+        """The waiting jobs that join the batch in flight now, up to `batch` rows in all
+        (rows whose answer has not come count): appended to `jobs`, their requests out."""
+        if self._halt or self._closing or self._last:
+            return []
+        free = self.batch - sum(1 for j in jobs if not j.finished)
+        joined: list[TurnRequest] = []
+        while free > 0:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:  # close(): nothing more comes
+                self._last = True
+                break
+            if job.cancelled.is_set():
+                job.fail(ApiError(499, "the client closed the request before it ran"))
+            elif not _joinable(job):
+                self._held.append(job)
+            else:
+                with self._lock:  # cancel() looks a row up in the same list
+                    jobs.append(job)
+                joined.append(job.request)
+                free -= 1
+        return joined
 
     def _run_batch(self, jobs: list[Job]) -> None:
         def on_text(i: int, piece: str) -> None:
@@ -239,7 +274,11 @@ class TurnQueue:
 
         try:
             outcomes = self.client.turns(
-                [j.request for j in jobs], on_text=on_text, should_stop=should_stop, on_row=on_row
+                [j.request for j in jobs],
+                on_text=on_text,
+                should_stop=should_stop,
+                on_row=on_row,
+                joins=lambda: self._joins(jobs),
             )
         except Exception as err:  # noqa: BLE001 - the batch fails, the server stays up
             for job in jobs:
@@ -290,6 +329,11 @@ class TurnQueue:
             self._failed(job, err)
             return
         self._finish(job, result)
+
+
+def _joinable(job: Job) -> bool:
+    """Whether the job may run in a batch: a seeded sample is reproducible alone only."""
+    return job.request.sample_seed is None or job.request.temp <= 0
 
 
 def _too_long(tokens: int, context: int) -> ApiError:

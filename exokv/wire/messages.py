@@ -109,11 +109,26 @@ class Batch(_Message):
     TYPE: ClassVar[str] = "batch"
     id: int
     rows: list[BatchRow]
+    join: bool = False  # later requests may join it at a decode step (a `join` message)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Batch:
         rows = [BatchRow(r["id"], TurnRequest.from_dict(r["request"])) for r in data["rows"]]
-        return cls(data["id"], rows)
+        return cls(data["id"], rows, bool(data.get("join", False)))
+
+
+@dataclass
+class Join(_Message):
+    """Requests that join the batch in flight at its next decode step (exokv.rank.joins);
+    sent by the front end, kept by rank 0 (never broadcast as a message of its own)."""
+
+    TYPE: ClassVar[str] = "join"
+    rows: list[BatchRow]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Join:
+        rows = [BatchRow(r["id"], TurnRequest.from_dict(r["request"])) for r in data["rows"]]
+        return cls(rows)
 
 
 @dataclass
@@ -319,6 +334,7 @@ Message = (
     | Refused
     | Turn
     | Batch
+    | Join
     | Stop
     | Seen
     | Draft
@@ -348,6 +364,7 @@ _CLASSES: dict[str, type[_Message]] = {
         Refused,
         Turn,
         Batch,
+        Join,
         Stop,
         Seen,
         Draft,

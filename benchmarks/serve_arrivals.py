@@ -1,0 +1,285 @@
+"""Staggered arrivals: `exokv serve` against `mlx_lm.server`, requests that do not come together.
+
+    python benchmarks/serve_arrivals.py --model builtin:base
+    python benchmarks/serve_arrivals.py --model builtin:base --ranks 2
+
+Both servers up at once, measured in turn (servers started as in serve_vs_mlx_lm.py:
+on 2 ranks exokv's pipeline ranks against `mlx.launch ... mlx_lm.server --pipeline`,
+whose idle-spinning ranks are paused while exokv is measured), each driven by the real
+`openai` client, every request streamed at temperature 0:
+
+1. **staggered**: --staggered requests (16) with one shared system prompt, one sent
+   every --staggered-gap-ms (50), --staggered-tokens (256) tokens each.
+2. **heavy**: --heavy requests (32), one every --heavy-gap-ms (20), prompts of mixed
+   lengths up to --longest (2,000) tokens (a fifth of them that long), --heavy-tokens
+   (64) tokens each.
+
+For each: mean and p90 time to first token (request sent -> first content chunk),
+tokens/s (every completion token / first request sent to last token), and the longest
+pause a running stream sees while a --longest-token newcomer prefills (the largest gap
+between two content chunks of any stream that was decoding from before the newcomer
+was sent until after its first token; the gap counted if it overlaps that window).
+Each trial's prompts are new (the trial's number leads the system prompt), so both
+servers start each trial cold and share the system prompt within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_vs_mlx_lm as base  # noqa: E402 - its Server and the mlx_lm.server wrapper
+
+WORDS = (
+    "rack node cable switch power fan disk cache layer token model batch queue shard "
+    "rank port socket thread kernel memory budget prefix tree entry evict spill write"
+).split()
+
+
+def prompt_of(tokenizer: Any, n: int, salt: int) -> str:
+    """About `n` tokens of text (cut at `n` tokens of the model's tokenizer)."""
+    words = [WORDS[(salt * 7 + i * 13) % len(WORDS)] for i in range(n * 2)]
+    ids = tokenizer.encode(" ".join(words))[:n]
+    return tokenizer.decode(ids)
+
+
+def timed_stream(server: base.Server, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed completion: when it was sent, when each content chunk came, tokens."""
+    sent = time.perf_counter()
+    chunks: list[float] = []
+    used = None
+    for chunk in server.client().chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            chunks.append(time.perf_counter())
+        if chunk.usage is not None:
+            used = chunk.usage
+    end = time.perf_counter()
+    return {
+        "sent": sent,
+        "chunks": chunks,
+        "end": end,
+        "tokens": used.completion_tokens if used else len(chunks),
+        "prompt": used.prompt_tokens if used else 0,
+    }
+
+
+def arrivals(
+    server: base.Server, model: str, requests: list[list[dict]], gap_s: float, max_tokens: int
+) -> list[dict]:
+    """Send `requests` one every `gap_s`, each from its own thread; their runs, in order."""
+    runs: list[dict | None] = [None] * len(requests)
+
+    def one(i: int) -> None:
+        runs[i] = timed_stream(server, model, requests[i], max_tokens)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        start = time.perf_counter()
+        futures = []
+        for i in range(len(requests)):
+            delay = start + i * gap_s - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(one, i))
+        for f in futures:
+            f.result()
+    return [r for r in runs if r is not None]
+
+
+def figures(runs: list[dict], long_ones: list[int]) -> dict[str, float]:
+    ttfts = sorted((r["chunks"][0] if r["chunks"] else r["end"]) - r["sent"] for r in runs)
+    wall = max(r["end"] for r in runs) - min(r["sent"] for r in runs)
+    out = {
+        "ttft_mean_s": statistics.fmean(ttfts),
+        "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "tokens_per_s": sum(r["tokens"] for r in runs) / wall,
+    }
+    pauses = []
+    for k in long_ones:
+        newcomer = runs[k]
+        lo = newcomer["sent"]
+        hi = newcomer["chunks"][0] if newcomer["chunks"] else newcomer["end"]
+        for j, r in enumerate(runs):
+            c = r["chunks"]
+            if j == k or len(c) < 2 or not (c[0] < lo and c[-1] > hi):
+                continue  # not decoding through the newcomer's prefill
+            gaps = [b - a for a, b in zip(c, c[1:], strict=False) if b > lo and a < hi]
+            if gaps:
+                pauses.append(max(gaps))
+    out["longest_pause_s"] = max(pauses) if pauses else -1.0
+    out["long_newcomers_with_a_running_stream"] = float(len(pauses) > 0)
+    return out
+
+
+def staggered(tokenizer: Any, args: argparse.Namespace, trial: int) -> list[list[dict]]:
+    system = f"(trial {trial}) " + base.SYSTEM
+    return [
+        [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"request {i}: what does machine {i} in the rack do?"},
+        ]
+        for i in range(args.staggered)
+    ]
+
+
+def heavy(tokenizer: Any, args: argparse.Namespace, trial: int) -> tuple[list[list[dict]], list]:
+    """Mixed prompt lengths, every fifth one --longest tokens; the indices of those."""
+    lengths = [
+        args.longest if i % 5 == 4 else (60, 250, 600, 1200)[i % 5] for i in range(args.heavy)
+    ]
+    system = f"(trial {trial}) " + base.SYSTEM
+    requests = [
+        [
+            {"role": "system", "content": system},
+            {"role": "user", "content": prompt_of(tokenizer, n, trial * 1000 + i)},
+        ]
+        for i, n in enumerate(lengths)
+    ]
+    return requests, [i for i, n in enumerate(lengths) if n == args.longest]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base._Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="builtin:base")
+    p.add_argument("--ranks", type=int, default=1, help="ranks of each server (2+: pipeline)")
+    p.add_argument("--starting-port", type=int, default=28400)
+    p.add_argument("--batch", type=int, default=32, help="exokv serve --batch")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--staggered", type=int, default=16)
+    p.add_argument("--staggered-gap-ms", type=float, default=50)
+    p.add_argument("--staggered-tokens", type=int, default=256)
+    p.add_argument("--heavy", type=int, default=32)
+    p.add_argument("--heavy-gap-ms", type=float, default=20)
+    p.add_argument("--heavy-tokens", type=int, default=64)
+    p.add_argument("--longest", type=int, default=2000)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("ranks", "repeats", "staggered", "heavy", "batch", "longest"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    from exokv.config import exokv_home
+    from exokv.errors import ExokvError
+    from exokv.model.resolve import resolve_model
+
+    home = Path(tempfile.mkdtemp(prefix="serve-arrivals-"))
+    source = exokv_home()
+    if (source / "models").exists():
+        (home / "models").symlink_to(source / "models", target_is_directory=True)
+    os.environ["EXOKV_HOME"] = str(home)
+    try:
+        path = resolve_model(args.model)
+    except ExokvError as err:
+        raise SystemExit(f"serve_arrivals: {err}") from None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        results = run(args, path, home, tokenizer)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"{args.ranks} rank(s); load average before {results['load_average_before']}")
+    print(
+        f"{'workload':<10} {'server':<8} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
+        f"{'longest pause':>14}"
+    )
+    for work in ("staggered", "heavy"):
+        for name in ("exokv", "mlx_lm"):
+            for f in results[work][name]:
+                pause = f["longest_pause_s"]
+                shown = f"{pause * 1000:.0f} ms" if pause >= 0 else "-"
+                print(
+                    f"{work:<10} {name:<8} {f['ttft_mean_s']:>9.2f}s {f['ttft_p90_s']:>9.2f}s "
+                    f"{f['tokens_per_s']:>8.1f} {shown:>14}"
+                )
+    print(f"load average after {results['load_average_after']}")
+
+
+def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dict[str, Any]:
+    from exokv.wire.launch import launcher
+
+    env = {**os.environ, "EXOKV_HOME": str(home)}
+    ranks = args.ranks
+    results: dict[str, Any] = {"model": args.model, "args": vars(args)}
+    results["load_average_before"] = os.getloadavg()
+    argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model, "-n", str(ranks)]
+    argv += ["--port", "{port}", "--disk-budget", "0", "--queue", "256"]
+    argv += ["--batch", str(args.batch)]
+    if ranks > 1:
+        argv += ["--starting-port", str(args.starting_port)]
+    mlx_argv = [sys.executable, base.__file__, "--mlx-lm-probe"]
+    mlx_argv += ["--model", str(path), "--port", "{port}", "--log-level", "INFO"]
+    if ranks > 1:
+        launch = [launcher(), "-n", str(ranks), "--backend", "ring"]
+        launch += ["--starting-port", str(args.starting_port + base.PORT_BLOCK), "--"]
+        mlx_argv = [*launch, *mlx_argv, "--pipeline"]
+    probe_dir = home / "mlx-lm-probe"
+    probe_dir.mkdir()
+    started: list[base.Server] = []
+    try:
+        exokv = base.Server("exokv", argv, env, "serving ")
+        started.append(exokv)
+        mlx_env = {**env, base.PROBE_DIR: str(probe_dir)}
+        mlx = base.Server("mlx_lm.server", mlx_argv, mlx_env, "Starting httpd", launched=ranks > 1)
+        started.append(mlx)
+        mlx.pause_when_idle = ranks > 1
+        servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
+
+        def only(server: base.Server) -> base.Server:
+            for other, _ in servers.values():
+                if other is not server and other.pause_when_idle and not other.paused:
+                    other.pause()
+            server.resume()
+            return server
+
+        for server, model in servers.values():
+            base.stream_turn(only(server), model, [{"role": "user", "content": "warm up"}], 8)
+        for work in ("staggered", "heavy"):
+            results[work] = {name: [] for name in servers}
+        try:
+            for trial in range(args.repeats):
+                for name, (server, model) in servers.items():
+                    reqs = staggered(tokenizer, args, trial)
+                    gap = args.staggered_gap_ms / 1000
+                    runs = arrivals(only(server), model, reqs, gap, args.staggered_tokens)
+                    results["staggered"][name].append(figures(runs, []))
+                for name, (server, model) in servers.items():
+                    reqs, long_ones = heavy(tokenizer, args, trial)
+                    gap = args.heavy_gap_ms / 1000
+                    runs = arrivals(only(server), model, reqs, gap, args.heavy_tokens)
+                    results["heavy"][name].append(figures(runs, long_ones))
+                    results["heavy"][name][-1]["prompt_tokens_max"] = max(r["prompt"] for r in runs)
+        except Exception as err:  # a server that died mid-run: one line, exit 1
+            raise SystemExit(f"serve_arrivals: the run failed: {err!r}") from None
+    finally:
+        for server in reversed(started):
+            server.stop()
+    results["load_average_after"] = os.getloadavg()
+    return results
+
+
+if __name__ == "__main__":
+    main()
