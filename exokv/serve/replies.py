@@ -62,6 +62,11 @@ class RepliesFromStore:
         on_text: Callable[[int, str], None] | None = None,
         should_stop: Callable[[int], bool] | None = None,
         on_row: Callable[[int, RowOutcome], None] | None = None,
+        joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
+        # Requests that join the batch while it runs are not restored: the ranks take
+        # no other message mid-batch. Their echoed replies are rendered from the text.
         self.restore(requests)
-        return self._inner.turns(requests, on_text=on_text, should_stop=should_stop, on_row=on_row)
+        return self._inner.turns(
+            requests, on_text=on_text, should_stop=should_stop, on_row=on_row, joins=joins
+        )
