@@ -94,3 +94,26 @@ def test_two_pipeline_ranks_with_the_cache_equal_one_rank_without(
     assert replies(two) == replies(cold) and all(r.strip() for r in replies(two))
     assert two[0]["cached_tokens"] == 0
     assert all(t["cached_tokens"] > 0 for t in two[1:])
+
+
+@pytest.mark.timeout(600)
+def test_a_restart_resumes_from_the_disk_tier_with_the_uncached_reply(
+    gemma3_dir: Path, tmp_path: Path
+) -> None:
+    """The disk tier on a mixed cache (sliding-window and full layers): a session quit,
+    then continued in a new chat, loads its KV from disk and replies as --no-cache does."""
+    env = {"EXOKV_MODELS": str(gemma3_dir.parent)}
+    args = ["chat", "--model", NAME, "--json", "--max-tokens", "4"]
+    home = tmp_path / "home"
+
+    def turns(*extra: str, stdin: str) -> list[dict[str, Any]]:
+        proc = run_exokv([*args, *extra], home, stdin, env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        return [json.loads(x) for x in proc.stdout.decode().splitlines() if '"turn"' in x]
+
+    turns("--session", "fruit", stdin="Name a fruit.\n")
+    resumed = turns("--session", "fruit", stdin="And a color?\n")[0]
+    assert resumed["cached_tokens"] > 0
+    assert any(e["kind"] == "load" for e in resumed["events"]), resumed["events"]
+    cold = turns("--no-cache", stdin="Name a fruit.\nAnd a color?\n")
+    assert resumed["reply"] == cold[1]["reply"] and resumed["reply"].strip()
