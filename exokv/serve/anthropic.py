@@ -12,7 +12,6 @@ rest, as Anthropic counts them; errors come in Anthropic's shape,
 from __future__ import annotations
 
 import json
-import secrets
 from typing import Any
 
 from exokv.serve import api
@@ -151,27 +150,16 @@ def _event(kind: str, doc: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
-class Shape:
+class Shape(api.ToolsShape):
     """The reply: a message, or Anthropic's stream of events."""
 
-    def __init__(self, model: str, call: api.ChatCall, tools: Any = None) -> None:
-        from exokv.serve.tools import ToolText, check
-        from exokv.templating import tools_message
+    PREFIX = "msg_"
 
-        self.model = model
-        self.call = call
-        self.stream = call.stream
-        self.ident = f"msg_{secrets.token_hex(12)}"
-        check(tools, model, bool(call.tools) or call.tool_messages)
-        self._marker = [tools_message(call.tools)] if call.tools else []
-        self._text = ToolText(tools, call.tools) if call.tools else None
-        self._new_text = lambda: ToolText(tools, call.tools)
+    def __init__(self, model: str, call: api.ChatCall, tools: Any = None) -> None:
+        super().__init__(model, call, tools)
         self._blocks = 1  # content blocks opened (the first text block is 0)
         self._text_open = True  # the text block `_text_index` takes text
         self._text_index = 0
-
-    def tools_messages(self) -> list[dict[str, Any]]:
-        return self._marker
 
     def error_doc(self, err: api.ApiError) -> dict[str, Any]:
         return error_doc(err)

@@ -426,8 +426,11 @@ class StopText:
         return out
 
 
-class ChatShape:
-    """POST /v1/chat/completions's reply: a chat.completion, or its chunks streamed."""
+class ToolsShape:
+    """What every API's reply shape shares: the request's tools checked against the
+    model, the marker message that renders them, and the reader of calls in the text."""
+
+    PREFIX = ""  # the reply id's
 
     def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
         from exokv.serve.tools import ToolText, check
@@ -436,7 +439,7 @@ class ChatShape:
         self.model = model
         self.call = call
         self.stream = call.stream
-        self.ident = f"chatcmpl-{secrets.token_hex(12)}"
+        self.ident = f"{self.PREFIX}{secrets.token_hex(12)}"
         check(tools, model, bool(call.tools) or call.tool_messages)
         self._marker = [tools_message(call.tools)] if call.tools else []
         self._text = ToolText(tools, call.tools) if call.tools else None
@@ -444,6 +447,12 @@ class ChatShape:
 
     def tools_messages(self) -> list[dict[str, Any]]:
         return self._marker
+
+
+class ChatShape(ToolsShape):
+    """POST /v1/chat/completions's reply: a chat.completion, or its chunks streamed."""
+
+    PREFIX = "chatcmpl-"
 
     def error_doc(self, err: ApiError) -> dict[str, Any]:
         return err.doc()
