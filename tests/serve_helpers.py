@@ -137,3 +137,39 @@ def conversation_replies(server: Server, turns: list[str], system: str, max_toke
         out.append(done)
         messages.append({"role": "assistant", "content": done.choices[0].message.content})
     return out
+
+
+class InProcess:
+    """Servers run in this process's threads over a given client (a stand-in), each on
+    its own port; `close()` stops them all."""
+
+    def __init__(self) -> None:
+        self._running: list[tuple[Any, threading.Thread, Any]] = []
+
+    def start(
+        self, client: Any, log: Any = None, tools: Any = None, with_tools: bool = False
+    ) -> int:
+        import uvicorn
+
+        from exokv.serve.app import Service, build_app
+        from exokv.serve.work import TurnQueue
+
+        queue = TurnQueue(client, 4)
+        service = Service(model="m", names={"m"}, queue=queue, ranks=1, log=log or (lambda _: None))
+        if with_tools:
+            service.tools = lambda: tools
+        port = free_port()
+        config = uvicorn.Config(build_app(service), port=port, log_level="warning", lifespan="off")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.02)
+        self._running.append((server, thread, queue))
+        return port
+
+    def close(self) -> None:
+        for server, thread, queue in self._running:
+            server.should_exit = True
+            thread.join(timeout=10)
+            queue.close(timeout=1)

@@ -11,13 +11,10 @@ import time
 from collections.abc import Callable
 
 import pytest
-import uvicorn
 
 from exokv.records import TurnRequest, TurnResult
 from exokv.serve import app as app_module
-from exokv.serve.app import Service, build_app
-from exokv.serve.work import TurnQueue
-from tests.serve_helpers import free_port
+from tests.serve_helpers import InProcess
 from tests.stub_client import StubClient
 
 STEP_S = 0.05
@@ -72,27 +69,14 @@ class SlowPrefill(StubClient):
 def serve(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(app_module, "HEAD_WAIT_S", 0.1)
     monkeypatch.setattr(app_module, "KEEPALIVE_S", 0.1)
-    running: list[tuple[uvicorn.Server, threading.Thread, TurnQueue]] = []
+    servers = InProcess()
     log: list[str] = []
 
     def start(client: SlowPrefill) -> int:
-        queue = TurnQueue(client, 4)
-        service = Service(model="m", names={"m"}, queue=queue, ranks=1, log=log.append)
-        port = free_port()
-        config = uvicorn.Config(build_app(service), port=port, log_level="warning", lifespan="off")
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        running.append((server, thread, queue))
-        return port
+        return servers.start(client, log=log.append)
 
     yield start, log
-    for server, thread, queue in running:
-        server.should_exit = True
-        thread.join(timeout=10)
-        queue.close(timeout=1)
+    servers.close()
 
 
 def _open_stream(port: int) -> http.client.HTTPResponse:

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-import uvicorn
 
 from exokv.records import TurnRequest, TurnResult
-from exokv.serve.app import Service, build_app
 from exokv.serve.tools import ModelTools, ToolText, model_tools
-from exokv.serve.work import TurnQueue
 from tests.chat_helpers import home_with_models
-from tests.serve_helpers import free_port, raw, serving
+from tests.serve_helpers import InProcess, raw, serving
 from tests.stub_client import StubClient
 
 TOOLS_TEMPLATE = (
@@ -149,28 +144,15 @@ class Replies(StubClient):
 @pytest.fixture
 def forced(model: Path):
     """An in-process server over `Replies`; yields (start(text) -> openai client)."""
-    running: list[tuple[uvicorn.Server, threading.Thread, TurnQueue]] = []
+    servers = InProcess()
     tools = model_tools(str(model))
 
     def start(text: str, model_tools: ModelTools | None = tools) -> str:
-        queue = TurnQueue(Replies(text), 4)
-        service = Service(model="m", names={"m"}, queue=queue, ranks=1, log=lambda _: None)
-        service.tools = lambda: model_tools
-        port = free_port()
-        config = uvicorn.Config(build_app(service), port=port, log_level="warning", lifespan="off")
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        running.append((server, thread, queue))
+        port = servers.start(Replies(text), tools=model_tools, with_tools=True)
         return f"http://127.0.0.1:{port}"
 
     yield start
-    for server, thread, queue in running:
-        server.should_exit = True
-        thread.join(timeout=10)
-        queue.close(timeout=1)
+    servers.close()
 
 
 ASK = [{"role": "user", "content": "weather in Paris?"}]
