@@ -269,3 +269,21 @@ class Terminal:
         code = self.proc.wait(timeout=5)
         os.close(self.fd)
         return code
+
+
+def resumed_and_cold(
+    home: Path, model: str, models: Path, first: str, second: str, max_tokens: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A session's first turn, then its second in a new chat (its KV from the disk tier),
+    and both turns again with --no-cache: (the resumed turn, the cold turns)."""
+    env = {"EXOKV_MODELS": str(models)}
+    args = ["chat", "--model", model, "--json", "--max-tokens", str(max_tokens)]
+
+    def turns(*extra: str, stdin: str) -> list[dict[str, Any]]:
+        proc = run_exokv([*args, *extra], home, stdin, env=env)
+        assert proc.returncode == 0, proc.stderr.decode()
+        return [json.loads(x) for x in proc.stdout.decode().splitlines() if '"turn"' in x]
+
+    turns("--session", "s", stdin=f"{first}\n")
+    resumed = turns("--session", "s", stdin=f"{second}\n")[0]
+    return resumed, turns("--no-cache", stdin=f"{first}\n{second}\n")

@@ -102,18 +102,10 @@ def test_a_restart_resumes_from_the_disk_tier_with_the_uncached_reply(
 ) -> None:
     """The disk tier on a mixed cache (sliding-window and full layers): a session quit,
     then continued in a new chat, loads its KV from disk and replies as --no-cache does."""
-    env = {"EXOKV_MODELS": str(gemma3_dir.parent)}
-    args = ["chat", "--model", NAME, "--json", "--max-tokens", "4"]
-    home = tmp_path / "home"
+    from chat_helpers import resumed_and_cold
 
-    def turns(*extra: str, stdin: str) -> list[dict[str, Any]]:
-        proc = run_exokv([*args, *extra], home, stdin, env=env)
-        assert proc.returncode == 0, proc.stderr.decode()
-        return [json.loads(x) for x in proc.stdout.decode().splitlines() if '"turn"' in x]
-
-    turns("--session", "fruit", stdin="Name a fruit.\n")
-    resumed = turns("--session", "fruit", stdin="And a color?\n")[0]
+    first, second = "Name a fruit.", "And a color?"
+    resumed, cold = resumed_and_cold(tmp_path, NAME, gemma3_dir.parent, first, second, 4)
     assert resumed["cached_tokens"] > 0
     assert any(e["kind"] == "load" for e in resumed["events"]), resumed["events"]
-    cold = turns("--no-cache", stdin="Name a fruit.\nAnd a color?\n")
     assert resumed["reply"] == cold[1]["reply"] and resumed["reply"].strip()

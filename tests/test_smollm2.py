@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from chat_helpers import run_exokv
+from chat_helpers import resumed_and_cold, run_exokv
 
 from exokv.model import smollm2
 
@@ -95,18 +95,10 @@ def test_a_restart_resumes_from_the_disk_tier_with_the_uncached_reply(
 ) -> None:
     """The disk tier on the real model: a session quit, then continued in a new chat,
     loads its KV from disk and replies as --no-cache does."""
-    env = {"EXOKV_MODELS": str(smollm2_dir.parent)}
-    args = ["chat", "--model", str(smollm2_dir), "--json", "--max-tokens", "6"]
-    home = tmp_path / "home"
-
-    def turns(*extra: str, stdin: str) -> list[dict]:
-        proc = run_exokv([*args, *extra], home, stdin, env=env)
-        assert proc.returncode == 0, proc.stderr.decode()
-        return [json.loads(x) for x in proc.stdout.decode().splitlines() if '"turn"' in x]
-
-    turns("--session", "paris", stdin="What is the capital of France?\n")
-    resumed = turns("--session", "paris", stdin="And of Spain?\n")[0]
+    first, second = "What is the capital of France?", "And of Spain?"
+    resumed, cold = resumed_and_cold(
+        tmp_path, str(smollm2_dir), smollm2_dir.parent, first, second, 6
+    )
     assert resumed["cached_tokens"] > 0
     assert any(e["kind"] == "load" for e in resumed["events"]), resumed["events"]
-    cold = turns("--no-cache", stdin="What is the capital of France?\nAnd of Spain?\n")
     assert resumed["reply"] == cold[1]["reply"]
