@@ -275,9 +275,9 @@ def speculation_line(row: dict[str, Any]) -> str | None:
     if not drafted:
         return None
     accepted = int(row.get("accepted_tokens") or 0)
+    # Short enough for a 60-column terminal: each kept token is a forward pass saved.
     return (
-        f"Speculation: {accepted:,} of {drafted:,} draft tokens accepted "
-        f"({pct(accepted / drafted, 100)}), each a forward pass saved."
+        f"Speculation: {accepted:,} of {drafted:,} drafted kept ({pct(accepted / drafted, 100)})."
     )
 
 

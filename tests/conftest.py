@@ -14,6 +14,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen2
 from ssh_hosts import ssh_hosts  # noqa: F401 - the two ssh hosts, for any test module
 
+# pytest-xdist's workers have COLUMNS=80 and LINES=24 in their environment; the
+# processes tests start (some in pseudo-terminals of their own size) must not inherit
+# them, or every table and status line is cut at 80 columns.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
+
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored,
 # and so would every exokv it starts (Python installs no KeyboardInterrupt handler for
 # an ignored SIGINT): the Ctrl-C tests would test nothing. Catching it here makes the

@@ -57,11 +57,12 @@ class Server:
         lines = [x for x in self.log if " /v1/" in x]
         return [x for x in lines if f" {status} " in x] if status is not None else lines
 
-    def wait_log(self, predicate: Any, timeout: float = 30) -> list[str]:
+    def wait_log(self, predicate: Any, timeout: float = 30, count: int = 1) -> list[str]:
+        """The log lines `predicate` takes, once there are `count` of them."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [x for x in self.log if predicate(x)]
-            if found:
+            if len(found) >= count:
                 return found
             time.sleep(0.05)
         raise AssertionError(f"no such log line; log: {self.log[-20:]}")

@@ -22,6 +22,7 @@ EXAMPLES: list[m.Message] = [
     m.Refused("wrong token"),
     m.Turn(1, REQUEST),
     m.Batch(2, [m.BatchRow(3, REQUEST), m.BatchRow(4, TurnRequest("t", []))]),
+    m.Join([m.BatchRow(5, REQUEST)]),
     m.Stop(3),
     m.Seen(12),
     m.Draft("draft-1", "s", [{"role": "user", "content": "hi"}], "and then"),

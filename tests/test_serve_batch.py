@@ -119,7 +119,9 @@ def test_requests_that_arrive_during_a_batch_join_it_and_reply_as_one_at_a_time(
         # The access log: each of the eight decoded with others (it joined the first
         # one's batch, or rows that had joined it); the first, which began alone, with
         # rows that joined it. The leaver stopped early.
-        done = s.wait_log(lambda x: " /v1/" in x and "batch=" in x and " 200 " in x)
+        done = s.wait_log(
+            lambda x: " /v1/" in x and "batch=" in x and " 200 " in x, count=len(clients) + 1
+        )
         assert len(done) == len(clients) + 1, s.access()
         gone = s.wait_log(lambda x: " /v1/" in x and " 499 " in x and "batch=" in x)
         assert len(gone) == 1 and "finish=interrupted" in gone[0], s.access()

@@ -118,6 +118,9 @@ class LocalClient(Client):
         with self._engine_lock:
             return kvsave.on_disk(self.engine, session, messages)
 
+    def nudge(self) -> None:
+        """Nothing to wake: in one process the batch asks `joins` at every step."""
+
     def release_thread(self) -> None:
         """A thread of the caller's that ran turns is about to end (a server's worker)."""
         forget_thread()

@@ -477,6 +477,15 @@ class Engine:
         the turn's tokens checked by the model (exokv.rank.speculate) where the request
         and the cache allow it, else one token at a time."""
         self.speculation = speculate.unsupported(cache) if request.speculate else "off"
+        # Ranks holding different layer kinds (a window on one, none on another) must
+        # all decode the same way: one rank that cannot trim turns drafts off for all.
+        if request.speculate and self.group.size > 1:
+            if self.group.any(bool(self.speculation)) and not self.speculation:
+                self.speculation = "another rank's cache cannot be trimmed"
+        if not self.speculation and request.temp > 0 and request.sample_seed is not None:
+            # The distribution is the same with drafts, the random draws are not: a
+            # seeded request must repeat whatever the cache holds.
+            self.speculation = "a seeded sample repeats only without drafts"
         if not self.speculation:
             script = drafts_hook()  # tests only: drafts that are partly wrong
             tree = self.cache.tree if request.use_cache else None
