@@ -55,29 +55,7 @@ def prompt_of(tokenizer: Any, n: int, salt: int) -> str:
 
 def timed_stream(server: base.Server, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed completion: when it was sent, when each content chunk came, tokens."""
-    sent = time.perf_counter()
-    chunks: list[float] = []
-    used = None
-    for chunk in server.client().chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    ):
-        if chunk.choices and chunk.choices[0].delta.content:
-            chunks.append(time.perf_counter())
-        if chunk.usage is not None:
-            used = chunk.usage
-    end = time.perf_counter()
-    return {
-        "sent": sent,
-        "chunks": chunks,
-        "end": end,
-        "tokens": used.completion_tokens if used else len(chunks),
-        "prompt": used.prompt_tokens if used else 0,
-    }
+    return base.stream_turn(server, model, messages, max_tokens)
 
 
 def arrivals(

@@ -167,10 +167,12 @@ class Server:
 
 
 def stream_turn(server: Server, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed completion: its text, completion tokens, TTFT and end time."""
+    """One streamed completion: its text, completion tokens, TTFT, each content chunk's
+    arrival and the end time."""
     sent = time.perf_counter()
     first = None
     parts = []
+    chunks: list[float] = []
     used = None
     for chunk in server.client().chat.completions.create(
         model=model,
@@ -181,8 +183,9 @@ def stream_turn(server: Server, model: str, messages: list[dict], max_tokens: in
         stream_options={"include_usage": True},
     ):
         if chunk.choices and chunk.choices[0].delta.content:
+            chunks.append(time.perf_counter())
             if first is None:
-                first = time.perf_counter()
+                first = chunks[-1]
             parts.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             used = chunk.usage
@@ -197,6 +200,7 @@ def stream_turn(server: Server, model: str, messages: list[dict], max_tokens: in
         "prompt": used.prompt_tokens if used else 0,
         "ttft": (first or end) - sent,
         "sent": sent,
+        "chunks": chunks,
         "end": end,
     }
 
