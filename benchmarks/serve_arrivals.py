@@ -227,14 +227,9 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
         servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
 
         def only(server: base.Server) -> base.Server:
-            for other, _ in servers.values():
-                if other is not server and other.pause_when_idle and not other.paused:
-                    other.pause()
-            server.resume()
-            return server
+            return base.running_alone(server, servers)
 
-        for server, model in servers.values():
-            base.stream_turn(only(server), model, [{"role": "user", "content": "warm up"}], 8)
+        base.warm_up(servers)
         for work in ("staggered", "heavy"):
             results[work] = {name: [] for name in servers}
         try:

@@ -166,6 +166,24 @@ class Server:
         self.proc.wait()
 
 
+def running_alone(server: Server, servers: dict[str, tuple[Server, str]]) -> Server:
+    """`server`, running; any other server that spins while idle, paused (the cores are
+    the one being measured's, as on machines of its own)."""
+    for other, _ in servers.values():
+        if other is not server and other.pause_when_idle and not other.paused:
+            other.pause()
+    server.resume()
+    return server
+
+
+def warm_up(servers: dict[str, tuple[Server, str]]) -> None:
+    """One short request to each server, alone, before anything is timed."""
+    for server, model in servers.values():
+        stream_turn(
+            running_alone(server, servers), model, [{"role": "user", "content": "warm up"}], 8
+        )
+
+
 def stream_turn(server: Server, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed completion: its text, completion tokens, TTFT, each content chunk's
     arrival and the end time."""
@@ -313,16 +331,9 @@ def measure(
     out: dict[str, Any] = {name: {"decode_tps": [], "returning_ttft_s": []} for name in servers}
 
     def only(server: Server) -> Server:
-        """`server`, running; any server that spins while idle, paused (the cores are
-        the one being measured's, as on machines of its own)."""
-        for other, _ in servers.values():
-            if other is not server and other.pause_when_idle and not other.paused:
-                other.pause()
-        server.resume()
-        return server
+        return running_alone(server, servers)
 
-    for server, model in servers.values():
-        stream_turn(only(server), model, [{"role": "user", "content": "warm up"}], 8)
+    warm_up(servers)
     for trial in range(args.repeats):
         for name, (server, model) in servers.items():
             tps = throughput(only(server), model, args.streams, args.max_tokens, trial)
