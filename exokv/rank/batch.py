@@ -270,6 +270,7 @@ class _Batch:
 
     def _loop(self) -> None:
         picked: mx.array | None = None  # the active rows' next tokens (queued)
+        taken = 0  # the first rows of `picked` whose tokens were already handled
         while self.active or self.pending or self.ready:
             following = None
             if self.active:
@@ -283,12 +284,15 @@ class _Batch:
                 following = self._sample(self._step(self.batch, picked), self.active)
                 mx.async_eval(following)
                 now = time.perf_counter()
-                for r, token in zip(self.active, picked.tolist(), strict=True):
+                for j, (r, token) in enumerate(zip(self.active, picked.tolist(), strict=True)):
                     r.peak = max(r.peak, len(self.active))
+                    if j < taken:
+                        continue  # handled before the last step's prefill chunk
                     if r.fed_prompt:
                         self._take(r, token, now)
                     else:  # its last prompt token, run in this step: not a reply's
                         r.fed_prompt = True
+            taken = 0
             if self.on_step is not None:
                 self.on_step()
             stops, stopped, joined, size = self._agree()
@@ -306,8 +310,12 @@ class _Batch:
                 self._admit(len(self.requests) - 1, request)
             ready: list[_Row] = []
             if self.pending:
-                if following is not None:
-                    mx.eval(following)  # the chunk's time is its own, not the step's
+                if picked is not None:
+                    # The step is computed before the chunk runs: its tokens go out now,
+                    # not a chunk later (a newcomer's first token among them). Every rank
+                    # handles them here alike; the next step still runs them, as a
+                    # row's end needs.
+                    taken = self._take_now(picked)
                 ready = self._prefill_chunks(size)
             self.starting = [r for r in self.starting if r in self.pending]
             if self.starting:
@@ -366,6 +374,16 @@ class _Batch:
             c.filter(mx.array(keep))
         assert picked is not None
         return picked[mx.array(keep)]
+
+    def _take_now(self, picked: mx.array) -> int:
+        """The active rows' tokens of the step just queued, handled at once; how many."""
+        tokens = picked.tolist()
+        now = time.perf_counter()
+        for r, token in zip(self.active, tokens, strict=True):
+            self._take(r, token, now)
+        if self.on_step is not None:
+            self.on_step()
+        return len(tokens)
 
     def _stop_in_prefill(self, row: _Row) -> None:
         if row.hit is None:  # stopped before its fetch: it begins and ends at once
