@@ -13,6 +13,11 @@ whose idle-spinning ranks are paused while exokv is measured), each driven by th
 2. **heavy**: --heavy requests (32), one every --heavy-gap-ms (20), prompts of mixed
    lengths up to --longest (2,000) tokens (a fifth of them that long), --heavy-tokens
    (64) tokens each.
+3. **newcomer**: --streams (4) short requests decoding --stream-tokens (512) tokens
+   each, and --newcomer-after-s (3) seconds after them one --longest-token newcomer
+   (its own system prompt, so nothing of it is cached): the longest pause the running
+   streams see while it prefills. In the heavy workload every request arrives before
+   any stream decodes, so only this one measures the pause.
 
 For each: mean and p90 time to first token (request sent -> first content chunk),
 tokens/s (every completion token / first request sent to last token), and the longest
@@ -39,6 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_vs_mlx_lm as base  # noqa: E402 - its Server and the mlx_lm.server wrapper
+
+WORKLOADS = ("staggered", "heavy", "newcomer")
 
 WORDS = (
     "rack node cable switch power fan disk cache layer token model batch queue shard "
@@ -132,6 +139,66 @@ def heavy(tokenizer: Any, args: argparse.Namespace, trial: int) -> tuple[list[li
     return requests, [i for i, n in enumerate(lengths) if n == args.longest]
 
 
+def newcomer(tokenizer: Any, args: argparse.Namespace, trial: int) -> list[list[dict]]:
+    """--streams short requests, then the --longest-token newcomer (last)."""
+    system = f"(trial {trial}) " + base.SYSTEM
+    short = [
+        [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"stream {i}: describe machine {i} in the rack."},
+        ]
+        for i in range(args.streams)
+    ]
+    # Its own system prompt: the newcomer's whole prompt is prefilled, none of it cached.
+    long = [{"role": "user", "content": prompt_of(tokenizer, args.longest, trial * 1000 + 999)}]
+    return [*short, long]
+
+
+def running_then_newcomer(
+    server: base.Server, model: str, requests: list[list[dict]], args: argparse.Namespace
+) -> list[dict]:
+    """The short requests at once, the newcomer --newcomer-after-s later; runs in order."""
+    runs: list[dict | None] = [None] * len(requests)
+    tokens = [args.stream_tokens] * (len(requests) - 1) + [args.heavy_tokens]
+
+    def one(i: int) -> None:
+        runs[i] = timed_stream(server, model, requests[i], tokens[i])
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(requests) - 1)]
+        time.sleep(args.newcomer_after_s)
+        futures.append(pool.submit(one, len(requests) - 1))
+        for f in futures:
+            f.result()
+    return [r for r in runs if r is not None]
+
+
+def run_staggered(
+    server: base.Server, model: str, tokenizer: Any, args: argparse.Namespace, trial: int
+) -> dict[str, float]:
+    reqs = staggered(tokenizer, args, trial)
+    runs = arrivals(server, model, reqs, args.staggered_gap_ms / 1000, args.staggered_tokens)
+    return figures(runs, [])
+
+
+def run_heavy(
+    server: base.Server, model: str, tokenizer: Any, args: argparse.Namespace, trial: int
+) -> dict[str, float]:
+    reqs, long_ones = heavy(tokenizer, args, trial)
+    runs = arrivals(server, model, reqs, args.heavy_gap_ms / 1000, args.heavy_tokens)
+    return {**figures(runs, long_ones), "prompt_tokens_max": max(r["prompt"] for r in runs)}
+
+
+def run_newcomer(
+    server: base.Server, model: str, tokenizer: Any, args: argparse.Namespace, trial: int
+) -> dict[str, float]:
+    runs = running_then_newcomer(server, model, newcomer(tokenizer, args, trial), args)
+    return {**figures(runs, [len(runs) - 1]), "newcomer_prompt_tokens": runs[-1]["prompt"]}
+
+
+WORKLOAD_RUNS = {"staggered": run_staggered, "heavy": run_heavy, "newcomer": run_newcomer}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base._Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="builtin:base")
@@ -146,11 +213,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heavy-gap-ms", type=float, default=20)
     p.add_argument("--heavy-tokens", type=int, default=64)
     p.add_argument("--longest", type=int, default=2000)
+    p.add_argument("--streams", type=int, default=4, help="running streams (newcomer trial)")
+    p.add_argument("--stream-tokens", type=int, default=512)
+    p.add_argument("--newcomer-after-s", type=float, default=3.0)
+    p.add_argument(
+        "--only", action="append", choices=WORKLOADS, help="run this workload (repeatable)"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    for name in ("ranks", "repeats", "staggered", "heavy", "batch", "longest"):
+    names = ("ranks", "repeats", "staggered", "heavy", "batch", "longest", "streams")
+    for name in (*names, "stream_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    args.workloads = tuple(args.only or WORKLOADS)
+    if args.newcomer_after_s < 0:
+        p.error(f"--newcomer-after-s {args.newcomer_after_s}: not negative")
     return args
 
 
@@ -184,7 +261,7 @@ def main() -> None:
         f"{'workload':<10} {'server':<8} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
         f"{'longest pause':>14}"
     )
-    for work in ("staggered", "heavy"):
+    for work in args.workloads:
         for name in ("exokv", "mlx_lm"):
             for f in results[work][name]:
                 pause = f["longest_pause_s"]
@@ -230,21 +307,14 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
             return base.running_alone(server, servers)
 
         base.warm_up(servers)
-        for work in ("staggered", "heavy"):
+        for work in args.workloads:
             results[work] = {name: [] for name in servers}
         try:
             for trial in range(args.repeats):
-                for name, (server, model) in servers.items():
-                    reqs = staggered(tokenizer, args, trial)
-                    gap = args.staggered_gap_ms / 1000
-                    runs = arrivals(only(server), model, reqs, gap, args.staggered_tokens)
-                    results["staggered"][name].append(figures(runs, []))
-                for name, (server, model) in servers.items():
-                    reqs, long_ones = heavy(tokenizer, args, trial)
-                    gap = args.heavy_gap_ms / 1000
-                    runs = arrivals(only(server), model, reqs, gap, args.heavy_tokens)
-                    results["heavy"][name].append(figures(runs, long_ones))
-                    results["heavy"][name][-1]["prompt_tokens_max"] = max(r["prompt"] for r in runs)
+                for work in args.workloads:
+                    for name, (server, model) in servers.items():
+                        measured = WORKLOAD_RUNS[work](only(server), model, tokenizer, args, trial)
+                        results[work][name].append(measured)
         except Exception as err:  # a server that died mid-run: one line, exit 1
             raise SystemExit(f"serve_arrivals: the run failed: {err!r}") from None
     finally:

@@ -18,6 +18,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_arrivals
         (["--staggered", "0"], "--staggered 0: at least 1"),
         (["--ranks", "0"], "--ranks 0: at least 1"),
         (["--heavy", "two"], "invalid int value: 'two'"),
+        (["--newcomer-after-s", "-1"], "--newcomer-after-s -1.0: not negative"),
+        (["--only", "burst"], "invalid choice: 'burst'"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], said: str) -> None:
