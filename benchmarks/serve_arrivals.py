@@ -316,7 +316,10 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
                         measured = WORKLOAD_RUNS[work](only(server), model, tokenizer, args, trial)
                         results[work][name].append(measured)
         except Exception as err:  # a server that died mid-run: one line, exit 1
-            raise SystemExit(f"serve_arrivals: the run failed: {err!r}") from None
+            done = {w: {n: len(r) for n, r in results[w].items()} for w in args.workloads}
+            raise SystemExit(
+                f"serve_arrivals: the run failed in {work} on {name}: {err!r} (trials done: {done})"
+            ) from None
     finally:
         for server in reversed(started):
             server.stop()
