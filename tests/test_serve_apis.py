@@ -117,7 +117,29 @@ def test_messages_equal_the_chat_and_the_second_call_reads_the_cache(server) -> 
     )
     used = again.usage
     assert used.cache_read_input_tokens > chat.usage.prompt_tokens  # the whole first exchange
-    assert used.input_tokens > 0  # the new message
+    # The new message was prefilled and stored: created, as Anthropic counts it.
+    assert used.cache_creation_input_tokens > 0 and used.input_tokens == 0
+    prompt = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, *conversation],
+        max_tokens=1,
+    )
+    assert used.cache_read_input_tokens + used.cache_creation_input_tokens == (
+        prompt.usage.prompt_tokens
+    )
+
+
+def test_without_the_cache_the_prefill_is_input_not_created() -> None:
+    from exokv.records import TurnResult
+    from exokv.serve.anthropic import usage
+
+    result = TurnResult("s", "r", 30, 0, 30, 4, 0.0, 0.0, 0.0, 1)
+    off = usage(result, stored=False)
+    assert (off["input_tokens"], off["cache_creation_input_tokens"]) == (30, 0)
+    result.cached_tokens, result.prefilled_tokens = 20, 10
+    on = usage(result, stored=True)
+    assert (on["input_tokens"], on["cache_read_input_tokens"]) == (0, 20)
+    assert on["cache_creation_input_tokens"] == 10
 
 
 def test_a_messages_stream_has_anthropics_events_and_the_same_text(server) -> None:

@@ -4,8 +4,9 @@
 (required, as Anthropic requires it), `stop_sequences`, `temperature`, `top_p`,
 `stream` with Anthropic's event types, and `tools` in Anthropic's shape (tool_use and
 tool_result blocks; exokv.serve.tools renders and parses them as for OpenAI's).
-`usage.cache_read_input_tokens` is what the prefix cache served and `input_tokens` the
-rest, as Anthropic counts them; errors come in Anthropic's shape,
+`usage.cache_read_input_tokens` is what the prefix cache served,
+`cache_creation_input_tokens` what the turn prefilled and stored in it, and
+`input_tokens` the rest, as Anthropic counts them; errors come in Anthropic's shape,
 {"type": "error", "error": {"type", "message"}}.
 """
 
@@ -145,6 +146,20 @@ def _turned(message: dict[str, Any], i: int, limits: api.Limits) -> list[dict[st
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
 
 
+def usage(result: Any, stored: bool) -> dict[str, Any]:
+    """Anthropic's usage of a turn: the prompt cut in three that sum to it. What the
+    prefix cache served is read; what this turn prefilled is created when the turn's
+    cache is on (the engine stores the whole prompt after every turn it runs with the
+    cache); input_tokens is the rest (all of the prefill with --no-cache)."""
+    created = result.prefilled_tokens if stored else 0
+    return {
+        "input_tokens": result.prompt_tokens - result.cached_tokens - created,
+        "output_tokens": result.generated_tokens,
+        "cache_read_input_tokens": result.cached_tokens,
+        "cache_creation_input_tokens": created,
+    }
+
+
 def _event(kind: str, doc: dict[str, Any]) -> bytes:
     data = json.dumps({"type": kind, **doc}, ensure_ascii=False)
     return f"event: {kind}\ndata: {data}\n\n".encode()
@@ -173,13 +188,8 @@ class Shape(api.ToolsShape):
         return {"stop_reason": reason, "stop_sequence": None}
 
     @staticmethod
-    def _usage(result: Any) -> dict[str, Any]:
-        return {
-            "input_tokens": result.prompt_tokens - result.cached_tokens,
-            "output_tokens": result.generated_tokens,
-            "cache_read_input_tokens": result.cached_tokens,
-            "cache_creation_input_tokens": 0,
-        }
+    def _usage(job: Any, result: Any) -> dict[str, Any]:
+        return usage(result, job.request.use_cache)
 
     def _message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -200,7 +210,7 @@ class Shape(api.ToolsShape):
         content = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         stop = self._stop(job, result, bool(calls))
-        return {**self._message(content), **stop, "usage": self._usage(result)}
+        return {**self._message(content), **stop, "usage": self._usage(job, result)}
 
     def _said(self, text: str, calls: list[dict[str, Any]]) -> list[bytes]:
         out = []
@@ -250,17 +260,17 @@ class Shape(api.ToolsShape):
             out.append(_event("content_block_stop", {"index": self._text_index}))
             self._text_open = False
         stop = self._stop(job, result, self._text is not None and bool(self._text.calls))
-        out.append(_event("message_delta", {"delta": stop, "usage": self._usage(result)}))
+        out.append(_event("message_delta", {"delta": stop, "usage": self._usage(job, result)}))
         return out + [_event("message_stop", {})]
 
     def broken(self, err: api.ApiError, job: Any) -> list[bytes]:
-        usage = self._usage(job.result) if job.result is not None else {"output_tokens": 0}
+        used = self._usage(job, job.result) if job.result is not None else {"output_tokens": 0}
         stop = {"stop_reason": "max_tokens", "stop_sequence": None}
         out = [_event("error", {"error": error_doc(err)["error"]})]
         if self._text_open:
             out.append(_event("content_block_stop", {"index": self._text_index}))
             self._text_open = False
-        out.append(_event("message_delta", {"delta": stop, "usage": usage}))
+        out.append(_event("message_delta", {"delta": stop, "usage": used}))
         return out + [_event("message_stop", {})]
 
 
