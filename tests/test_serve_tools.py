@@ -282,6 +282,8 @@ def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Pat
         model=model.name, max_tokens=4, messages=ASK, tools=[CLAUDE_WEATHER]
     )
     assert prompt(with_tools.usage) > prompt(plain.usage) + 20
+    counted = client.messages.count_tokens(model=model.name, messages=ASK, tools=[CLAUDE_WEATHER])
+    assert counted.input_tokens == prompt(with_tools.usage)
     result = client.messages.create(
         model=model.name,
         max_tokens=4,

@@ -54,10 +54,16 @@ def _text(value: Any, where: str, limits: api.Limits) -> str:
 
 
 def parse(
-    body: bytes, models: set[str], defaults: api.Defaults, limits: api.Limits
+    body: bytes,
+    models: set[str],
+    defaults: api.Defaults,
+    limits: api.Limits,
+    counting: bool = False,
 ) -> api.ChatCall:
+    """A checked /v1/messages request; `counting`: one for /v1/messages/count_tokens,
+    which renders the same prompt and has no max_tokens to require."""
     doc = api.read_doc(body, models)
-    if api.whole(doc, "max_tokens") is None:
+    if not counting and api.whole(doc, "max_tokens") is None:
         raise api.bad("max_tokens: Field required", "max_tokens")
     tools = _tools(doc)
     raw = doc.get("messages")

@@ -109,6 +109,7 @@ def run_serve(opts: ServeOptions) -> int:
     from exokv.client.heal import HealingClient
     from exokv.serve.app import Service, build_app
     from exokv.serve.drain import AFTER_STOP_S, DrainingServer
+    from exokv.serve.prompts import FrontRender
     from exokv.serve.replies import RepliesFromStore
     from exokv.serve.tools import model_tools
     from exokv.serve.work import TurnQueue
@@ -159,6 +160,7 @@ def run_serve(opts: ServeOptions) -> int:
             failure=lambda: client.failure or (failed[0] if failed else None),
             health=run.client.health,
             tools=functools.cache(lambda: model_tools(opts.model)),
+            count=FrontRender(opts.model, cluster.chat_template, client.known).count,
         )
 
         def halt() -> None:

@@ -38,7 +38,7 @@ def model_tools(name: str) -> ModelTools:
     try:
         from mlx_lm.tokenizer_utils import load
 
-        tokenizer = load(_files(name))
+        tokenizer = load(model_files(name))
     except Exception:  # noqa: BLE001 - a front end without the files serves no tools
         return ModelTools(template=False)
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
@@ -50,7 +50,8 @@ def model_tools(name: str) -> ModelTools:
     )
 
 
-def _files(name: str) -> Path:
+def model_files(name: str) -> Path:
+    """The directory of model `name`'s files on this machine, as its ranks resolve it."""
     from exokv.model import hub
     from exokv.model.resolve import resolve_model
 
