@@ -50,6 +50,7 @@ class Service:
     limits: api.Limits = field(default_factory=api.Limits)
     defaults: api.Defaults = field(default_factory=api.Defaults)
     use_cache: bool = True
+    speculate: bool = True  # drafts checked by the model (off: --no-speculate)
     log: Callable[[str], None] = print
     failure: Callable[[], str | None] = lambda: None
     # The ranks down or starting again (a healing client), in words; None when ready.
@@ -124,6 +125,10 @@ class _Request:
                 f"completion={result.generated_tokens}",
                 f"finish={result.finish_reason}",
             ]
+            if result.speculation == "off":
+                parts.append("speculation=off")
+            elif result.draft_tokens:
+                parts.append(f"drafts={result.accepted_tokens}/{result.draft_tokens}")
         if job is not None and job.ttft_s is not None:
             parts.append(f"ttft={job.ttft_s:.3f}s")
         if job is not None and job.batch > 1:
@@ -324,6 +329,7 @@ def _turn(service: Service, call: Any, extra: list[dict[str, Any]] | None = None
         max_tokens=call.max_tokens,
         temp=call.temperature,
         use_cache=service.use_cache,
+        speculate=service.speculate,
         top_p=call.top_p,
         sample_seed=call.seed,
     )

@@ -156,6 +156,7 @@ def run_serve(opts: ServeOptions) -> int:
                 max_tokens=opts.max_tokens, temperature=opts.temp, system=opts.system
             ),
             use_cache=cluster.keep_cache,
+            speculate=not opts.no_speculate,
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
             health=run.client.health,
