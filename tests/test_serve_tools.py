@@ -20,6 +20,7 @@ import pytest
 
 from exokv.records import TurnRequest, TurnResult
 from exokv.serve.tools import ModelTools, ToolText, model_tools
+from exokv.templating import PREFIX
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import InProcess, raw, serving
 from tests.stub_client import StubClient
@@ -147,10 +148,14 @@ def forced(model: Path):
     servers = InProcess()
     tools = model_tools(str(model))
 
+    stubs: list[Replies] = []
+
     def start(text: str, model_tools: ModelTools | None = tools) -> str:
-        port = servers.start(Replies(text), tools=model_tools, with_tools=True)
+        stubs.append(Replies(text))
+        port = servers.start(stubs[-1], tools=model_tools, with_tools=True)
         return f"http://127.0.0.1:{port}"
 
+    start.stubs = stubs  # each server's client: the turns it was asked for
     yield start
     servers.close()
 
@@ -226,6 +231,91 @@ def test_anthropics_tool_use_blocks_whole_and_streamed(forced) -> None:
     assert [b.type for b in final.content] == ["text", "tool_use"]
     assert final.content[0].text == "Sure. "
     assert final.content[1].input == {"city": "Paris"}
+
+
+# -- tool_choice: a call forced, of any tool or of one named -------------------------
+
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_the_opening_of_a_call_is_read_from_the_template(model: Path) -> None:
+    tools = model_tools(str(model))
+    assert tools.opening(None) == '\n<tool_call>\n{"name": "'
+    assert tools.opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": {'
+
+
+@pytest.mark.timeout(60)
+def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
+    url = forced('"city": "Paris"}}\n</tool_call>')  # the model continues the opening
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    done = gpt(url).chat.completions.create(
+        model="m", messages=ASK, tools=[CLOCK, WEATHER], tool_choice=named
+    )
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert done.choices[0].finish_reason == "tool_calls" and not done.choices[0].message.content
+    (request,) = forced.stubs[-1].requests
+    assert request.messages[-1] == {
+        "role": PREFIX,
+        "content": '\n<tool_call>\n{"name": "get_weather", "arguments": {',
+    }
+    offered = json.loads(request.messages[0]["content"])
+    assert [t["function"]["name"] for t in offered] == ["get_weather"]  # only the named one
+
+
+@pytest.mark.timeout(60)
+def test_required_and_anthropics_any_and_tool_force_a_call_streamed_too(forced) -> None:
+    url = forced('get_time", "arguments": {}}\n</tool_call>')  # the model chose the name
+    chunks = list(
+        gpt(url).chat.completions.create(
+            model="m", messages=ASK, tools=[CLOCK, WEATHER], tool_choice="required", stream=True
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_time"]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    clock = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+    done = claude(url).messages.create(
+        model="m",
+        max_tokens=50,
+        messages=ASK,
+        tools=[clock, CLAUDE_WEATHER],
+        tool_choice={"type": "any"},
+    )
+    assert done.stop_reason == "tool_use"
+    assert [(b.type, b.name) for b in done.content] == [("tool_use", "get_time")]
+    url = forced('"city": "Oslo"}}\n</tool_call>')
+    with claude(url).messages.stream(
+        model="m",
+        max_tokens=50,
+        messages=ASK,
+        tools=[clock, CLAUDE_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    ) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.input) for b in final.content] == [("tool_use", {"city": "Oslo"})]
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_cannot_be_forced_is_a_clear_400(forced, model: Path) -> None:
+    url = forced("x")
+    named = {"type": "function", "function": {"name": "get_wether"}}
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": named}
+    status, _, doc = raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "'get_wether', which is not among the tools" in doc["error"]["message"]
+    body["tool_choice"] = {"type": "tool"}
+    assert raw(url + "/v1/chat/completions", json.dumps(body).encode())[0] == 400
+    # A parser the template does not show a call for: the model may only decide.
+    unknown = ModelTools(template=True, start="<call>", end="</call>", parser=lambda *_: {})
+    url = forced("x", unknown)
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    status, _, doc = raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and doc["error"]["code"] == "tool_choice_not_supported", doc
 
 
 # -- rendered by the model's template, on the real model -----------------------------
@@ -312,6 +402,30 @@ def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Pat
 
 
 @pytest.mark.timeout(300)
+def test_a_forced_call_runs_on_the_model_with_its_opening_in_the_prompt(
+    tools_server, model: Path
+) -> None:
+    client = tools_server.client()
+    auto = client.chat.completions.create(model=model.name, messages=ASK, tools=[WEATHER])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = client.chat.completions.create(
+        model=model.name, messages=ASK, tools=[CLOCK, WEATHER], tool_choice=named
+    )
+    # The other tool is not offered, and the call's opening is in the prompt.
+    assert forced.usage.prompt_tokens > auto.usage.prompt_tokens
+    assert forced.usage.completion_tokens > 0
+    ask = dict(
+        model=model.name,
+        messages=ASK,
+        tools=[CLAUDE_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    counted = claude(tools_server.url).messages.count_tokens(**ask)
+    done = claude(tools_server.url).messages.create(max_tokens=4, **ask)
+    assert counted.input_tokens == prompt(done.usage) == forced.usage.prompt_tokens
+
+
+@pytest.mark.timeout(300)
 def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
     with serving(home) as s:
@@ -324,4 +438,4 @@ def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: P
         assert raw(s.base + "/chat/completions", body)[0] == 400
         body = json.dumps({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
         status, _, doc = raw(s.base + "/chat/completions", body.encode())
-        assert status == 400 and doc["error"]["param"] == "tool_choice"
+        assert status == 400 and doc["error"]["code"] == "tools_not_supported"

@@ -65,7 +65,7 @@ def parse(
     doc = api.read_doc(body, models)
     if not counting and api.whole(doc, "max_tokens") is None:
         raise api.bad("max_tokens: Field required", "max_tokens")
-    tools = _tools(doc)
+    tools, forced, forced_name = _tools(doc)
     raw = doc.get("messages")
     if not isinstance(raw, list) or not raw:
         raise api.bad("messages must be a non-empty list", "messages")
@@ -89,15 +89,18 @@ def parse(
         stop=api.stops(doc, limits, "stop_sequences"),
         tools=tools,
         tool_messages=any(m["role"] == "tool" or "tool_calls" in m for m in messages),
+        forced=forced,
+        forced_name=forced_name,
         **fields,
     )
 
 
-def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Anthropic's tools in the shape chat templates read (OpenAI's)."""
+def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]:
+    """Anthropic's tools in the shape chat templates read (OpenAI's), whether the
+    reply must call one (tool_choice any or tool), and which (tool: its name)."""
     tools = doc.get("tools")
     if not tools:
-        return []
+        return [], False, None
     if not isinstance(tools, list) or not all(
         isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
     ):
@@ -105,10 +108,13 @@ def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
     choice = doc.get("tool_choice") or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind == "none":
-        return []
-    if kind != "auto":
-        raise api.bad("tool_choice: auto or none (forcing a call is not supported)", "tool_choice")
-    return [
+        return [], False, None
+    if kind not in ("auto", "any", "tool"):
+        raise api.bad(
+            'tool_choice: {"type": "auto"}, "none", "any", or "tool" with its "name"',
+            "tool_choice",
+        )
+    shaped = [
         {
             "type": "function",
             "function": {
@@ -119,6 +125,9 @@ def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for t in tools
     ]
+    if kind == "tool":
+        return api.named_tool(shaped, choice.get("name")), True, choice.get("name")
+    return shaped, kind == "any", None
 
 
 def _turned(message: dict[str, Any], i: int, limits: api.Limits) -> list[dict[str, str]]:
@@ -178,8 +187,9 @@ class Shape(api.ToolsShape):
 
     def __init__(self, model: str, call: api.ChatCall, tools: Any = None) -> None:
         super().__init__(model, call, tools)
-        self._blocks = 1  # content blocks opened (the first text block is 0)
-        self._text_open = True  # the text block `_text_index` takes text
+        # A forced call's reply starts inside the call: no text block before it.
+        self._text_open = not self._prefix  # the text block `_text_index` takes text
+        self._blocks = int(self._text_open)  # content blocks opened (a first text block is 0)
         self._text_index = 0
 
     def error_doc(self, err: api.ApiError) -> dict[str, Any]:
@@ -244,12 +254,11 @@ class Shape(api.ToolsShape):
     def opening(self) -> list[bytes]:
         usage = {"input_tokens": 0, "output_tokens": 0}  # known when the turn ends
         message = {**self._message([]), "stop_reason": None, "stop_sequence": None}
-        return [
-            _event("message_start", {"message": {**message, "usage": usage}}),
-            _event(
-                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-            ),
-        ]
+        out = [_event("message_start", {"message": {**message, "usage": usage}})]
+        if self._text_open:
+            block = {"index": 0, "content_block": {"type": "text", "text": ""}}
+            out.append(_event("content_block_start", block))
+        return out
 
     def piece_of_text(self, text: str) -> list[bytes]:
         delta = {"type": "text_delta", "text": text}

@@ -256,7 +256,7 @@ def build_app(service: Service) -> Starlette:
         call = api.parse_chat(body, service.names, service.defaults, service.limits)
         tools = service.tools() if call.tools or call.tool_messages else None
         shape = api.ChatShape(service.model, call, tools)
-        return _turn(service, call, shape.tools_messages()), call.stop, shape
+        return _turn(service, call, shape.turn_messages()), call.stop, shape
 
     def complete(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
         call = completions.parse(body, service.names, service.defaults, service.limits)
@@ -266,7 +266,7 @@ def build_app(service: Service) -> Starlette:
         call = anthropic.parse(body, service.names, service.defaults, service.limits)
         tools = service.tools() if call.tools or call.tool_messages else None
         shape = anthropic.Shape(service.model, call, tools)
-        return _turn(service, call, shape.tools_messages()), call.stop, shape
+        return _turn(service, call, shape.turn_messages()), call.stop, shape
 
     async def count_tokens(request: Request) -> Response:
         log = _Request(service, request)
@@ -282,7 +282,7 @@ def build_app(service: Service) -> Starlette:
                 raise api.ApiError(404, "this server does not count tokens")
             # Rendering a long conversation takes a while: not in the event loop.
             count = await asyncio.to_thread(
-                service.count, _turn(service, call, shape.tools_messages())
+                service.count, _turn(service, call, shape.turn_messages())
             )
         except api.ApiError as err:
             log.write(err.status)
@@ -320,9 +320,10 @@ def build_app(service: Service) -> Starlette:
     )
 
 
-def _turn(service: Service, call: Any, extra: list[dict[str, Any]] | None = None) -> TurnRequest:
-    """The turn a checked call asks for (every API's call has these fields)."""
-    messages = (extra or []) + call.messages
+def _turn(service: Service, call: Any, messages: list[dict[str, Any]] | None = None) -> TurnRequest:
+    """The turn a checked call asks for (every API's call has these fields); `messages`:
+    the call's with their markers (tools, a forced call's opening), if it has any."""
+    messages = call.messages if messages is None else messages
     return TurnRequest(
         session=api.conversation_name(messages),
         messages=messages,

@@ -17,6 +17,7 @@ from exokv.chat.conversation import Conversation
 from exokv.chat.run import ChatOptions, prepare, started, store_hooks
 from exokv.errors import ExokvError, UsageError
 from exokv.serve import api
+from exokv.templating import PREFIX
 
 DEFAULT_PORT = 8000
 # Exact at temperature 0 and faster than one at a time, on one rank and several
@@ -96,8 +97,11 @@ class _Recorder:
         request, result = job.request, job.result
         messages = [dict(m) for m in request.messages]
         system = messages.pop(0)["content"] if messages[0]["role"] == "system" else None
-        if job.reply:
-            messages.append({"role": "assistant", "content": job.reply})
+        reply = job.reply
+        if messages[-1]["role"] == PREFIX:  # a forced call: its opening is the reply's start
+            reply = messages.pop()["content"] + reply
+        if reply:
+            messages.append({"role": "assistant", "content": reply})
         self.hooks.turn_done(Conversation(request.session, system, messages), result)
         self.hooks.forget(request.session)  # the next call brings the whole conversation
 
