@@ -87,6 +87,12 @@ def test_the_model_with_a_tools_template_has_mlx_lms_json_parser(model: Path) ->
     assert tools.template and (tools.start, tools.end) == ("<tool_call>", "</tool_call>")
 
 
+def test_the_tools_are_read_from_the_template_the_ranks_render_with(models_dir: Path) -> None:
+    tiny = str(models_dir / "tiny")  # its own template has no tools; --chat-template's has
+    assert not model_tools(tiny).template
+    assert model_tools(tiny, TOOLS_TEMPLATE).template
+
+
 @pytest.mark.parametrize("cut", range(0, len(CALL) + 1, 7))
 def test_a_call_is_cut_out_of_the_text_however_it_streams(model: Path, cut: int) -> None:
     reader = ToolText(model_tools(str(model)), [WEATHER])

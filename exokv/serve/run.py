@@ -164,7 +164,7 @@ def run_serve(opts: ServeOptions) -> int:
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
             health=run.client.health,
-            tools=functools.cache(lambda: model_tools(opts.model)),
+            tools=functools.cache(lambda: model_tools(opts.model, cluster.chat_template)),
             count=FrontRender(opts.model, cluster.chat_template, client.known).count,
         )
 

@@ -49,20 +49,28 @@ class ModelTools:
         return self.head if name is None else self.head + name + self.mid
 
 
-def model_tools(name: str) -> ModelTools:
-    """The tool calling of model `name`, from its tokenizer's files on this machine
-    (none found: no tools)."""
+def model_tools(name: str, spec: str | None = None) -> ModelTools:
+    """The tool calling of model `name` under the template the ranks settle on for
+    --chat-template `spec`, from its tokenizer's files on this machine (none found:
+    no tools)."""
     try:
         from mlx_lm.tokenizer_utils import load
 
-        tokenizer = load(model_files(name))
+        from exokv.model import templates
+
+        files = model_files(name)
+        tokenizer = load(files)
+        config = json.loads((files / "config.json").read_text())
+        settled = templates.settle(tokenizer, config.get("model_type"), spec)
     except Exception:  # noqa: BLE001 - a front end without the files serves no tools
         return ModelTools(template=False)
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    template = settled.text
+    if template is None and isinstance(tokenizer.chat_template, str):
+        template = tokenizer.chat_template
     start = tokenizer.tool_call_start
-    head, mid = (
-        _call_text(tokenizer, start) if has_tools_support(template) and start else (None, None)
-    )
+    head, mid = None, None
+    if has_tools_support(template) and start:
+        head, mid = _call_text(tokenizer, start, settled.text)
     return ModelTools(
         template=has_tools_support(template),
         start=start,
@@ -79,7 +87,7 @@ _NAMES = ("alpha_exokv_probe", "omega_exokv_probe")
 _ARGUMENTS = ({}, {"exokv_probe": "x"})
 
 
-def _call_text(tokenizer: Any, start: str) -> tuple[str | None, str | None]:
+def _call_text(tokenizer: Any, start: str, template: str | None) -> tuple[str | None, str | None]:
     """How the template writes an assistant's call, read from its own renders: the
     text after the generation prompt up to the function's name (`head`, which holds
     the start marker), and from the name up to where the arguments differ (`mid`)."""
@@ -97,8 +105,9 @@ def _call_text(tokenizer: Any, start: str) -> tuple[str | None, str | None]:
     ]
 
     def render(messages: list[dict[str, Any]], generation: bool) -> str:
+        kw = {} if template is None else {"chat_template": template}
         return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation, tokenize=False
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False, **kw
         )
 
     def call(name: str, arguments: dict[str, Any]) -> str | None:
