@@ -102,6 +102,9 @@ _DISK_BUDGET = typer.Option(
 )
 _KV_BITS = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits")
 _KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="quantization group size")
+_NO_SPECULATE = typer.Option(
+    False, "--no-speculate", help="decode one token at a time, no drafts from the conversation"
+)
 _STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
 _RESTARTS = typer.Option(
     3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
@@ -121,6 +124,7 @@ _SHARED = (
     "cache_budget",
     "memory_threshold",
     "no_cache",
+    "no_speculate",
     "disk_budget",
     "kv_bits",
     "kv_group_size",
@@ -178,9 +182,7 @@ def chat(
     no_typeahead: bool = typer.Option(
         False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
     ),
-    no_speculate: bool = typer.Option(
-        False, "--no-speculate", help="decode one token at a time, no drafts from the conversation"
-    ),
+    no_speculate: bool = _NO_SPECULATE,
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,
@@ -218,7 +220,6 @@ def chat(
         chat_template=settled.chat_template,
         prompt_format=settled.prompt_format,
         no_typeahead=no_typeahead,
-        no_speculate=no_speculate,
         session=session,
         json=json_out,
         plain=plain,
@@ -250,6 +251,7 @@ def serve(
     memory_threshold: float = _MEMORY_THRESHOLD,
     max_kv_size: int = _MAX_KV_SIZE,
     no_cache: bool = _NO_CACHE,
+    no_speculate: bool = _NO_SPECULATE,
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,

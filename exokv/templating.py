@@ -1,9 +1,11 @@
 """What the chat template sees, for requests that are not a plain chat.
 
 A turn travels to every rank as its messages (exokv.records.TurnRequest) and every
-rank renders them alike (exokv.prompt). Two kinds of request need more than the
-template's `messages`: a raw prompt (POST /v1/completions: no template at all) and a
-chat with tools (the template's own `tools` argument). They are said in the messages
+rank renders them alike (exokv.prompt). Three kinds of request need more than the
+template's `messages`: a raw prompt (POST /v1/completions: no template at all), a
+chat with tools (the template's own `tools` argument), and a reply that must start
+with given text (a forced tool call: the opening of the call, which the reply
+continues). They are said in the messages
 themselves, with marker roles no client can send (the server checks roles), so every
 path that renders a turn (one at a time, batched, joined) renders them the same, and
 `Marked` is the tokenizer every renderer asks.
@@ -16,6 +18,7 @@ from typing import Any
 
 RAW = "exokv.raw"  # [{"role": RAW, "content": prompt}]: the prompt's text as is
 TOOLS = "exokv.tools"  # a first message {"role": TOOLS, "content": JSON of the tools}
+PREFIX = "exokv.prefix"  # a last message {"role": PREFIX, "content": the reply's start}
 
 
 def raw_prompt(prompt: str) -> list[dict[str, str]]:
@@ -24,6 +27,10 @@ def raw_prompt(prompt: str) -> list[dict[str, str]]:
 
 def tools_message(tools: list[dict[str, Any]]) -> dict[str, str]:
     return {"role": TOOLS, "content": json.dumps(tools, sort_keys=True)}
+
+
+def reply_prefix(text: str) -> dict[str, str]:
+    return {"role": PREFIX, "content": text}
 
 
 class Marked:
@@ -45,10 +52,15 @@ class Marked:
         if messages and messages[0].get("role") == TOOLS:
             tools = json.loads(messages[0]["content"])
             messages = messages[1:]
+        prefix = ""
+        if messages and messages[-1].get("role") == PREFIX:
+            # After the generation prompt: the renderers ask for text (tokenize=False).
+            prefix, messages = messages[-1]["content"], messages[:-1]
         messages = [_unpacked(m) for m in messages]
         if tools is not None:
             kw["tools"] = tools
-        return self.tokenizer.apply_chat_template(messages, **kw)
+        out = self.tokenizer.apply_chat_template(messages, **kw)
+        return out + prefix if prefix else out
 
 
 def _unpacked(message: dict[str, Any]) -> dict[str, Any]:

@@ -117,7 +117,59 @@ def test_messages_equal_the_chat_and_the_second_call_reads_the_cache(server) -> 
     )
     used = again.usage
     assert used.cache_read_input_tokens > chat.usage.prompt_tokens  # the whole first exchange
-    assert used.input_tokens > 0  # the new message
+    # The new message was prefilled and stored: created, as Anthropic counts it.
+    assert used.cache_creation_input_tokens > 0 and used.input_tokens == 0
+    prompt = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, *conversation],
+        max_tokens=1,
+    )
+    assert used.cache_read_input_tokens + used.cache_creation_input_tokens == (
+        prompt.usage.prompt_tokens
+    )
+
+
+def test_count_tokens_is_the_prompt_a_message_call_renders(server) -> None:
+    def prompt(used: anthropic.types.Usage) -> int:
+        read, created = used.cache_read_input_tokens, used.cache_creation_input_tokens
+        return used.input_tokens + (read or 0) + (created or 0)
+
+    first = [{"role": "user", "content": "count me"}]
+    counted = claude(server).messages.count_tokens(model=MODEL, system=SYSTEM, messages=first)
+    done = claude(server).messages.create(model=MODEL, max_tokens=6, system=SYSTEM, messages=first)
+    assert counted.input_tokens == prompt(done.usage) > 0
+    # An echoed reply counts as the turn renders it: as the tokens it was generated as.
+    conversation = [
+        *first,
+        {"role": "assistant", "content": done.content[0].text},
+        {"role": "user", "content": "and again"},
+    ]
+    counted = claude(server).messages.count_tokens(
+        model=MODEL, system=SYSTEM, messages=conversation
+    )
+    again = claude(server).messages.create(
+        model=MODEL, max_tokens=1, system=SYSTEM, messages=conversation
+    )
+    assert counted.input_tokens == prompt(again.usage) > prompt(done.usage)
+    assert any("POST /v1/messages/count_tokens 200" in x for x in server.log)
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude(server).messages.count_tokens(
+            model=MODEL, messages=[{"role": "assistant", "content": "x"}]
+        )
+    assert "the last message" in caught.value.body["error"]["message"]
+
+
+def test_without_the_cache_the_prefill_is_input_not_created() -> None:
+    from exokv.records import TurnResult
+    from exokv.serve.anthropic import usage
+
+    result = TurnResult("s", "r", 30, 0, 30, 4, 0.0, 0.0, 0.0, 1)
+    off = usage(result, stored=False)
+    assert (off["input_tokens"], off["cache_creation_input_tokens"]) == (30, 0)
+    result.cached_tokens, result.prefilled_tokens = 20, 10
+    on = usage(result, stored=True)
+    assert (on["input_tokens"], on["cache_read_input_tokens"]) == (0, 20)
+    assert on["cache_creation_input_tokens"] == 10
 
 
 def test_a_messages_stream_has_anthropics_events_and_the_same_text(server) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 from exokv.records import TurnRequest, TurnResult
 from exokv.serve.tools import ModelTools, ToolText, model_tools
+from exokv.templating import PREFIX
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import InProcess, raw, serving
 from tests.stub_client import StubClient
@@ -86,6 +87,12 @@ def test_the_model_with_a_tools_template_has_mlx_lms_json_parser(model: Path) ->
     assert tools.template and (tools.start, tools.end) == ("<tool_call>", "</tool_call>")
 
 
+def test_the_tools_are_read_from_the_template_the_ranks_render_with(models_dir: Path) -> None:
+    tiny = str(models_dir / "tiny")  # its own template has no tools; --chat-template's has
+    assert not model_tools(tiny).template
+    assert model_tools(tiny, TOOLS_TEMPLATE).template
+
+
 @pytest.mark.parametrize("cut", range(0, len(CALL) + 1, 7))
 def test_a_call_is_cut_out_of_the_text_however_it_streams(model: Path, cut: int) -> None:
     reader = ToolText(model_tools(str(model)), [WEATHER])
@@ -147,10 +154,14 @@ def forced(model: Path):
     servers = InProcess()
     tools = model_tools(str(model))
 
+    stubs: list[Replies] = []
+
     def start(text: str, model_tools: ModelTools | None = tools) -> str:
-        port = servers.start(Replies(text), tools=model_tools, with_tools=True)
+        stubs.append(Replies(text))
+        port = servers.start(stubs[-1], tools=model_tools, with_tools=True)
         return f"http://127.0.0.1:{port}"
 
+    start.stubs = stubs  # each server's client: the turns it was asked for
     yield start
     servers.close()
 
@@ -228,6 +239,91 @@ def test_anthropics_tool_use_blocks_whole_and_streamed(forced) -> None:
     assert final.content[1].input == {"city": "Paris"}
 
 
+# -- tool_choice: a call forced, of any tool or of one named -------------------------
+
+CLOCK = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_the_opening_of_a_call_is_read_from_the_template(model: Path) -> None:
+    tools = model_tools(str(model))
+    assert tools.opening(None) == '\n<tool_call>\n{"name": "'
+    assert tools.opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": {'
+
+
+@pytest.mark.timeout(60)
+def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
+    url = forced('"city": "Paris"}}\n</tool_call>')  # the model continues the opening
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    done = gpt(url).chat.completions.create(
+        model="m", messages=ASK, tools=[CLOCK, WEATHER], tool_choice=named
+    )
+    (call,) = done.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert done.choices[0].finish_reason == "tool_calls" and not done.choices[0].message.content
+    (request,) = forced.stubs[-1].requests
+    assert request.messages[-1] == {
+        "role": PREFIX,
+        "content": '\n<tool_call>\n{"name": "get_weather", "arguments": {',
+    }
+    offered = json.loads(request.messages[0]["content"])
+    assert [t["function"]["name"] for t in offered] == ["get_weather"]  # only the named one
+
+
+@pytest.mark.timeout(60)
+def test_required_and_anthropics_any_and_tool_force_a_call_streamed_too(forced) -> None:
+    url = forced('get_time", "arguments": {}}\n</tool_call>')  # the model chose the name
+    chunks = list(
+        gpt(url).chat.completions.create(
+            model="m", messages=ASK, tools=[CLOCK, WEATHER], tool_choice="required", stream=True
+        )
+    )
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert [d.function.name for d in deltas] == ["get_time"]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    clock = {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}
+    done = claude(url).messages.create(
+        model="m",
+        max_tokens=50,
+        messages=ASK,
+        tools=[clock, CLAUDE_WEATHER],
+        tool_choice={"type": "any"},
+    )
+    assert done.stop_reason == "tool_use"
+    assert [(b.type, b.name) for b in done.content] == [("tool_use", "get_time")]
+    url = forced('"city": "Oslo"}}\n</tool_call>')
+    with claude(url).messages.stream(
+        model="m",
+        max_tokens=50,
+        messages=ASK,
+        tools=[clock, CLAUDE_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    ) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.input) for b in final.content] == [("tool_use", {"city": "Oslo"})]
+
+
+@pytest.mark.timeout(60)
+def test_a_call_that_cannot_be_forced_is_a_clear_400(forced, model: Path) -> None:
+    url = forced("x")
+    named = {"type": "function", "function": {"name": "get_wether"}}
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": named}
+    status, _, doc = raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "'get_wether', which is not among the tools" in doc["error"]["message"]
+    body["tool_choice"] = {"type": "tool"}
+    assert raw(url + "/v1/chat/completions", json.dumps(body).encode())[0] == 400
+    # A parser the template does not show a call for: the model may only decide.
+    unknown = ModelTools(template=True, start="<call>", end="</call>", parser=lambda *_: {})
+    url = forced("x", unknown)
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    status, _, doc = raw(url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and doc["error"]["code"] == "tool_choice_not_supported", doc
+
+
 # -- rendered by the model's template, on the real model -----------------------------
 
 
@@ -268,6 +364,12 @@ def test_tools_are_rendered_and_a_tool_result_is_accepted(tools_server, model: P
     assert result.usage.prompt_tokens_details.cached_tokens > 0  # the tools' prefix
 
 
+def prompt(used: anthropic.types.Usage) -> int:
+    """The prompt's tokens: Anthropic's usage cuts it in three."""
+    read, created = used.cache_read_input_tokens or 0, used.cache_creation_input_tokens or 0
+    return used.input_tokens + read + created
+
+
 @pytest.mark.timeout(300)
 def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Path) -> None:
     client = claude(tools_server.url)
@@ -275,9 +377,9 @@ def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Pat
     with_tools = client.messages.create(
         model=model.name, max_tokens=4, messages=ASK, tools=[CLAUDE_WEATHER]
     )
-    assert with_tools.usage.input_tokens + with_tools.usage.cache_read_input_tokens > (
-        plain.usage.input_tokens + plain.usage.cache_read_input_tokens + 20
-    )
+    assert prompt(with_tools.usage) > prompt(plain.usage) + 20
+    counted = client.messages.count_tokens(model=model.name, messages=ASK, tools=[CLAUDE_WEATHER])
+    assert counted.input_tokens == prompt(with_tools.usage)
     result = client.messages.create(
         model=model.name,
         max_tokens=4,
@@ -306,6 +408,30 @@ def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Pat
 
 
 @pytest.mark.timeout(300)
+def test_a_forced_call_runs_on_the_model_with_its_opening_in_the_prompt(
+    tools_server, model: Path
+) -> None:
+    client = tools_server.client()
+    auto = client.chat.completions.create(model=model.name, messages=ASK, tools=[WEATHER])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = client.chat.completions.create(
+        model=model.name, messages=ASK, tools=[CLOCK, WEATHER], tool_choice=named
+    )
+    # The other tool is not offered, and the call's opening is in the prompt.
+    assert forced.usage.prompt_tokens > auto.usage.prompt_tokens
+    assert forced.usage.completion_tokens > 0
+    ask = dict(
+        model=model.name,
+        messages=ASK,
+        tools=[CLAUDE_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    counted = claude(tools_server.url).messages.count_tokens(**ask)
+    done = claude(tools_server.url).messages.create(max_tokens=4, **ask)
+    assert counted.input_tokens == prompt(done.usage) == forced.usage.prompt_tokens
+
+
+@pytest.mark.timeout(300)
 def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
     with serving(home) as s:
@@ -318,4 +444,4 @@ def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: P
         assert raw(s.base + "/chat/completions", body)[0] == 400
         body = json.dumps({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
         status, _, doc = raw(s.base + "/chat/completions", body.encode())
-        assert status == 400 and doc["error"]["param"] == "tool_choice"
+        assert status == 400 and doc["error"]["code"] == "tools_not_supported"

@@ -136,7 +136,7 @@ _exokv_completion() {
         "exokv models") subs=""
             opts="--json --hosts --hostfile --help" ;;
         "exokv serve") subs=""
-            opts="--model -m --max-tokens --temp --chat-template --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --disk-budget --kv-bits --kv-group-size --starting-port --restarts --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
+            opts="--model -m --max-tokens --temp --chat-template --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-speculate --disk-budget --kv-bits --kv-group-size --starting-port --restarts --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
         "exokv sessions") subs="list rename rm show"
             opts="--help" ;;
         "exokv sessions list") subs=""

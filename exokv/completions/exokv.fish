@@ -184,6 +184,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l cache-budget -x -d 'bytes per r
 complete -c exokv -n '__exokv_at exokv serve' -l memory-threshold -x -d 'RAM fraction that triggers eviction'
 complete -c exokv -n '__exokv_at exokv serve' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
 complete -c exokv -n '__exokv_at exokv serve' -l no-cache -d 'prefill the whole prompt every turn'
+complete -c exokv -n '__exokv_at exokv serve' -l no-speculate -d 'decode one token at a time, no drafts from the conversation'
 complete -c exokv -n '__exokv_at exokv serve' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
 complete -c exokv -n '__exokv_at exokv serve' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
 complete -c exokv -n '__exokv_at exokv serve' -l kv-group-size -x -d 'quantization group size'

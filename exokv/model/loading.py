@@ -179,6 +179,17 @@ def _layer_count(model: Any) -> int:
     return len(inner.layers)
 
 
+def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer of the checkpoint in `path` as a rank loads it, and its config
+    (a front end that renders prompts as the ranks do, with no weights loaded)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ExokvError(f"could not read {path / 'config.json'}: {one_line(e)}") from e
+    with glob_safe(path) as safe:
+        return _load_tokenizer(safe, config), config
+
+
 def _load_tokenizer(path: Path, config: dict[str, Any]) -> Any:
     from mlx_lm.utils import load_tokenizer
 

@@ -4,8 +4,9 @@
 (required, as Anthropic requires it), `stop_sequences`, `temperature`, `top_p`,
 `stream` with Anthropic's event types, and `tools` in Anthropic's shape (tool_use and
 tool_result blocks; exokv.serve.tools renders and parses them as for OpenAI's).
-`usage.cache_read_input_tokens` is what the prefix cache served and `input_tokens` the
-rest, as Anthropic counts them; errors come in Anthropic's shape,
+`usage.cache_read_input_tokens` is what the prefix cache served,
+`cache_creation_input_tokens` what the turn prefilled and stored in it, and
+`input_tokens` the rest, as Anthropic counts them; errors come in Anthropic's shape,
 {"type": "error", "error": {"type", "message"}}.
 """
 
@@ -53,12 +54,18 @@ def _text(value: Any, where: str, limits: api.Limits) -> str:
 
 
 def parse(
-    body: bytes, models: set[str], defaults: api.Defaults, limits: api.Limits
+    body: bytes,
+    models: set[str],
+    defaults: api.Defaults,
+    limits: api.Limits,
+    counting: bool = False,
 ) -> api.ChatCall:
+    """A checked /v1/messages request; `counting`: one for /v1/messages/count_tokens,
+    which renders the same prompt and has no max_tokens to require."""
     doc = api.read_doc(body, models)
-    if api.whole(doc, "max_tokens") is None:
+    if not counting and api.whole(doc, "max_tokens") is None:
         raise api.bad("max_tokens: Field required", "max_tokens")
-    tools = _tools(doc)
+    tools, forced, forced_name = _tools(doc)
     raw = doc.get("messages")
     if not isinstance(raw, list) or not raw:
         raise api.bad("messages must be a non-empty list", "messages")
@@ -82,15 +89,18 @@ def parse(
         stop=api.stops(doc, limits, "stop_sequences"),
         tools=tools,
         tool_messages=any(m["role"] == "tool" or "tool_calls" in m for m in messages),
+        forced=forced,
+        forced_name=forced_name,
         **fields,
     )
 
 
-def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Anthropic's tools in the shape chat templates read (OpenAI's)."""
+def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]:
+    """Anthropic's tools in the shape chat templates read (OpenAI's), whether the
+    reply must call one (tool_choice any or tool), and which (tool: its name)."""
     tools = doc.get("tools")
     if not tools:
-        return []
+        return [], False, None
     if not isinstance(tools, list) or not all(
         isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
     ):
@@ -98,10 +108,13 @@ def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
     choice = doc.get("tool_choice") or {"type": "auto"}
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind == "none":
-        return []
-    if kind != "auto":
-        raise api.bad("tool_choice: auto or none (forcing a call is not supported)", "tool_choice")
-    return [
+        return [], False, None
+    if kind not in ("auto", "any", "tool"):
+        raise api.bad(
+            'tool_choice: {"type": "auto"}, "none", "any", or "tool" with its "name"',
+            "tool_choice",
+        )
+    shaped = [
         {
             "type": "function",
             "function": {
@@ -112,6 +125,9 @@ def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for t in tools
     ]
+    if kind == "tool":
+        return api.named_tool(shaped, choice.get("name")), True, choice.get("name")
+    return shaped, kind == "any", None
 
 
 def _turned(message: dict[str, Any], i: int, limits: api.Limits) -> list[dict[str, str]]:
@@ -145,6 +161,20 @@ def _turned(message: dict[str, Any], i: int, limits: api.Limits) -> list[dict[st
     return results + ([{"role": "user", "content": text}] if texts or not results else [])
 
 
+def usage(result: Any, stored: bool) -> dict[str, Any]:
+    """Anthropic's usage of a turn: the prompt cut in three that sum to it. What the
+    prefix cache served is read; what this turn prefilled is created when the turn's
+    cache is on (the engine stores the whole prompt after every turn it runs with the
+    cache); input_tokens is the rest (all of the prefill with --no-cache)."""
+    created = result.prefilled_tokens if stored else 0
+    return {
+        "input_tokens": result.prompt_tokens - result.cached_tokens - created,
+        "output_tokens": result.generated_tokens,
+        "cache_read_input_tokens": result.cached_tokens,
+        "cache_creation_input_tokens": created,
+    }
+
+
 def _event(kind: str, doc: dict[str, Any]) -> bytes:
     data = json.dumps({"type": kind, **doc}, ensure_ascii=False)
     return f"event: {kind}\ndata: {data}\n\n".encode()
@@ -157,8 +187,9 @@ class Shape(api.ToolsShape):
 
     def __init__(self, model: str, call: api.ChatCall, tools: Any = None) -> None:
         super().__init__(model, call, tools)
-        self._blocks = 1  # content blocks opened (the first text block is 0)
-        self._text_open = True  # the text block `_text_index` takes text
+        # A forced call's reply starts inside the call: no text block before it.
+        self._text_open = not self._prefix  # the text block `_text_index` takes text
+        self._blocks = int(self._text_open)  # content blocks opened (a first text block is 0)
         self._text_index = 0
 
     def error_doc(self, err: api.ApiError) -> dict[str, Any]:
@@ -173,13 +204,8 @@ class Shape(api.ToolsShape):
         return {"stop_reason": reason, "stop_sequence": None}
 
     @staticmethod
-    def _usage(result: Any) -> dict[str, Any]:
-        return {
-            "input_tokens": result.prompt_tokens - result.cached_tokens,
-            "output_tokens": result.generated_tokens,
-            "cache_read_input_tokens": result.cached_tokens,
-            "cache_creation_input_tokens": 0,
-        }
+    def _usage(job: Any, result: Any) -> dict[str, Any]:
+        return usage(result, job.request.use_cache)
 
     def _message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -200,7 +226,7 @@ class Shape(api.ToolsShape):
         content = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         stop = self._stop(job, result, bool(calls))
-        return {**self._message(content), **stop, "usage": self._usage(result)}
+        return {**self._message(content), **stop, "usage": self._usage(job, result)}
 
     def _said(self, text: str, calls: list[dict[str, Any]]) -> list[bytes]:
         out = []
@@ -228,12 +254,11 @@ class Shape(api.ToolsShape):
     def opening(self) -> list[bytes]:
         usage = {"input_tokens": 0, "output_tokens": 0}  # known when the turn ends
         message = {**self._message([]), "stop_reason": None, "stop_sequence": None}
-        return [
-            _event("message_start", {"message": {**message, "usage": usage}}),
-            _event(
-                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
-            ),
-        ]
+        out = [_event("message_start", {"message": {**message, "usage": usage}})]
+        if self._text_open:
+            block = {"index": 0, "content_block": {"type": "text", "text": ""}}
+            out.append(_event("content_block_start", block))
+        return out
 
     def piece_of_text(self, text: str) -> list[bytes]:
         delta = {"type": "text_delta", "text": text}
@@ -250,17 +275,17 @@ class Shape(api.ToolsShape):
             out.append(_event("content_block_stop", {"index": self._text_index}))
             self._text_open = False
         stop = self._stop(job, result, self._text is not None and bool(self._text.calls))
-        out.append(_event("message_delta", {"delta": stop, "usage": self._usage(result)}))
+        out.append(_event("message_delta", {"delta": stop, "usage": self._usage(job, result)}))
         return out + [_event("message_stop", {})]
 
     def broken(self, err: api.ApiError, job: Any) -> list[bytes]:
-        usage = self._usage(job.result) if job.result is not None else {"output_tokens": 0}
+        used = self._usage(job, job.result) if job.result is not None else {"output_tokens": 0}
         stop = {"stop_reason": "max_tokens", "stop_sequence": None}
         out = [_event("error", {"error": error_doc(err)["error"]})]
         if self._text_open:
             out.append(_event("content_block_stop", {"index": self._text_index}))
             self._text_open = False
-        out.append(_event("message_delta", {"delta": stop, "usage": usage}))
+        out.append(_event("message_delta", {"delta": stop, "usage": used}))
         return out + [_event("message_stop", {})]
 
 

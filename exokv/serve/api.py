@@ -87,6 +87,10 @@ class ChatCall:
     include_usage: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)  # rendered; [] with "none"
     tool_messages: bool = False  # role "tool" or assistant tool_calls in the messages
+    # tool_choice required (OpenAI) or any (Anthropic): the reply is a call; a named
+    # choice: a call of `forced_name`, the one tool left in `tools`.
+    forced: bool = False
+    forced_name: str | None = None
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -192,13 +196,26 @@ def _tool_calls(calls: Any, i: int) -> str:
     return json.dumps(out, sort_keys=True, ensure_ascii=False)
 
 
-def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's tools, as the template gets them; [] for none or tool_choice none."""
+def named_tool(tools: list[dict[str, Any]], name: Any) -> list[dict[str, Any]]:
+    """The one tool a named tool_choice leaves (the others are not offered); 400 if
+    the request has no tool of that name."""
+    chosen = [t for t in tools if t["function"]["name"] == name]
+    if not isinstance(name, str) or not chosen:
+        offered = ", ".join(t["function"]["name"] for t in tools)
+        raise bad(
+            f"tool_choice names {name!r}, which is not among the tools ({offered})", "tool_choice"
+        )
+    return chosen[:1]
+
+
+def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]:
+    """The request's tools, as the template gets them ([] for none or tool_choice
+    none), whether the reply must call one, and which (a named choice)."""
     if doc.get("functions"):
         raise bad("functions is OpenAI's older form: send tools", "functions")
     tools = doc.get("tools")
     if tools is None or tools == []:
-        return []
+        return [], False, None
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
         and t.get("type") == "function"
@@ -209,13 +226,22 @@ def _tools(doc: dict[str, Any]) -> list[dict[str, Any]]:
         raise bad("tools: a list of {type: function, function: {name, ...}}", "tools")
     choice = doc.get("tool_choice", "auto")
     if choice == "none":
-        return []
-    if choice != "auto":
+        return [], False, None
+    if choice == "auto":
+        return tools, False, None
+    if choice == "required":
+        return tools, True, None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not (
+        isinstance(choice, dict) and choice.get("type") == "function" and isinstance(function, dict)
+    ):
         raise bad(
-            "tool_choice: auto or none (the model decides; forcing a call is not supported)",
+            'tool_choice: "auto", "none", "required" or {"type": "function", "function": '
+            '{"name": ...}}',
             "tool_choice",
         )
-    return tools
+    name = function.get("name")
+    return named_tool(tools, name), True, name
 
 
 def stops(body: dict[str, Any], limits: Limits, name: str = "stop") -> list[str]:
@@ -291,7 +317,7 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
     doc = read_doc(body, models)
     if (whole(doc, "n") or 1) != 1:
         raise bad("n: only one choice per request is supported", "n")
-    tools = _tools(doc)
+    tools, forced, forced_name = _tools(doc)
     if doc.get("logprobs"):
         raise bad("logprobs are not supported by this server", "logprobs")
     messages = _messages(doc, limits)
@@ -305,6 +331,8 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
         stop=stops(doc, limits),
         tools=tools,
         tool_messages=tool_messages,
+        forced=forced,
+        forced_name=forced_name,
         **fields,
     )
 
@@ -433,8 +461,8 @@ class ToolsShape:
     PREFIX = ""  # the reply id's
 
     def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
-        from exokv.serve.tools import ToolText, check
-        from exokv.templating import tools_message
+        from exokv.serve.tools import ToolText, check, forced_opening
+        from exokv.templating import reply_prefix, tools_message
 
         self.model = model
         self.call = call
@@ -442,11 +470,22 @@ class ToolsShape:
         self.ident = f"{self.PREFIX}{secrets.token_hex(12)}"
         check(tools, model, bool(call.tools) or call.tool_messages)
         self._marker = [tools_message(call.tools)] if call.tools else []
-        self._text = ToolText(tools, call.tools) if call.tools else None
-        self._new_text = lambda: ToolText(tools, call.tools)
+        # A forced call: the reply starts as the call's opening (rendered after the
+        # generation prompt), which the reader of calls reads before the reply's text.
+        opening = forced_opening(tools, model, call) if call.forced else ""
+        self._prefix = [reply_prefix(opening)] if opening else []
 
-    def tools_messages(self) -> list[dict[str, Any]]:
-        return self._marker
+        def new_text() -> ToolText:
+            reader = ToolText(tools, call.tools)
+            reader.feed(opening)  # what it holds before the start marker is not said
+            return reader
+
+        self._text = new_text() if call.tools else None
+        self._new_text = new_text
+
+    def turn_messages(self) -> list[dict[str, Any]]:
+        """The messages the turn renders: the request's, with the markers it needs."""
+        return self._marker + self.call.messages + self._prefix
 
 
 class ChatShape(ToolsShape):

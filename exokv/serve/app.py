@@ -1,10 +1,11 @@
 """The Starlette application: the API routes over the one turn queue.
 
 POST /v1/chat/completions (OpenAI chat), POST /v1/completions (a prompt in, text
-out), POST /v1/messages (Anthropic's Messages API), GET /v1/models, GET /metrics
-(Prometheus), GET /health. Each API only reads its request into a `TurnRequest` and
-writes the turn's events in its own shape (a `Shape`); the job, its queue, its
-stream, its keep-alives, its disconnect and its access line are the same for all.
+out), POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens (its
+prompt's tokens, no turn), GET /v1/models, GET /metrics (Prometheus), GET /health.
+Each API only reads its request into a `TurnRequest` and writes the turn's events in
+its own shape (a `Shape`); the job, its queue, its stream, its keep-alives, its
+disconnect and its access line are the same for all.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Service:
     limits: api.Limits = field(default_factory=api.Limits)
     defaults: api.Defaults = field(default_factory=api.Defaults)
     use_cache: bool = True
+    speculate: bool = True  # drafts checked by the model (off: --no-speculate)
     log: Callable[[str], None] = print
     failure: Callable[[], str | None] = lambda: None
     # The ranks down or starting again (a healing client), in words; None when ready.
@@ -56,6 +58,9 @@ class Service:
     metrics: Metrics = field(default_factory=Metrics)
     # The model's tool calling (exokv.serve.tools.ModelTools), read when first asked for.
     tools: Callable[[], Any] = lambda: None
+    # A turn's prompt tokens, rendered as its ranks would (exokv.serve.prompts); None:
+    # this server cannot count them.
+    count: Callable[[TurnRequest], int] | None = None
     open: int = 0  # requests with a job not answered yet (the drain counts them)
     halted: bool = False  # the drain limit passed: what still runs was stopped
 
@@ -120,6 +125,10 @@ class _Request:
                 f"completion={result.generated_tokens}",
                 f"finish={result.finish_reason}",
             ]
+            if result.speculation == "off":
+                parts.append("speculation=off")
+            elif result.draft_tokens:
+                parts.append(f"drafts={result.accepted_tokens}/{result.draft_tokens}")
         if job is not None and job.ttft_s is not None:
             parts.append(f"ttft={job.ttft_s:.3f}s")
         if job is not None and job.batch > 1:
@@ -247,7 +256,7 @@ def build_app(service: Service) -> Starlette:
         call = api.parse_chat(body, service.names, service.defaults, service.limits)
         tools = service.tools() if call.tools or call.tool_messages else None
         shape = api.ChatShape(service.model, call, tools)
-        return _turn(service, call, shape.tools_messages()), call.stop, shape
+        return _turn(service, call, shape.turn_messages()), call.stop, shape
 
     def complete(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
         call = completions.parse(body, service.names, service.defaults, service.limits)
@@ -257,7 +266,34 @@ def build_app(service: Service) -> Starlette:
         call = anthropic.parse(body, service.names, service.defaults, service.limits)
         tools = service.tools() if call.tools or call.tool_messages else None
         shape = anthropic.Shape(service.model, call, tools)
-        return _turn(service, call, shape.tools_messages()), call.stop, shape
+        return _turn(service, call, shape.turn_messages()), call.stop, shape
+
+    async def count_tokens(request: Request) -> Response:
+        log = _Request(service, request)
+        try:
+            _check_key(service, request)
+            body = await _body(request, service.limits.body_bytes)
+            call = anthropic.parse(
+                body, service.names, service.defaults, service.limits, counting=True
+            )
+            tools = service.tools() if call.tools or call.tool_messages else None
+            shape = anthropic.Shape(service.model, call, tools)
+            if service.count is None:
+                raise api.ApiError(404, "this server does not count tokens")
+            # Rendering a long conversation takes a while: not in the event loop.
+            count = await asyncio.to_thread(
+                service.count, _turn(service, call, shape.turn_messages())
+            )
+        except api.ApiError as err:
+            log.write(err.status)
+            return JSONResponse(
+                anthropic.error_doc(err), status_code=err.status, headers=err.headers
+            )
+        except ClientDisconnect:
+            log.write(499)
+            return Response(status_code=499)
+        log.write(200)
+        return JSONResponse({"input_tokens": count})
 
     def route(parse: Parse, error_doc: Callable[[api.ApiError], dict[str, Any]]) -> Any:
         async def endpoint(request: Request) -> Response:
@@ -278,20 +314,23 @@ def build_app(service: Service) -> Starlette:
             Route("/v1/chat/completions", route(chat, api.ApiError.doc), methods=["POST"]),
             Route("/v1/completions", route(complete, api.ApiError.doc), methods=["POST"]),
             Route("/v1/messages", route(messages, anthropic.error_doc), methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         ],
         exception_handlers={HTTPException: not_found},
     )
 
 
-def _turn(service: Service, call: Any, extra: list[dict[str, Any]] | None = None) -> TurnRequest:
-    """The turn a checked call asks for (every API's call has these fields)."""
-    messages = (extra or []) + call.messages
+def _turn(service: Service, call: Any, messages: list[dict[str, Any]] | None = None) -> TurnRequest:
+    """The turn a checked call asks for (every API's call has these fields); `messages`:
+    the call's with their markers (tools, a forced call's opening), if it has any."""
+    messages = call.messages if messages is None else messages
     return TurnRequest(
         session=api.conversation_name(messages),
         messages=messages,
         max_tokens=call.max_tokens,
         temp=call.temperature,
         use_cache=service.use_cache,
+        speculate=service.speculate,
         top_p=call.top_p,
         sample_seed=call.seed,
     )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.serve.prompts import assistant_replies
 
 
 class RepliesFromStore:
@@ -30,19 +31,28 @@ class RepliesFromStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
+    def _unknown(self, request: TurnRequest) -> list[tuple[str, list[int]]]:
+        """The stored tokens of the request's replies the ranks do not know."""
+        unknown = {
+            r for r in assistant_replies(request.messages) if self._inner.reply_tokens(r) is None
+        }
+        if not unknown:
+            return []
+        return [(r, t) for r, t in self._stored(request.session) if r in unknown]
+
+    def known(self, request: TurnRequest) -> list[tuple[str, list[int]]]:
+        """The exact tokens of every reply of the request known here: the ranks' (as the
+        client keeps them), else the store's; what the turn would render them as."""
+        pairs = []
+        for reply in assistant_replies(request.messages):
+            tokens = self._inner.reply_tokens(reply)
+            if tokens is not None:
+                pairs.append((reply, tokens))
+        return pairs + self._unknown(request)
+
     def restore(self, requests: list[TurnRequest]) -> int:
         """Give the ranks the stored tokens of the requests' unknown replies; how many."""
-        pairs: list[tuple[str, list[int]]] = []
-        for request in requests:
-            unknown = {
-                m["content"]
-                for m in request.messages
-                if m["role"] == "assistant"
-                and m.get("content")
-                and self._inner.reply_tokens(m["content"]) is None
-            }
-            if unknown:
-                pairs += [(r, t) for r, t in self._stored(request.session) if r in unknown]
+        pairs = [pair for request in requests for pair in self._unknown(request)]
         if pairs:
             self._inner.remember_replies(pairs)
         return len(pairs)

@@ -17,6 +17,7 @@ from exokv.chat.conversation import Conversation
 from exokv.chat.run import ChatOptions, prepare, started, store_hooks
 from exokv.errors import ExokvError, UsageError
 from exokv.serve import api
+from exokv.templating import PREFIX
 
 DEFAULT_PORT = 8000
 # Exact at temperature 0 and faster than one at a time, on one rank and several
@@ -96,8 +97,11 @@ class _Recorder:
         request, result = job.request, job.result
         messages = [dict(m) for m in request.messages]
         system = messages.pop(0)["content"] if messages[0]["role"] == "system" else None
-        if job.reply:
-            messages.append({"role": "assistant", "content": job.reply})
+        reply = job.reply
+        if messages[-1]["role"] == PREFIX:  # a forced call: its opening is the reply's start
+            reply = messages.pop()["content"] + reply
+        if reply:
+            messages.append({"role": "assistant", "content": reply})
         self.hooks.turn_done(Conversation(request.session, system, messages), result)
         self.hooks.forget(request.session)  # the next call brings the whole conversation
 
@@ -109,6 +113,7 @@ def run_serve(opts: ServeOptions) -> int:
     from exokv.client.heal import HealingClient
     from exokv.serve.app import Service, build_app
     from exokv.serve.drain import AFTER_STOP_S, DrainingServer
+    from exokv.serve.prompts import FrontRender
     from exokv.serve.replies import RepliesFromStore
     from exokv.serve.tools import model_tools
     from exokv.serve.work import TurnQueue
@@ -155,10 +160,12 @@ def run_serve(opts: ServeOptions) -> int:
                 max_tokens=opts.max_tokens, temperature=opts.temp, system=opts.system
             ),
             use_cache=cluster.keep_cache,
+            speculate=not opts.no_speculate,
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
             health=run.client.health,
-            tools=functools.cache(lambda: model_tools(opts.model)),
+            tools=functools.cache(lambda: model_tools(opts.model, cluster.chat_template)),
+            count=FrontRender(opts.model, cluster.chat_template, client.known).count,
         )
 
         def halt() -> None:

@@ -7,6 +7,12 @@ cut out of its text where the model's parser marks them (mlx-lm's
 `tool_call_start`/`tool_call_end` and `parse_tool_call`, as mlx_lm.server reads them)
 and returned as OpenAI's `tool_calls`, each streamed whole in one delta. A model whose
 template does not read `tools` gets one clear 400.
+
+A forced call (tool_choice required, or a named function) starts the reply as the
+template writes a call (`ModelTools.opening`, read from the template's own renders of
+an assistant's call): the text is put after the generation prompt (exokv.templating's
+prefix marker), the model continues it, and the reader of calls reads the opening
+before the reply's text.
 """
 
 from __future__ import annotations
@@ -30,27 +36,117 @@ class ModelTools:
     start: str | None = None  # the markers around a call in its output (mlx-lm's parser)
     end: str | None = None
     parser: Callable[..., Any] | None = None
+    # How its template writes a call: the text before the function's name, and between
+    # the name and the arguments (None: not found; a call cannot be forced).
+    head: str | None = None
+    mid: str | None = None
+
+    def opening(self, name: str | None) -> str | None:
+        """The text a reply that must call a tool starts with (the function `name`'s, or
+        any one's: up to the name); None when this model's calls cannot be forced."""
+        if self.head is None or self.mid is None or not (self.end and self.parser):
+            return None
+        return self.head if name is None else self.head + name + self.mid
 
 
-def model_tools(name: str) -> ModelTools:
-    """The tool calling of model `name`, from its tokenizer's files on this machine
-    (none found: no tools)."""
+def model_tools(name: str, spec: str | None = None) -> ModelTools:
+    """The tool calling of model `name` under the template the ranks settle on for
+    --chat-template `spec`, from its tokenizer's files on this machine (none found:
+    no tools)."""
     try:
         from mlx_lm.tokenizer_utils import load
 
-        tokenizer = load(_files(name))
+        from exokv.model import templates
+
+        files = model_files(name)
+        tokenizer = load(files)
+        config = json.loads((files / "config.json").read_text())
+        settled = templates.settle(tokenizer, config.get("model_type"), spec)
     except Exception:  # noqa: BLE001 - a front end without the files serves no tools
         return ModelTools(template=False)
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    template = settled.text
+    if template is None and isinstance(tokenizer.chat_template, str):
+        template = tokenizer.chat_template
+    start = tokenizer.tool_call_start
+    head, mid = None, None
+    if has_tools_support(template) and start:
+        head, mid = _call_text(tokenizer, start, settled.text)
     return ModelTools(
         template=has_tools_support(template),
-        start=tokenizer.tool_call_start,
+        start=start,
         end=tokenizer.tool_call_end,
         parser=tokenizer.tool_parser,
+        head=head,
+        mid=mid,
     )
 
 
-def _files(name: str) -> Path:
+# Two names and two argument sets no template writes alike: where their renders part
+# is where the name (or the arguments) begin.
+_NAMES = ("alpha_exokv_probe", "omega_exokv_probe")
+_ARGUMENTS = ({}, {"exokv_probe": "x"})
+
+
+def _call_text(tokenizer: Any, start: str, template: str | None) -> tuple[str | None, str | None]:
+    """How the template writes an assistant's call, read from its own renders: the
+    text after the generation prompt up to the function's name (`head`, which holds
+    the start marker), and from the name up to where the arguments differ (`mid`)."""
+    user = [{"role": "user", "content": "x"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": n,
+                "description": "",
+                "parameters": {"type": "object", "properties": {"exokv_probe": {"type": "string"}}},
+            },
+        }
+        for n in _NAMES
+    ]
+
+    def render(messages: list[dict[str, Any]], generation: bool) -> str:
+        kw = {} if template is None else {"chat_template": template}
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation, tokenize=False, **kw
+        )
+
+    def call(name: str, arguments: dict[str, Any]) -> str | None:
+        function = {"name": name, "arguments": arguments}
+        message = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": function}],
+        }
+        text = render([*user, message], False)
+        return text[len(asked) :] if text.startswith(asked) else None
+
+    try:
+        asked = render(user, True)
+        calls = [call(_NAMES[0], _ARGUMENTS[0]), call(_NAMES[1], _ARGUMENTS[0])]
+        other = call(_NAMES[0], _ARGUMENTS[1])
+    except Exception:  # noqa: BLE001 - a template that cannot render a call: none forced
+        return None, None
+    if calls[0] is None or calls[1] is None or other is None:
+        return None, None
+    head = _common(calls[0], calls[1])
+    if start not in head or not all(c.startswith(head + _NAMES[0]) for c in (calls[0], other)):
+        return None, None
+    after = len(head) + len(_NAMES[0])
+    mid = _common(calls[0][after:], other[after:])
+    if "exokv_probe" in mid:
+        return None, None
+    return head, mid
+
+
+def _common(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def model_files(name: str) -> Path:
+    """The directory of model `name`'s files on this machine, as its ranks resolve it."""
     from exokv.model import hub
     from exokv.model.resolve import resolve_model
 
@@ -73,6 +169,22 @@ def check(tools: ModelTools | None, model: str, asked: bool) -> None:
             param="tools",
             code="tools_not_supported",
         )
+
+
+def forced_opening(tools: ModelTools | None, model: str, call: Any) -> str:
+    """The opening a forced call's reply starts with; 400 for a model whose template
+    does not show how it writes a call (then only the model may decide)."""
+    opening = tools.opening(call.forced_name) if tools is not None else None
+    if opening is None:
+        raise ApiError(
+            400,
+            f"tool_choice: the model {model!r} cannot be made to call a tool: its chat "
+            "template does not show how it writes a call that its tool parser reads; "
+            "let the model decide (auto)",
+            param="tool_choice",
+            code="tool_choice_not_supported",
+        )
+    return opening
 
 
 def openai_call(parsed: dict[str, Any]) -> dict[str, Any]:

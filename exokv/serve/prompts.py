@@ -1,0 +1,68 @@
+"""A request's prompt tokens counted in the front end, as the ranks would render them.
+
+POST /v1/messages/count_tokens runs no turn, and the ranks take no other message
+while a batch decodes, so the front end renders the request itself: the same
+tokenizer files the ranks load (exokv.model.loading), the same template they settle
+on (exokv.model.templates, from the same --chat-template spec), the same renderer
+(exokv.prompt over exokv.templating's marker messages, which say tools and raw
+prompts), and each echoed reply as the tokens generated where the client or the
+store knows them (exokv.serve.replies), as the turn would render it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from exokv.records import TurnRequest
+from exokv.serve.api import ApiError
+
+Pairs = Callable[[TurnRequest], list[tuple[str, list[int]]]]
+
+
+class FrontRender:
+    """The renderer of model `name`'s prompts under template `spec`, loaded on first use;
+    `replies(request)`: the exact tokens of the request's replies known (reply, tokens)."""
+
+    def __init__(self, name: str, spec: str | None, replies: Pairs) -> None:
+        self.name = name
+        self.spec = spec
+        self.replies = replies
+        self._lock = threading.Lock()  # one render at a time: the renderer remembers
+        self._renderer: Any = None
+
+    def _load(self) -> Any:
+        from exokv.model import templates
+        from exokv.model.loading import load_tokenizer
+        from exokv.prompt import PromptRenderer
+        from exokv.serve.tools import model_files
+        from exokv.templating import Marked
+
+        try:
+            tokenizer, config = load_tokenizer(model_files(self.name))
+            settled = templates.settle(tokenizer, config.get("model_type"), self.spec)
+        except Exception as err:  # noqa: BLE001 - one line for the client, not a traceback
+            raise ApiError(
+                500,
+                f"cannot count tokens here: the model's tokenizer did not load in the server "
+                f"({type(err).__name__}: {err})"[:400],
+            ) from None
+        return PromptRenderer(Marked(tokenizer), settled.text)
+
+    def tokens(self, request: TurnRequest) -> list[int]:
+        """The prompt tokens of `request`'s turn."""
+        with self._lock:
+            if self._renderer is None:
+                self._renderer = self._load()
+            for reply, tokens in self.replies(request):
+                self._renderer.remember_reply(reply, tokens)
+            return self._renderer.render(request.messages)
+
+    def count(self, request: TurnRequest) -> int:
+        return len(self.tokens(request))
+
+
+def assistant_replies(messages: Sequence[dict[str, Any]]) -> set[str]:
+    """The texts of a conversation's replies (what may have exact tokens)."""
+    return {m["content"] for m in messages if m["role"] == "assistant" and m.get("content")}
