@@ -103,6 +103,11 @@ _DISK_BUDGET = typer.Option(
 _KV_BITS = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits")
 _KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="quantization group size")
 _STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
+_DRAFT_MODEL = typer.Option(
+    None,
+    "--draft-model",
+    help="a small model with the model's tokenizer that drafts replies on rank 0 (as --model)",
+)
 _RESTARTS = typer.Option(
     3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
 )
@@ -126,6 +131,7 @@ _SHARED = (
     "kv_group_size",
     "starting_port",
     "restarts",
+    "draft_model",
 )
 
 
@@ -181,6 +187,7 @@ def chat(
     no_speculate: bool = typer.Option(
         False, "--no-speculate", help="decode one token at a time, no drafts from the conversation"
     ),
+    draft_model: str = _DRAFT_MODEL,
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,
@@ -250,6 +257,7 @@ def serve(
     memory_threshold: float = _MEMORY_THRESHOLD,
     max_kv_size: int = _MAX_KV_SIZE,
     no_cache: bool = _NO_CACHE,
+    draft_model: str = _DRAFT_MODEL,
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,

@@ -179,6 +179,18 @@ def _layer_count(model: Any) -> int:
     return len(inner.layers)
 
 
+def load_tokenizer_at(path: Path) -> Any:
+    """The tokenizer of the model directory `path` alone, no weights read (a check)."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        with glob_safe(path) as safe:
+            return _load_tokenizer(safe, config)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExokvError(f"could not load the tokenizer in {path}: {one_line(e)}"[:400]) from e
+
+
 def _load_tokenizer(path: Path, config: dict[str, Any]) -> Any:
     from mlx_lm.utils import load_tokenizer
 
