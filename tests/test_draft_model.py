@@ -51,6 +51,9 @@ def test_the_model_drafts_only_where_the_conversation_has_nothing() -> None:
 
 
 def test_the_draft_models_time_is_in_what_a_draft_is_worth() -> None:
+    unmeasured = Guesses(seconds=0.001)
+    assert Drafter([1, 2, 3], cost=PassCost(), model=unmeasured).propose(4) == []
+    assert unmeasured.asked == []  # a plain step first, which measures a pass
     cost = PassCost()
     cost.took(1, 0.10)
     cost.took(5, 0.14)  # a verify pass's extra tokens are cheap (a GPU)

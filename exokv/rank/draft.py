@@ -264,6 +264,11 @@ class Drafter:
         if self.model is None:
             return []
         if self.cost is not None:
+            if self.cost.one is None:
+                # A plain pass first: the model's drafts are weighed against its time,
+                # which only plain steps measure (and a model that always drafts would
+                # never leave one).
+                return []
             k = self.cost.worth(k, self.model_rate, self.model.seconds or 0.0)
         if k <= 0:
             return []
