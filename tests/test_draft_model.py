@@ -87,6 +87,20 @@ def test_the_draft_model_guesses_its_greedy_tokens_and_keeps_its_cache_in_step(t
     assert draft.seconds is not None and draft.seconds > 0
 
 
+def test_drafting_draws_nothing_at_random(tiny) -> None:
+    # Only rank 0 drafts: a draw there would put its sampling out of step with the
+    # other ranks' at temperature > 0.
+    import mlx.core as mx
+
+    model, tokenizer = tiny
+    tokens = Engine(model, tokenizer).render(QUESTION)
+    mx.random.seed(11)
+    alone = mx.random.uniform(shape=(4,)).tolist()
+    mx.random.seed(11)
+    assert len(DraftModel(model).propose(tokens, 4)) == 4
+    assert mx.random.uniform(shape=(4,)).tolist() == alone
+
+
 def test_a_draft_model_that_is_the_model_drafts_every_token_right(tiny) -> None:
     model, tokenizer = tiny
     plain = Engine(model, tokenizer)
