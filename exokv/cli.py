@@ -106,6 +106,11 @@ _NO_SPECULATE = typer.Option(
     False, "--no-speculate", help="decode one token at a time, no drafts from the conversation"
 )
 _STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
+_DRAFT_MODEL = typer.Option(
+    None,
+    "--draft-model",
+    help="a small model with the model's tokenizer that drafts replies on rank 0 (as --model)",
+)
 _RESTARTS = typer.Option(
     3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
 )
@@ -130,6 +135,7 @@ _SHARED = (
     "kv_group_size",
     "starting_port",
     "restarts",
+    "draft_model",
 )
 
 
@@ -183,6 +189,7 @@ def chat(
         False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
     ),
     no_speculate: bool = _NO_SPECULATE,
+    draft_model: str = _DRAFT_MODEL,
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,
@@ -252,6 +259,7 @@ def serve(
     max_kv_size: int = _MAX_KV_SIZE,
     no_cache: bool = _NO_CACHE,
     no_speculate: bool = _NO_SPECULATE,
+    draft_model: str = _DRAFT_MODEL,
     disk_budget: str = _DISK_BUDGET,
     kv_bits: int = _KV_BITS,
     kv_group_size: int = _KV_GROUP_SIZE,

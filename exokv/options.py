@@ -48,6 +48,9 @@ class ClusterOptions:
     chat_template: str | None = None
     stops: tuple[str, ...] = ()
     context: int | None = None
+    # --draft-model: a small model with the model's tokenizer that drafts the reply on
+    # rank 0 alone (exokv.rank.draft_model); None: drafts from the conversation only.
+    draft_model: str | None = None
 
     @property
     def keep_cache(self) -> bool:

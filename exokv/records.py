@@ -150,6 +150,7 @@ class TurnResult:
     typed_ahead_tokens: int = 0  # of cached_tokens, those prefilled while the user typed
     draft_tokens: int = 0  # speculative decoding: draft tokens the model checked
     accepted_tokens: int = 0  # of those, the reply's (each saved a forward pass)
+    model_draft_tokens: int = 0  # of draft_tokens, those --draft-model proposed
     speculation: str = ""  # why the turn decoded without drafts ("off", or its cache's kind)
 
     @property

@@ -41,6 +41,7 @@ class ChatOptions:
     no_cache: bool = False
     no_typeahead: bool = False  # the REPL sends no draft to the ranks (exokv.chat.typeahead)
     no_speculate: bool = False  # decode one token at a time (exokv.rank.speculate)
+    draft_model: str | None = None  # a small model drafting on rank 0 (exokv.rank.draft_model)
     disk_budget: str | None = None  # the disk tier (exokv.cache.tier_options): 20GB, auto or 0
     kv_bits: int | None = None
     kv_group_size: int = 64
@@ -90,6 +91,10 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         raise UsageError("--ranks must be at least 1")
     if opts.max_kv_size is not None and not 1 <= opts.max_kv_size <= SQLITE_MAX_INT:
         raise UsageError(f"--max-kv-size must be between 1 and {SQLITE_MAX_INT}")
+    if opts.draft_model is not None and not opts.draft_model.strip():
+        raise UsageError("--draft-model is empty: give a model name, as --model takes")
+    if opts.draft_model is not None and opts.no_speculate:
+        raise UsageError("--draft-model drafts for speculative decoding: not with --no-speculate")
     hosts = opts.host_list()
     ranks = opts.ranks if hosts is None else len(hosts.hosts)
     budgets = parse_budgets(opts.cache_budget, ranks)
@@ -134,6 +139,7 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         chat_template=opts.prompt_format.template or opts.chat_template,
         stops=opts.prompt_format.stops,
         context=opts.prompt_format.context,
+        draft_model=opts.draft_model.strip() if opts.draft_model else None,
     )
 
 

@@ -41,6 +41,7 @@ def turn_json(outcome: Outcome) -> dict[str, Any]:
         "overhead_s": round(r.overhead_s, 6),
         "draft_tokens": r.draft_tokens,
         "accepted_tokens": r.accepted_tokens,
+        "model_draft_tokens": r.model_draft_tokens,
         "speculation": r.speculation,
         "finish_reason": r.finish_reason,
         "decision": r.decision,

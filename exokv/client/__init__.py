@@ -122,7 +122,8 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
 
         return LocalClient(
             opts.model,
-            EngineOptions(
+            draft_model=opts.draft_model,
+            options=EngineOptions(
                 budget=opts.budgets[0] if opts.budgets else None,
                 memory_threshold=opts.memory_threshold,
                 max_kv_size=opts.max_kv_size,
@@ -135,6 +136,11 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
         )
     from exokv.client.cluster import ClusterClient
     from exokv.client.heal import HealingClient
+
+    if opts.draft_model is not None:  # before the ranks start: rank 0 loads it
+        from exokv.rank.draft_model import check_names
+
+        check_names(opts.model, opts.draft_model)
 
     def start() -> ClusterClient:
         return ClusterClient(opts, progress=progress)

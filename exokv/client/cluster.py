@@ -447,6 +447,8 @@ class ClusterClient(Client):
         args += ["--disk-budget", str(opts.disk_budget or 0)]
         if opts.kv_bits is not None:
             args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]
+        if opts.draft_model is not None:  # rank 0 loads it; the others ignore it
+            args += ["--draft-model", opts.draft_model]
         if self.plan.local:  # a pid means nothing on another host
             args += ["--front-end-pid", str(os.getpid())]
             args += ["--ranks-here", str(self.ranks)]  # they share this machine's RAM

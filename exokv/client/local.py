@@ -27,11 +27,18 @@ def forget_thread() -> None:
 class LocalClient(Client):
     failure: str | None = None  # no ranks to lose: an error here is the turn's alone
 
-    def __init__(self, model_name: str, options: EngineOptions) -> None:
+    def __init__(
+        self, model_name: str, options: EngineOptions, draft_model: str | None = None
+    ) -> None:
         from exokv.model.resolve import load_model
 
         model, tokenizer = load_model(model_name)
-        self.engine = Engine(model, tokenizer, options=options)
+        draft = None
+        if draft_model is not None:
+            from exokv.rank.draft_model import load_draft
+
+            draft = load_draft(draft_model, tokenizer)
+        self.engine = Engine(model, tokenizer, options=options, draft=draft)
         if self.engine.template.note:  # a fallback template: said once, as the ranks' is
             print(f"exokv: {self.engine.template.note}", file=sys.stderr, flush=True)
         self.ranks = 1

@@ -44,7 +44,7 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--chat-template" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--chat-template" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--draft-model" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
                 set skip 1
             case "exokv hosts:check"
                 set p "exokv hosts check"
@@ -52,7 +52,7 @@ function __exokv_path
                 set skip 1
             case "exokv models:--hosts" "exokv models:--hostfile"
                 set skip 1
-            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--draft-model" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -142,6 +142,7 @@ complete -c exokv -n '__exokv_at exokv chat' -l max-kv-size -x -d 'rotating KV c
 complete -c exokv -n '__exokv_at exokv chat' -l no-cache -d 'prefill the whole prompt every turn'
 complete -c exokv -n '__exokv_at exokv chat' -l no-typeahead -d 'REPL: no prefill of the line before Enter'
 complete -c exokv -n '__exokv_at exokv chat' -l no-speculate -d 'decode one token at a time, no drafts from the conversation'
+complete -c exokv -n '__exokv_at exokv chat' -l draft-model -x -d 'a small model with the model'\''s tokenizer that drafts replies on rank 0 (as --model)'
 complete -c exokv -n '__exokv_at exokv chat' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
 complete -c exokv -n '__exokv_at exokv chat' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
 complete -c exokv -n '__exokv_at exokv chat' -l kv-group-size -x -d 'quantization group size'
@@ -185,6 +186,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l memory-threshold -x -d 'RAM fra
 complete -c exokv -n '__exokv_at exokv serve' -l max-kv-size -x -d 'rotating KV cache of this many tokens'
 complete -c exokv -n '__exokv_at exokv serve' -l no-cache -d 'prefill the whole prompt every turn'
 complete -c exokv -n '__exokv_at exokv serve' -l no-speculate -d 'decode one token at a time, no drafts from the conversation'
+complete -c exokv -n '__exokv_at exokv serve' -l draft-model -x -d 'a small model with the model'\''s tokenizer that drafts replies on rank 0 (as --model)'
 complete -c exokv -n '__exokv_at exokv serve' -l disk-budget -x -d 'disk tier per rank: 20GB, auto (a share of free space) or 0'
 complete -c exokv -n '__exokv_at exokv serve' -l kv-bits -x -d 'quantized KV cache: 4 or 8 bits'
 complete -c exokv -n '__exokv_at exokv serve' -l kv-group-size -x -d 'quantization group size'

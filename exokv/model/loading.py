@@ -180,14 +180,14 @@ def _layer_count(model: Any) -> int:
 
 
 def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
-    """The tokenizer of the checkpoint in `path` as a rank loads it, and its config
-    (a front end that renders prompts as the ranks do, with no weights loaded)."""
+    """The tokenizer of the checkpoint in `path` as a rank loads it, and its config, no
+    weights read (a front end that renders as the ranks do; a draft model's check)."""
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ExokvError(f"could not read {path / 'config.json'}: {one_line(e)}") from e
-    with glob_safe(path) as safe:
-        return _load_tokenizer(safe, config), config
+        with glob_safe(path) as safe:
+            return _load_tokenizer(safe, config), config
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExokvError(f"could not load the tokenizer in {path}: {one_line(e)}"[:400]) from e
 
 
 def _load_tokenizer(path: Path, config: dict[str, Any]) -> Any:

@@ -17,6 +17,7 @@ still the one broadcast with the step, so every rank verifies the same draft.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from exokv.cache.radix import Node, RadixTree
 
@@ -182,13 +183,15 @@ class PassCost:
                 self.extra, max(0.0, seconds - self.one) / (tokens - 1), self.WEIGHT
             )
 
-    def worth(self, k: int, rate: float) -> int:
+    def worth(self, k: int, rate: float, drafting: float = 0.0) -> int:
+        """`drafting`: the seconds each draft token costs to propose (a draft model's
+        forward pass; 0 for the conversation's drafts), added to its cost in the pass."""
         if self.one is None or self.extra is None or k <= 0:
             return k  # not measured yet: draft, which measures it
         best, best_speed, tokens = 0, 1.0 / self.one, 1.0
         for j in range(1, k + 1):
             tokens += rate**j
-            speed = tokens / (self.one + self.extra * j)
+            speed = tokens / (self.one + (self.extra + drafting) * j)
             if speed > best_speed:
                 best, best_speed = j, speed
         return best
@@ -198,11 +201,25 @@ def _blend(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+class ModelSource(Protocol):
+    """A draft model (exokv.rank.draft_model, rank 0 only): greedy guesses after `tokens`."""
+
+    seconds: float | None  # what one draft token costs to propose, as measured; None: not yet
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+CONVERSATION, MODEL = "conversation", "model"  # where a draft came from
+
+
 class Drafter:
     """The turn's draft sources and the length policy, together: what decode asks.
 
     The prefix tree's stored continuation comes first (a whole earlier reply to this
-    very context), then prompt lookup in the turn's own tokens."""
+    very context), then prompt lookup in the turn's own tokens, and where both give
+    nothing, the draft model (--draft-model), if there is one. Each source has its
+    own acceptance rate, and the model's drafts also their own cost, in what `cost`
+    decides a draft is worth."""
 
     def __init__(
         self,
@@ -210,12 +227,17 @@ class Drafter:
         most: int = MOST,
         tree: RadixTree | None = None,
         cost: PassCost | None = None,
+        model: ModelSource | None = None,
     ) -> None:
         self.lookup = PromptLookup(tokens)
         self.tree = TreeContinuation(tree, tokens) if tree is not None else None
         self.length = DraftLength(most)
         self.cost = cost
+        self.model = model
         self.rate = FIRST_RATE  # a draft token's chance of being kept, as this turn's went
+        self.model_rate = FIRST_RATE  # the same for the draft model's drafts
+        self.source = ""  # where rank 0's last draft came from (CONVERSATION or MODEL)
+        self.model_drafted = 0  # of the turn's draft tokens, the draft model's (rank 0)
 
     def size(self, room: int) -> int:
         return self.length.next(room)
@@ -231,18 +253,39 @@ class Drafter:
     def propose(self, k: int) -> list[int]:
         """Rank 0's draft of at most `k` tokens (fewer where a longer one is not worth
         its pass, by `cost`)."""
+        self.source = ""
+        free = self.cost.worth(k, self.rate) if self.cost is not None else k
+        if free > 0:
+            stored = self.tree.propose(free) if self.tree is not None else []
+            found = stored or self.lookup.propose(free)
+            if found:
+                self.source = CONVERSATION
+                return found
+        if self.model is None:
+            return []
         if self.cost is not None:
-            k = self.cost.worth(k, self.rate)
+            if self.cost.one is None:
+                # A plain pass first: the model's drafts are weighed against its time,
+                # which only plain steps measure (and a model that always drafts would
+                # never leave one).
+                return []
+            k = self.cost.worth(k, self.model_rate, self.model.seconds or 0.0)
         if k <= 0:
             return []
-        stored = self.tree.propose(k) if self.tree is not None else []
-        return stored or self.lookup.propose(k)
+        self.source = MODEL
+        drafted = self.model.propose(self.lookup.tokens, k)
+        self.model_drafted += len(drafted)
+        return drafted
 
     def advance(self, drafted: int, accepted: int, new: Sequence[int], asked: int = 0) -> None:
         """A step's outcome: `drafted` proposed (of `asked`, 0 on a plain step),
         `accepted` kept, `new` tokens decoded."""
         if drafted:
-            self.rate = _blend(self.rate, accepted / drafted, PassCost.WEIGHT)
+            if self.source == MODEL:
+                self.model_rate = _blend(self.model_rate, accepted / drafted, PassCost.WEIGHT)
+            else:
+                self.rate = _blend(self.rate, accepted / drafted, PassCost.WEIGHT)
+        self.source = ""
         self.length.record(drafted, accepted)
         self.length.decoded(len(new))
         if asked and not drafted:

@@ -77,8 +77,11 @@ class Engine:
         tokenizer: Any,
         group: Group | None = None,
         options: EngineOptions | None = None,
+        draft: Any = None,
     ) -> None:
+        """`draft`: rank 0's draft model (exokv.rank.draft_model.DraftModel), or None."""
         self.model = model
+        self.draft = draft
         self.tokenizer = tokenizer
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
@@ -315,6 +318,7 @@ class Engine:
             typed_ahead_tokens=typed_ahead,
             draft_tokens=out.drafted,
             accepted_tokens=out.accepted,
+            model_draft_tokens=out.model_drafted,
             speculation=self.speculation,
         )
 
@@ -492,10 +496,10 @@ class Engine:
             drafter = (
                 ScriptedDrafter(tokens, script)
                 if script is not None
-                else Drafter(tokens, tree=tree, cost=self.pass_cost)
+                else Drafter(tokens, tree=tree, cost=self.pass_cost, model=self.draft)
             )
             steps = StepAgreement(self.group, should_stop)
-            return speculate.decode(
+            out = speculate.decode(
                 self.model,
                 self.tokenizer,
                 tokens[-1],
@@ -509,6 +513,8 @@ class Engine:
                 on_text=on_text,
                 stops=TextStops(self.stops),
             )
+            out.model_drafted = drafter.model_drafted
+            return out
 
         def stop(generated: int) -> bool:
             # Across ranks the check is a collective: every few tokens, at the same

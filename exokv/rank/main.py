@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disk-budget", type=parse_disk_budget, default=AUTO)
     p.add_argument("--kv-bits", type=int, default=None)
     p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--draft-model", default=None, help="rank 0 drafts with it (whole)")
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
     p.add_argument("--ranks-here", type=int, default=1, help="ranks sharing this machine's memory")
@@ -300,10 +301,16 @@ class Rank:
         from exokv.collectives import MlxGroup  # mlx-lm: imported after beat() has started
 
         group = CountingGroup(MlxGroup(self.world))
+        draft = None
+        if args.draft_model is not None and self.rank == 0:  # its drafts go with each step
+            from exokv.rank.draft_model import load_draft
+
+            draft = load_draft(args.draft_model, tokenizer)
         engine = Engine(
             model,
             tokenizer,
             group=group,
+            draft=draft,
             options=EngineOptions(
                 budget=budgets[self.rank] if budgets else None,
                 ranks_here=args.ranks_here,  # they share this machine's RAM

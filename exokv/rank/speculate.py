@@ -194,6 +194,7 @@ class Decoded:
     drafted: int = 0  # draft tokens the model checked
     accepted: int = 0  # of those, kept in the reply
     spelled: list[int] = field(default_factory=list)  # the tokens the reply's text is
+    model_drafted: int = 0  # of `drafted`, those the draft model proposed (rank 0)
 
 
 def decode(
