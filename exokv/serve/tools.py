@@ -18,6 +18,7 @@ before the reply's text.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,13 +55,10 @@ def model_tools(name: str, spec: str | None = None) -> ModelTools:
     --chat-template `spec`, from its tokenizer's files on this machine (none found:
     no tools)."""
     try:
-        from mlx_lm.tokenizer_utils import load
-
         from exokv.model import templates
+        from exokv.model.loading import load_tokenizer
 
-        files = model_files(name)
-        tokenizer = load(files)
-        config = json.loads((files / "config.json").read_text())
+        tokenizer, config = load_tokenizer(model_files(name))  # as the ranks load it
         settled = templates.settle(tokenizer, config.get("model_type"), spec)
     except Exception:  # noqa: BLE001 - a front end without the files serves no tools
         return ModelTools(template=False)
@@ -128,21 +126,14 @@ def _call_text(tokenizer: Any, start: str, template: str | None) -> tuple[str | 
         return None, None
     if calls[0] is None or calls[1] is None or other is None:
         return None, None
-    head = _common(calls[0], calls[1])
+    head = os.path.commonprefix([calls[0], calls[1]])
     if start not in head or not all(c.startswith(head + _NAMES[0]) for c in (calls[0], other)):
         return None, None
     after = len(head) + len(_NAMES[0])
-    mid = _common(calls[0][after:], other[after:])
+    mid = os.path.commonprefix([calls[0][after:], other[after:]])
     if "exokv_probe" in mid:
         return None, None
     return head, mid
-
-
-def _common(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
 
 
 def model_files(name: str) -> Path:
