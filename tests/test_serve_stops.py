@@ -21,15 +21,25 @@ TRACEBACKS = ("Traceback", "Exception in", "Event loop is closed", "Task was des
 TURNS = ["hello there", "tell me more about gardens", "and about the sea"]
 
 
-def _sse_lines(url: str, body: dict) -> list[str]:
-    """The data lines of a stream, read to its end (the body's end, however it came)."""
+def _sse_lines(url: str, body: dict, decoding: threading.Event | None = None) -> list[str]:
+    """The data lines of a stream, read to its end (the body's end, however it came);
+    `decoding` is set once a chunk carries generated text."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
     resp = conn.getresponse()
     assert resp.status == 200
-    lines = [x.decode().strip() for x in resp]
-    return [x.removeprefix("data: ") for x in lines if x.startswith("data: ")]
+    lines = []
+    for raw_line in resp:
+        line = raw_line.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        lines.append(line.removeprefix("data: "))
+        if decoding is not None and lines[-1] != "[DONE]":
+            choices = json.loads(lines[-1]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                decoding.set()
+    return lines
 
 
 @pytest.mark.timeout(300)
@@ -46,17 +56,24 @@ def test_sigterm_past_the_drain_limit_ends_every_stream_with_a_final_chunk(
     }
     with serving(home, "--drain-timeout", "1", *ranks) as s:
         got: list[list[str]] = []
-        reader = threading.Thread(target=lambda: got.append(_sse_lines(s.url, body)))
+        decoding = threading.Event()
+        reader = threading.Thread(target=lambda: got.append(_sse_lines(s.url, body, decoding)))
         reader.start()
         # The real client sees the error event as an error, not as a normal end.
         stream = s.client().chat.completions.create(
             model=MODEL, messages=body["messages"], max_tokens=20000, stream=True
         )
-        first = next(iter(stream))
+        chunks = iter(stream)
+        first = next(chunks)
         assert first.choices[0].delta.role == "assistant"
+        # SIGTERM once both decode, so both are rows of one batch when the drain stops them
+        # (on a loaded machine the second may still be prefilling at the first's role chunk).
+        while not next(chunks).choices[0].delta.content:
+            pass
+        assert decoding.wait(timeout=120)
         s.proc.send_signal(signal.SIGTERM)
         with pytest.raises(openai.APIError, match="shut"):
-            for _ in stream:
+            for _ in chunks:
                 pass
         reader.join(timeout=120)
         assert s.proc.wait(timeout=60) == 128 + signal.SIGTERM  # the drain had to stop them
