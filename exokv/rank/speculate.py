@@ -221,8 +221,9 @@ def decode(
     y = last
     # A plain step's token, computed ahead of its step (as generate_step does) while
     # the steps after it are known to be plain: `y` is then in the cache already.
-    # One rank only: on pipeline ranks two forward passes in one evaluation hung the
-    # ring (not understood yet), so there each plain step waits for its token.
+    # Each evaluation holds one forward pass, as in generate_step: on pipeline ranks
+    # two passes in one graph can order one rank's sends against another's receives
+    # so that both wait (the ring hung so).
     ahead: mx.array | None = None
     with mx.stream(generation_stream):
         while True:
@@ -245,7 +246,9 @@ def decode(
             else:
                 kept, tic = 0, time.perf_counter()
                 token = ahead if ahead is not None else _sample(model, y, cache, temp, top_p)
-                if steps.group.size == 1 and drafter.plain_after(k, room):
+                if drafter.plain_after(k, room):
+                    if ahead is None:
+                        mx.async_eval(token)  # its own evaluation, before the next pass
                     ahead = _sample(model, token, cache, temp, top_p)
                     mx.async_eval(ahead)
                 else:
