@@ -49,7 +49,8 @@ def one_rank(model: Path, tmp_path_factory: pytest.TempPathFactory, lines: list[
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("split", [None, "20,10"])
+# One uneven split: the even default runs the same path, on the zoo families too.
+@pytest.mark.parametrize("split", ["20,10"])
 def test_pipeline_ranks_equal_one_rank(
     smollm2_dir: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, split: str | None
 ) -> None:
