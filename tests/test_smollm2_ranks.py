@@ -2,7 +2,7 @@
 ranks: replies equal one rank's at temperature 0 (issue 18).
 
 Few and short: each rank loads the model and decodes at a few tokens/s here. One
-one-rank run is the reference for both pipeline layouts; tensor parallel (9 heads,
+one-rank run is the reference for the pipeline layout; tensor parallel (9 heads,
 3 KV heads: -n 3 divides them) runs a shorter script.
 """
 
