@@ -43,7 +43,7 @@ def _sse_lines(url: str, body: dict, decoding: threading.Event | None = None) ->
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [["-n", "1"], ["-n", "2", "--starting-port", "26880"]])
+@pytest.mark.parametrize("ranks", [["-n", "1"], ["-n", "2", "--starting-port", "26890"]])
 def test_sigterm_past_the_drain_limit_ends_every_stream_with_a_final_chunk(
     tmp_path: Path, models_dir: Path, ranks: list[str]
 ) -> None:
