@@ -71,7 +71,7 @@ def test_models_lists_it_with_its_source(gemma3_dir: Path, tmp_path: Path) -> No
     assert 250e6 < entry["size_bytes"] < 320e6
 
 
-SCRIPT = ["Name a fruit.", "And a color?", "And a number?"]
+SCRIPT = ["Name a fruit.", "And a color?"]
 
 
 @pytest.mark.timeout(600)
@@ -90,7 +90,7 @@ def test_two_pipeline_ranks_with_the_cache_equal_one_rank_without(
     two_args = ("-n", "2", "--max-tokens", "4", "--starting-port", "25680")
     code, two, err = zoo_chat(tmp_path / "two", NAME, *two_args, lines=SCRIPT)
     assert code == 0, err
-    assert len(two) == 3 and all(t["ranks"] == 2 for t in two)
+    assert len(two) == 2 and all(t["ranks"] == 2 for t in two)
     assert replies(two) == replies(cold) and all(r.strip() for r in replies(two))
     assert two[0]["cached_tokens"] == 0
     assert all(t["cached_tokens"] > 0 for t in two[1:])
