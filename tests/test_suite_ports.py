@@ -1,7 +1,8 @@
 """The suite's own rule for ranks' ports: every test that starts ranks passes a
 --starting-port of its own. Two files on the two xdist workers with one port join
 each other's rings (rank 1 of one reaches rank 0 of the other), and the test that
-loses hangs until its timeout."""
+loses hangs until its timeout. Only the literal `"--starting-port", "N"` is read here:
+ports passed as parameters or helpers' arguments are the writer's to keep apart."""
 
 from __future__ import annotations
 
