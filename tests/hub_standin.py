@@ -15,8 +15,10 @@ The model is ``builtin:llama-tiny`` (4 layers), whose weights exokv writes as on
 shard for the tensors outside the layers (embedding, norm, head) and one shard per
 layer, with a ``model.safetensors.index.json``: which shards a host fetched shows
 which layers it holds. Every request is counted per file (``gets``, and the Range
-starts in ``ranges``), so a test can assert that a chat downloaded nothing; ``cut``
-drops the connection part way through a file's next download.
+starts in ``ranges``; per repo in ``repo_gets``), so a test can assert that a chat
+downloaded nothing; ``cut`` drops the connection part way through a file's next
+download. ``DRAFT_REPO`` serves the same files under a second name: a draft model
+with the model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 REPO = "acme/llama-tiny"
+DRAFT_REPO = "acme/llama-draft"
 COMMIT = "c0ffee" + "0" * 28 + "123456"  # 40 hex digits, like a git commit
 REVISIONS = {"main": COMMIT, "v1": COMMIT, COMMIT: COMMIT}
 LAYERS = 4
@@ -75,8 +78,9 @@ class StandinHub:
     """The server and what it was asked; ``url`` is the HF_ENDPOINT to give huggingface_hub."""
 
     files: dict[str, bytes]
-    repo: str = REPO
+    repos: tuple[str, ...] = (REPO, DRAFT_REPO)
     gets: Counter[str] = field(default_factory=Counter)  # file -> GETs of its bytes
+    repo_gets: Counter[str] = field(default_factory=Counter)  # repo -> GETs of its files
     ranges: dict[str, list[int]] = field(default_factory=dict)  # file -> Range GETs' starts
     cut: dict[str, int] = field(default_factory=dict)  # file -> its next GET stops there
     heads: Counter[str] = field(default_factory=Counter)
@@ -133,7 +137,7 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.standin
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo, rest = "/".join(parts[2:4]), parts[4:]
-            if repo != hub.repo:
+            if repo not in hub.repos:
                 return self._error(404, "RepoNotFound")
             if not rest or rest[0] == "revision":
                 rev = "/".join(rest[1:]) or "main"
@@ -157,12 +161,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "EntryNotFound")
         if len(parts) >= 5 and parts[2] == "resolve":
             repo, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-            if repo != hub.repo:
+            if repo not in hub.repos:
                 return self._error(404, "RepoNotFound")
             if rev not in REVISIONS:
                 return self._error(404, "RevisionNotFound")
             if name not in hub.files:
                 return self._error(404, "EntryNotFound")
+            if not head:
+                hub.repo_gets[repo] += 1
             return self._file(name, REVISIONS[rev], head)
         return self._error(404, "RepoNotFound")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hub_standin import COMMIT, NON_LAYER_SHARD, REPO, StandinHub, layer_shard, standin
+from hub_standin import COMMIT, DRAFT_REPO, NON_LAYER_SHARD, REPO, StandinHub, layer_shard, standin
 
 from exokv.model import hub
 
@@ -137,9 +137,14 @@ def test_a_chat_downloads_the_model_then_answers_from_the_cache(tmp_path: Path) 
         assert "model-00005-of-00005.safetensors" in first.stderr, first.stderr
         assert served.downloaded() == set(served.files)  # one rank: every file
         assert _held(hf_home) == sorted(served.files)
-        again = _chat(tmp_path / "h2", _env(hf_home, served.url), REPO)
-        assert served.gets == {name: 1 for name in served.files}  # nothing fetched twice
+        # Nothing fetched twice; a hub --draft-model is fetched before the ranks start.
+        served.repo_gets.clear()
+        again = _chat(tmp_path / "h2", _env(hf_home, served.url), REPO, "--draft-model", DRAFT_REPO)
+        assert served.repo_gets == {DRAFT_REPO: len(served.files)}, served.repo_gets
+        assert "downloading 5 files (" in again.stderr, again.stderr
+        assert f"of {DRAFT_REPO} from {served.url}" in again.stderr
         assert [t["reply"] for t in _turns(again)] == [t["reply"] for t in turns]
+        assert sum(t["accepted_tokens"] for t in _turns(again)) > 0  # the model drafting itself
     finally:
         served.stop()
     # The hub gone: the cache answers, with the same replies.

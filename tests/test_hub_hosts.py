@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hub_standin import COMMIT, NON_LAYER_SHARD, REPO, StandinHub, layer_shard, standin
+from hub_standin import (
+    COMMIT,
+    DRAFT_REPO,
+    NON_LAYER_SHARD,
+    REPO,
+    StandinHub,
+    layer_shard,
+    standin,
+)
 from ssh_hosts import HOSTS, SshHosts
 
 SCRIPT = ["Hello there", "Tell me about the sea"]
@@ -71,8 +79,9 @@ def _chat(env: dict[str, str], *extra: str) -> tuple[list[dict[str, Any]], str]:
     return [json.loads(x) for x in proc.stdout.splitlines() if x.strip()], proc.stderr
 
 
-def _held(home: Path) -> set[str]:
-    snapshot = home / ".cache/huggingface/hub/models--acme--llama-tiny/snapshots" / COMMIT
+def _held(home: Path, repo: str = REPO, cache: str = ".cache/huggingface/hub") -> set[str]:
+    """The files of `repo` in the Hugging Face cache under `home`."""
+    snapshot = home / cache / f"models--{repo.replace('/', '--')}" / "snapshots" / COMMIT
     return {p.name for p in snapshot.iterdir()}
 
 
@@ -94,15 +103,26 @@ def test_each_host_fetches_only_the_shards_of_its_layers(
     a, b = (ssh_hosts.homes[name] for name in HOSTS)
     assert _held(a) == META | {NON_LAYER_SHARD, layer_shard(1), layer_shard(2), layer_shard(3)}
     assert _held(b) == META | {NON_LAYER_SHARD, layer_shard(0)}
-    front_snapshot = tmp_path / "hf-front/hub/models--acme--llama-tiny/snapshots" / COMMIT
-    assert {p.name for p in front_snapshot.iterdir()} == META  # it tokenizes; no weights
+    assert _held(tmp_path / "hf-front", REPO, "hub") == META  # it tokenizes; no weights
 
-    # The next chat downloads nothing.
+    # The next chat downloads nothing of the model; a hub --draft-model goes whole onto
+    # rank 0's host alone (rank 0 drafts), its tokenizer onto the front end.
     standin_hub.gets.clear()
-    again, err = _chat(front, *args, "--starting-port", "26570")
+    standin_hub.repo_gets.clear()
+    drafted = ("--draft-model", DRAFT_REPO, "--starting-port", "26570")
+    again, err = _chat(front, *args, *drafted)
     assert [t["reply"] for t in again] == [t["reply"] for t in reference]
-    assert sum(standin_hub.gets.values()) == 0, standin_hub.gets
-    assert "has the 10 files it needs (nothing to fetch)" in err, err
+    assert standin_hub.repo_gets[REPO] == 0, standin_hub.gets
+    assert f"has the 10 files of {REPO} it needs (nothing to fetch)" in err, err
+    fetched = [x for x in err.splitlines() if x.startswith("exokv: exokv-a: fetching 5 files")]
+    assert [x.endswith(f" of {DRAFT_REPO}") for x in fetched] == [True], err
+    assert _held(a, DRAFT_REPO) == META | {NON_LAYER_SHARD, *map(layer_shard, range(4))}
+    assert not (b / ".cache/huggingface/hub/models--acme--llama-draft").exists()
+    assert _held(tmp_path / "hf-front", DRAFT_REPO, "hub") == META
+    # The draft model is the model itself here: every draft it makes is accepted.
+    accepted = sum(t["accepted_tokens"] for t in again)
+    assert accepted > 0 and accepted == sum(t["draft_tokens"] for t in again), again
+    standin_hub.gets.clear()
 
     # --split auto (the default) on simulated uneven hosts places the layers 3,1: the
     # plan, read from the hub's headers and the hosts' memory, fetches nothing more.

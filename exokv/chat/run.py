@@ -221,7 +221,9 @@ def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> I
     try:
         if opts.session:
             locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
-        fetch_onto_hosts(cluster.model, cluster.hosts, cluster.split, cluster.parallel)
+        fetch_onto_hosts(
+            cluster.model, cluster.hosts, cluster.split, cluster.parallel, draft=cluster.draft_model
+        )
         client = make_client(cluster, progress=_startup_progress())
         run_id: int | None = None
         try:

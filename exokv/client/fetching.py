@@ -8,6 +8,9 @@ the commit the revision names, so every host fetches the same one), then runs
 exokv.model.fetcher on every host at once through exokv.wire.remote, each in its
 own Hugging Face cache and for its own ranks' layers, and shows each host's
 progress. A host that fails ends the start with one line naming it.
+
+A hub ``--draft-model`` is fetched the same way, whole and onto rank 0's host alone:
+rank 0 loads it (exokv.rank.draft_model), the front end reads its tokenizer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from exokv.errors import ExokvError
@@ -33,43 +37,77 @@ def _say(text: str) -> None:
     print(f"exokv: {text}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class _Job:
+    """One fetcher run: `model`'s files onto `host` (its ssh name), with the fetcher's args."""
+
+    host: str
+    model: str
+    args: list[str]
+
+
 def fetch_onto_hosts(
     model: str,
     hosts: HostList | None,
     split: list[int] | None,
     parallel: str,
     say: Callable[[str], None] = _say,
+    draft: str | None = None,
 ) -> None:
-    """Every host holds the files of ``model`` its ranks load; nothing to do unless
-    ``model`` names a hub repo (``org/name[@revision]``) rather than a local model."""
-    name = hub.repo_of(model)
-    if name is None:
+    """Every host holds the files of ``model`` its ranks load, and rank 0's host the whole
+    of ``draft``; nothing to do for a name that is a local model rather than a hub repo
+    (``org/name[@revision]``)."""
+    repos = {name: hub.repo_of(name) for name in (model, draft) if name is not None}
+    if not any(repos.values()):
         return
-    repo, revision = name
     if hosts is None:
         bars = sys.stderr.isatty()
-        hub.fetch(repo, revision, progress=_local_progress(repo, say, bars), bars=bars)
+        for repo, revision in filter(None, repos.values()):
+            hub.fetch(repo, revision, progress=_local_progress(repo, say, bars), bars=bars)
         return
-    here = hub.fetch(repo, revision, hub.Want(host_ranks=None))
+    jobs: list[_Job] = []
+    if repos[model]:
+        jobs += _model_jobs(model, hosts, split, parallel)
+    if draft is not None and repos[draft]:
+        whole = ["--ranks", "1", "--host-ranks", "0", "--parallel", "pipeline"]
+        args = ["--model", draft, "--commit", _commit_here(draft), *whole]
+        jobs.append(_Job(hosts.hosts[0].ssh, draft, args))
+    shown = _HostProgress([(job.host, job.model) for job in jobs], say)
+    runs = run_on_each(
+        [job.host for job in jobs],
+        FETCHER,
+        lambda i: jobs[i].args,
+        timeout=FETCH_TIMEOUT_S,
+        on_line=shown.line,
+        envs=hosts.envs,
+    )
+    shown.close()
+    for job, run in zip(jobs, runs, strict=True):
+        if not run.ok:
+            raise ExokvError(f"fetching {job.model} onto {job.host}: {_why(run)}")
+
+
+def _commit_here(model: str) -> str:
+    """Fetch `model`'s config and tokenizer here (the front end reads them) and return the
+    commit its revision names, which every host then fetches."""
+    repo, revision = hub.repo_of(model) or (model, None)  # a hub name: the caller checked
+    return hub.fetch(repo, revision, hub.Want(host_ranks=None)).commit
+
+
+def _model_jobs(model: str, hosts: HostList, split: list[int] | None, parallel: str) -> list[_Job]:
+    """One job per machine: the layers of its own ranks."""
+    commit = _commit_here(model)
     machines: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts.hosts):
         machines.setdefault(host.ssh, []).append(rank)
-    names = list(machines)
-    ranks = len(hosts.hosts)
-
-    def args_for(i: int) -> list[str]:
-        args = ["--model", model, "--commit", here.commit, "--ranks", str(ranks)]
-        args += ["--host-ranks", ",".join(map(str, machines[names[i]])), "--parallel", parallel]
-        return args + (["--split", ",".join(map(str, split))] if split else [])
-
-    shown = _HostProgress(repo, names, say)
-    runs = run_on_each(
-        names, FETCHER, args_for, timeout=FETCH_TIMEOUT_S, on_line=shown.line, envs=hosts.envs
-    )
-    shown.close()
-    for host, run in zip(names, runs, strict=True):
-        if not run.ok:
-            raise ExokvError(f"fetching {model} onto {host}: {_why(run)}")
+    jobs = []
+    for host, ranks in machines.items():
+        args = ["--model", model, "--commit", commit, "--ranks", str(len(hosts.hosts))]
+        args += ["--host-ranks", ",".join(map(str, ranks)), "--parallel", parallel]
+        jobs.append(
+            _Job(host, model, args + (["--split", ",".join(map(str, split))] if split else []))
+        )
+    return jobs
 
 
 def _local_progress(repo: str, say: Callable[[str], None], bars: bool) -> hub.Progress:
@@ -110,8 +148,8 @@ def _event(line: str) -> dict[str, Any] | None:
 class _HostProgress:
     """Each host's fetch as it goes: rich bars on a terminal, else a line per step."""
 
-    def __init__(self, repo: str, hosts: list[str], say: Callable[[str], None]) -> None:
-        self.repo, self.hosts, self.say = repo, hosts, say
+    def __init__(self, jobs: list[tuple[str, str]], say: Callable[[str], None]) -> None:
+        self.jobs, self.say = jobs, say  # (host, model) per fetcher run
         self.bars: Any = None
         self.tasks: dict[int, Any] = {}
         if sys.stderr.isatty():
@@ -133,13 +171,14 @@ class _HostProgress:
         event = _event(text)
         if event is None:
             return
-        host, kind = self.hosts[i], event.get("event")
+        (host, model), kind = self.jobs[i], event.get("event")
         if kind == "plan" and event.get("files"):
             size = format_size(int(event.get("bytes", 0)), "decimal")
             if self.bars is not None:
-                self.tasks[i] = self.bars.add_task(f"{host}", total=event.get("bytes") or None)
+                label = f"{host} {model}"
+                self.tasks[i] = self.bars.add_task(label, total=event.get("bytes") or None)
             else:
-                self.say(f"{host}: fetching {len(event['files'])} files ({size}) of {self.repo}")
+                self.say(f"{host}: fetching {len(event['files'])} files ({size}) of {model}")
         elif kind in ("bytes", "file") and i in self.tasks:
             self.bars.update(self.tasks[i], completed=event.get("done", 0))
         elif kind == "done":
@@ -152,7 +191,8 @@ class _HostProgress:
                 else "nothing to fetch"
             )
             if i not in self.tasks:  # a bar says it on a terminal
-                self.say(f"{host}: has the {len(event.get('files', []))} files it needs ({what})")
+                files = len(event.get("files", []))
+                self.say(f"{host}: has the {files} files of {model} it needs ({what})")
 
     def close(self) -> None:
         if self.bars is not None:
