@@ -363,11 +363,14 @@ def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("when", ["starting", "idle"])
+@pytest.mark.parametrize("when", ["starting", "in-the-ring", "idle"])
 def test_ranks_end_when_the_front_end_is_killed(
     tmp_path: Path, models_dir: Path, when: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    port = {"starting": "25260", "idle": "25270"}[when]
+    """`in-the-ring`: rank 0 stopped (SIGSTOP, a Mac gone to sleep) as it starts, and
+    rank 1 waiting for it in the ring's connect, which holds rank 1's GIL: neither
+    rank's own beat thread can notice the front end's end, their watchers can."""
+    port = {"starting": "25260", "in-the-ring": "25280", "idle": "25270"}[when]
     temp = tmp_path / "temp"
     temp.mkdir()
     home = home_with_models(tmp_path / "h", models_dir)
@@ -378,6 +381,12 @@ def test_ranks_end_when_the_front_end_is_killed(
     while len(ranks := _rank_processes(chat)) < 2:
         assert time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.1)
+    if when == "in-the-ring":
+        while (first := _watched_rank(chat, "0")) is None:
+            assert time.monotonic() < deadline, "rank 0 never started its watcher"
+            time.sleep(0.05)
+        first.suspend()
+        time.sleep(4)  # rank 1 imports MLX and reaches the ring
     chat.proc.kill()  # SIGKILL: no chance to stop the launcher, which has its own group
     chat.proc.wait(10)
     _, alive = psutil.wait_procs(ranks, timeout=10)
@@ -392,6 +401,20 @@ def test_ranks_end_when_the_front_end_is_killed(
     _sweep_scratch()
     left = [p.name for p in temp.iterdir() if p.name != "mlx"]  # MLX's own kernel cache
     assert left == [], "the launcher's temporary files were left behind"
+
+
+def _watched_rank(chat: Chat, rank: str) -> psutil.Process | None:
+    """Rank `rank`'s process once it has started its watcher (the launcher's command
+    line names exokv.rank.main too; only a rank has MLX_RANK)."""
+    for p in _rank_processes(chat):
+        try:
+            if p.environ().get("MLX_RANK") == rank and any(
+                "exokv.wire.watcher" in " ".join(c.cmdline()) for c in p.children()
+            ):
+                return p
+        except psutil.Error:
+            continue
+    return None
 
 
 def _rank_processes(chat: Chat) -> list[psutil.Process]:

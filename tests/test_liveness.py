@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -135,23 +136,24 @@ def test_a_rank_on_this_machine_is_asked_of_the_os_and_a_remote_one_never(
 
 # A stand-in rank: starts its watcher as a rank does, then reads stdin as rank 0 reads
 # its bootstrap line, says what it got, and waits.
+# `front_end`: its pid as a local rank's --front-end-pid (its beat thread is not run).
 RANK = """
 import os, sys, time
 from exokv.rank import boot
-watcher = boot.watch(1)
+watcher = boot.watch(1, int(sys.argv[1]) if len(sys.argv) > 1 else None)
 print(watcher.pid, sys.stdin.readline().strip(), flush=True)
 time.sleep(60)
 """
 
 
 class StandIn:
-    def __init__(self) -> None:
+    def __init__(self, front_end: int | None = None, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", RANK],
+            [sys.executable, "-c", RANK, *([str(front_end)] if front_end else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env={**os.environ, "MLX_RANK": "1"},
+            env={**os.environ, "MLX_RANK": "1", **(env or {})},
         )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(b'{"token": "t"}\n')
@@ -214,6 +216,27 @@ def test_a_watcher_whose_session_ends_ends_its_rank_even_a_stopped_one(how: str)
         assert rank.proc.wait(15) == -signal.SIGTERM  # told to end, and it could
         rank.watcher.wait(10)
     finally:
+        rank.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_watcher_ends_its_rank_when_the_front_end_is_gone(tmp_path: Path) -> None:
+    """A rank whose own beat thread cannot run (a call holding its GIL, as the ring's
+    connect does at start-up) still ends with its front end: its watcher ends it, and
+    removes the launcher's folder the front end would have."""
+    front_end = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    scratch = tmp_path / "exokv-ranks-1-x"
+    scratch.mkdir()
+    rank = StandIn(front_end.pid, env={"TMPDIR": str(scratch)})
+    try:
+        assert rank.states(2) == ["running", "running"]  # a live front end ends nothing
+        front_end.kill()
+        front_end.wait(10)
+        assert rank.proc.wait(15) == -signal.SIGTERM
+        rank.watcher.wait(10)
+        assert not scratch.exists()
+    finally:
+        front_end.kill()
         rank.close()
 
 

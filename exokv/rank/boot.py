@@ -23,8 +23,9 @@ from typing import Any
 from exokv.config import debug_enabled, hold_beat_hook
 from exokv.errors import ExokvError
 from exokv.wire import channel
-from exokv.wire.launch import BEAT_MARK, ERROR_MARK, SCRATCH_PREFIX, rank_command
+from exokv.wire.launch import BEAT_MARK, ERROR_MARK, rank_command, remove_scratch
 from exokv.wire.messages import RankFailed
+from exokv.wire.watcher import alive
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
@@ -51,10 +52,11 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     front end's group does not reach, so nothing else would stop it.
 
     First it starts this rank's watcher (exokv.wire.watcher): the host's word on
-    whether the rank runs, for the times this thread itself is not run.
+    whether the rank runs, for the times this thread itself is not run; it ends the
+    rank when the front end is gone too, should this thread not run then.
     """
     global _watcher
-    _watcher = watch(rank)
+    _watcher = watch(rank, front_end)
     line = f"{BEAT_MARK}{rank}\n".encode()
     hold = hold_beat_hook(rank)
     while True:
@@ -77,12 +79,14 @@ def beat_loaded(rank: int, fd: int = 1) -> None:
     os.write(fd, f"{BEAT_MARK}{rank} loaded\n".encode())
 
 
-def watch(rank: int) -> subprocess.Popen[bytes]:
+def watch(rank: int, front_end: int | None = None) -> subprocess.Popen[bytes]:
     """Start the watcher of this process (rank `rank`) on this host: it shares our stderr,
-    not our stdin (rank 0's bootstrap line is ours), and has no MLX_RANK of its own."""
+    not our stdin (rank 0's bootstrap line is ours), and has no MLX_RANK of its own.
+    `front_end`: the front end's pid on this host, whose end ends the rank."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "OMPI_COMM_WORLD_RANK")}
+    pids = [str(os.getpid())] + ([str(front_end)] if front_end is not None else [])
     return subprocess.Popen(
-        [*rank_command(module="exokv.wire.watcher"), str(rank), str(os.getpid())],
+        [*rank_command(module="exokv.wire.watcher"), str(rank), *pids],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         env=env,
@@ -98,32 +102,6 @@ def _hold_beat(rank: int, seconds: float) -> None:
     )
     time.sleep(seconds)
     print(f"exokv-test: rank {rank} beats again", file=sys.stderr, flush=True)
-
-
-def remove_scratch() -> None:
-    """The front end was killed and cannot remove the launcher's temporary folder (see
-    ClusterClient): a local rank, which inherited it as TMPDIR, does."""
-    scratch = os.environ.get("TMPDIR", "")
-    if os.path.basename(scratch).startswith(SCRATCH_PREFIX):
-        import shutil
-
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A killed front end is a zombie until its parent reaps it: gone all the same.
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def release_stdin() -> None:

@@ -34,13 +34,11 @@ from exokv.errors import ExokvError, PromptTooLong
 from exokv.options import AUTO, parse_disk_budget
 from exokv.rank.boot import (
     HEARTBEAT_S,
-    alive,
     beat,
     beat_loaded,
     launcher_rank,
     read_bootstrap,
     release_stdin,
-    remove_scratch,
     report_error,
 )
 from exokv.rank.joins import JoinBox
@@ -48,6 +46,7 @@ from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
 from exokv.records import CacheFileReport
 from exokv.wire import channel, messages
+from exokv.wire.launch import remove_scratch
 from exokv.wire.messages import (
     Batch,
     Draft,
@@ -72,6 +71,7 @@ from exokv.wire.messages import (
     TurnRefused,
 )
 from exokv.wire.wake import Doorbell
+from exokv.wire.watcher import alive
 
 if TYPE_CHECKING:
     from exokv.collectives import Group

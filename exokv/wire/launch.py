@@ -57,6 +57,14 @@ def make_scratch() -> Path:
     return scratch
 
 
+def remove_scratch() -> None:
+    """The front end was killed and cannot remove the launcher's temporary folder (see
+    ClusterClient): a local rank, or its watcher, which inherited it as TMPDIR, does."""
+    scratch = os.environ.get("TMPDIR", "")
+    if os.path.basename(scratch).startswith(SCRATCH_PREFIX):
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 @dataclass
 class LaunchPlan:
     """What to start: the launcher's argv and where the channel must listen."""

@@ -16,8 +16,9 @@ process mlx.launch started — its pid (the launcher's kill path), its environme
 stdin (rank 0's bootstrap line), exit code and signals are exactly as before —
 and the watcher needs nothing from it after the start. The watcher ends when the
 rank has gone; and when its own session ends (ssh hangs up: SIGHUP, or its lines
-can no longer be written) it ends the rank, which a stopped or wedged rank would
-not do by itself, so no rank outlives a chat.
+can no longer be written), or the front end on its host is gone, it ends the rank,
+which a stopped or wedged rank would not do by itself (nor one whose GIL a call
+holds: the ring's connect at start-up), so no rank outlives a chat.
 
 The watcher's environment has no MLX_RANK: only the rank itself is a rank to
 anything that looks for one.
@@ -31,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from exokv.wire.launch import STATE_MARK
+from exokv.wire.launch import STATE_MARK, remove_scratch
 
 WATCH_S = 1.0  # between two state lines
 END_GRACE_S = 3.0  # a rank told to end (SIGTERM) gets this long before SIGKILL
@@ -62,10 +63,29 @@ def state_line(rank: int, state: str, pid: int) -> str:
     return f"{STATE_MARK}{rank} {state} {pid}\n"
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` on this host still runs (a zombie has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A killed front end is a zombie until its parent reaps it: gone all the same.
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`RANK PID`: watch process PID (this process's parent), rank RANK, until it is gone."""
+    """`RANK PID [FRONT_END]`: watch process PID (this process's parent), rank RANK, until
+    it is gone; end it if process FRONT_END (the front end on this host) is gone first."""
     args = sys.argv[1:] if argv is None else argv
     rank, pid = int(args[0]), int(args[1])
+    front_end = int(args[2]) if len(args) > 2 else None
     import psutil
 
     ended: list[int] = []
@@ -83,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             ended.append(signal.SIGHUP)  # nobody reads: the session is gone
         if state == GONE:
+            return 0
+        if front_end is not None and not alive(front_end):
+            # The rank's own beat ends it then, unless a call holds its GIL: the ring's
+            # connect does, waiting for a peer that may never come.
+            end(process)
+            remove_scratch()
             return 0
         if ended:
             end(process)
