@@ -134,7 +134,7 @@ class Server:
                 base_url=f"http://127.0.0.1:{self.port}/v1",
                 api_key="none",
                 max_retries=0,
-                timeout=600,
+                timeout=1800,  # a heavy workload on two ranks here keeps some requests past 600 s
             )
         return self._client
 
