@@ -173,6 +173,16 @@ def test_a_missing_repo_is_one_line_naming_it(tmp_path: Path, standin_hub: Stand
 
 
 @pytest.mark.timeout(60)
+def test_a_missing_draft_repo_is_one_line_naming_the_flag(
+    tmp_path: Path, standin_hub: StandinHub
+) -> None:
+    env = _env(tmp_path / "hf", standin_hub.url)
+    line = _one_line(_chat(tmp_path / "h", env, REPO, "--draft-model", "acme/nope"))
+    assert line.startswith("exokv: error: --draft-model acme/nope: "), line
+    assert "not found" in line and standin_hub.url in line
+
+
+@pytest.mark.timeout(60)
 def test_no_hub_and_nothing_cached_is_one_line(tmp_path: Path) -> None:
     unreachable = "http://127.0.0.1:9"  # discard: nothing listens
     line = _one_line(_chat(tmp_path / "h", _env(tmp_path / "hf", unreachable), REPO))

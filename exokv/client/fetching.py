@@ -15,9 +15,10 @@ rank 0 loads it (exokv.rank.draft_model), the front end reads its tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,17 +61,22 @@ def fetch_onto_hosts(
     repos = {name: hub.repo_of(name) for name in (model, draft) if name is not None}
     if not any(repos.values()):
         return
+    # Every name is checked (its config and tokenizer fetched here) before any weights.
+    commits = {name: _commit_here(name, model) for name in repos}
     if hosts is None:
         bars = sys.stderr.isatty()
-        for repo, revision in filter(None, repos.values()):
-            hub.fetch(repo, revision, progress=_local_progress(repo, say, bars), bars=bars)
+        for name, parsed in repos.items():
+            if parsed is not None:
+                with _named(name, model):
+                    progress = _local_progress(parsed[0], say, bars)
+                    hub.fetch(*parsed, progress=progress, bars=bars)
         return
     jobs: list[_Job] = []
-    if repos[model]:
-        jobs += _model_jobs(model, hosts, split, parallel)
-    if draft is not None and repos[draft]:
+    if commits[model]:
+        jobs += _model_jobs(model, commits[model], hosts, split, parallel)
+    if draft is not None and commits[draft]:
         whole = ["--ranks", "1", "--host-ranks", "0", "--parallel", "pipeline"]
-        args = ["--model", draft, "--commit", _commit_here(draft), *whole]
+        args = ["--model", draft, "--commit", commits[draft], *whole]
         jobs.append(_Job(hosts.hosts[0].ssh, draft, args))
     shown = _HostProgress([(job.host, job.model) for job in jobs], say)
     runs = run_on_each(
@@ -87,16 +93,32 @@ def fetch_onto_hosts(
             raise ExokvError(f"fetching {job.model} onto {job.host}: {_why(run)}")
 
 
-def _commit_here(model: str) -> str:
-    """Fetch `model`'s config and tokenizer here (the front end reads them) and return the
-    commit its revision names, which every host then fetches."""
-    repo, revision = hub.repo_of(model) or (model, None)  # a hub name: the caller checked
-    return hub.fetch(repo, revision, hub.Want(host_ranks=None)).commit
+@contextlib.contextmanager
+def _named(name: str, model: str) -> Iterator[None]:
+    """A failure to fetch the draft model says it was --draft-model's name."""
+    try:
+        yield
+    except ExokvError as err:
+        if name == model:
+            raise
+        raise ExokvError(f"--draft-model {name}: {err}") from None
 
 
-def _model_jobs(model: str, hosts: HostList, split: list[int] | None, parallel: str) -> list[_Job]:
-    """One job per machine: the layers of its own ranks."""
-    commit = _commit_here(model)
+def _commit_here(name: str, model: str) -> str | None:
+    """Fetch the config and tokenizer of `name` (the model or the draft model) here, which
+    the front end reads, and return the commit its revision names, which every host then
+    fetches; None for a name that is no hub repo."""
+    parsed = hub.repo_of(name)
+    if parsed is None:
+        return None
+    with _named(name, model):
+        return hub.fetch(*parsed, hub.Want(host_ranks=None)).commit
+
+
+def _model_jobs(
+    model: str, commit: str, hosts: HostList, split: list[int] | None, parallel: str
+) -> list[_Job]:
+    """One job per machine: the layers of its own ranks, at `commit`."""
     machines: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts.hosts):
         machines.setdefault(host.ssh, []).append(rank)
