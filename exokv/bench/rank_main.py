@@ -21,13 +21,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from dataclasses import fields
 from typing import IO, Any
 
 import mlx.core as mx
 
-from exokv.rank.boot import beat, launcher_rank, release_stdin, report_error
+from exokv.rank.boot import launcher_rank, release_stdin, report_error, start_beating
 
 PROGRESS_MARK = "exokv-bench-progress "
 DOC_MARK = "exokv-bench-doc "
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)
         rank = world.rank()
         parent = settings.get("front_end_pid")
-        threading.Thread(target=beat, args=(rank, parent, 2), daemon=True).start()
+        start_beating(rank, parent, 2)
         release_stdin()
         doc = run(settings, world, out if rank == 0 else None)
         if rank == 0:

@@ -38,6 +38,20 @@ def launcher_rank() -> int:
     return int(os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
+def start_beating(rank: int, front_end: int | None = None, fd: int = 1) -> None:
+    """Start this rank's watcher (exokv.wire.watcher), then its `beat` thread.
+
+    The watcher is the host's word on whether the rank runs, for the times the beat
+    thread is not run; it ends the rank when the front end is gone too, should that
+    thread not run then. It is started here, before this returns: a thread started
+    just before `mx.distributed.init` may not run until the ring has formed, since
+    the ring's connect holds the GIL, and a watcher left to it would never start.
+    """
+    global _watcher
+    _watcher = watch(rank, front_end)
+    threading.Thread(target=beat, args=(rank, front_end, fd), daemon=True).start()
+
+
 def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     """Say "alive" on `fd` every few seconds, which the launcher relays to the front end.
 
@@ -50,13 +64,7 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     is gone — killed, or timed out by a script — the rank ends, so the launcher
     ends too. The launcher runs in its own process group, which a signal to the
     front end's group does not reach, so nothing else would stop it.
-
-    First it starts this rank's watcher (exokv.wire.watcher): the host's word on
-    whether the rank runs, for the times this thread itself is not run; it ends the
-    rank when the front end is gone too, should this thread not run then.
     """
-    global _watcher
-    _watcher = watch(rank, front_end)
     line = f"{BEAT_MARK}{rank}\n".encode()
     hold = hold_beat_hook(rank)
     while True:

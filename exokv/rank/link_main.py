@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import threading
 import time
 from typing import Any
 
-from exokv.rank.boot import beat, launcher_rank, release_stdin, report_error
+from exokv.rank.boot import launcher_rank, release_stdin, report_error, start_beating
 from exokv.wire.link import LINK_MARK
 
 
@@ -31,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         # Beating before the distributed setup: a rank that started but cannot reach its
         # neighbours is told apart from one that never started.
         parent = settings.get("front_end_pid")
-        threading.Thread(target=beat, args=(rank, parent, 2), daemon=True).start()
+        start_beating(rank, parent, 2)
         import mlx.core as mx
 
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)

@@ -34,12 +34,12 @@ from exokv.errors import ExokvError, PromptTooLong
 from exokv.options import AUTO, parse_disk_budget
 from exokv.rank.boot import (
     HEARTBEAT_S,
-    beat,
     beat_loaded,
     launcher_rank,
     read_bootstrap,
     release_stdin,
     report_error,
+    start_beating,
 )
 from exokv.rank.joins import JoinBox
 from exokv.rank.textflow import TextFlow
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     link: channel.Connection | None = None
     # Beating (and watching the front end) from before the ring forms: a front end
     # killed while the ranks start must not leave them waiting for each other.
-    threading.Thread(target=beat, args=(rank, args.front_end_pid), daemon=True).start()
+    start_beating(rank, args.front_end_pid)
     try:
         world = mx.distributed.init(backend=args.backend, strict=True)
         rank = world.rank()
