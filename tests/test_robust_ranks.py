@@ -23,8 +23,9 @@ import pytest
 from chat_helpers import Chat, Terminal, home_with_models
 
 EXOKV = str(Path(sys.executable).with_name("exokv"))
-IDLE_WINDOW_S = 20.0
+IDLE_WINDOW_S = 10.0
 IDLE_BOUND = 0.05  # of one core, per process: a spinning rank uses ~1.0
+STARTUP_BOUND = 0.25  # the launcher's, from its start through a first turn: ~0.6 spinning
 DETECT_BOUND_S = 15.0
 
 
@@ -90,6 +91,11 @@ def test_an_idle_two_rank_chat_leaves_the_cores_alone(tmp_path: Path, models_dir
         time.sleep(2)  # the turn's own work is over
         procs = chat.tree()
         assert len(procs) >= 4, procs  # front end, launcher, two ranks
+        # Nor while they started: spinning on the ranks' stdin until they were ready,
+        # the launcher took half the cores of a 2-core machine from their start-up.
+        (launcher,) = [p for p in procs if any("mlx.launch" in a for a in p.cmdline())]
+        spent, age = _cpu(launcher), time.time() - launcher.create_time()
+        assert spent is not None and spent / age < STARTUP_BOUND, (spent, age)
         before = {p.pid: _cpu(p) for p in procs}
         tic = time.monotonic()
         time.sleep(IDLE_WINDOW_S)

@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) != 1:
             raise ValueError("expected one argument: the bench settings as JSON")
         settings = json.loads(argv[0])
+        release_stdin()  # before the ring: until every rank has, the launcher spins
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)
         rank = world.rank()
         parent = settings.get("front_end_pid")
         start_beating(rank, parent, 2)
-        release_stdin()
         doc = run(settings, world, out if rank == 0 else None)
         if rank == 0:
             out.write(DOC_MARK + json.dumps(doc) + "\n")

@@ -35,7 +35,6 @@ START_TIMEOUT = 90.0  # launcher start + distributed init, until every rank beat
 # and a false alarm costs the whole run.
 HEARTBEAT_TIMEOUT = 20.0
 EXIT_TIMEOUT = 30.0  # after the document: the ranks finish and the launcher exits
-NUDGE_S = 2.0
 CONSEQUENCE = "the bench cannot go on"  # follows a cause that only says how a rank ended
 _POLL_S = 0.25
 
@@ -92,7 +91,6 @@ class RankRun:
     def _run(self) -> dict[str, Any]:
         ranks = self.supervisor
         ranks.start()
-        last_nudge = time.monotonic()
         doc: dict[str, Any] | None = None
         doc_at = 0.0
         while True:
@@ -105,11 +103,6 @@ class RankRun:
             elif kind == "doc":
                 doc, doc_at = json.loads(text), time.monotonic()
             now = time.monotonic()
-            if now - last_nudge > NUDGE_S:
-                # The ranks release their stdin when each is ready, which nothing here
-                # hears of: nudge the launcher every few seconds instead.
-                ranks.nudge()
-                last_nudge = now
             code = ranks.poll()
             if code is not None:
                 ranks.drained(2.0)  # the last lines (the document) reach the queue

@@ -494,7 +494,7 @@ class ClusterClient(Client):
                 if message.template_note and not self._template_said:
                     print(f"exokv: {message.template_note}", file=sys.stderr)
                     self._template_said = True
-                ranks.nudge()  # every rank is past release_stdin by now
+                ranks.ranks_ready()  # every rank is past release_stdin by now
                 break
         if threading.current_thread() is threading.main_thread():
             # Never restored: a wake-up still pending after close must not kill the process.

@@ -116,9 +116,11 @@ def release_stdin() -> None:
     """Close our end of the launcher's stdin pipe (nothing more is read from it).
 
     mlx.launch select()s each rank's stdin for writing, which is always ready, so
-    its I/O threads spin (about a third of a core). Once the read end is closed,
-    its next write fails with EPIPE and it stops watching that pipe; the front
-    end sends one more byte once the ranks are ready to trigger exactly that.
+    its I/O threads spin (a core between them, on a small machine). Once the read
+    end is closed, its next write fails with EPIPE and it stops watching that pipe;
+    the front end sends a byte now and then until the ranks are ready to trigger
+    exactly that (exokv.wire.supervise.Supervisor.nudge). So every rank program
+    calls this first, before the ring forms and before the model loads.
     """
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         # neighbours is told apart from one that never started.
         parent = settings.get("front_end_pid")
         start_beating(rank, parent, 2)
+        release_stdin()  # before the ring: until every rank has, the launcher spins
         import mlx.core as mx
 
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)
-        release_stdin()
         doc = measure(world, int(settings["rounds"]), int(settings["bytes"]))
         if world.rank() == 0:
             print(LINK_MARK + json.dumps(doc), flush=True)

@@ -156,10 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     # killed while the ranks start must not leave them waiting for each other.
     start_beating(rank, args.front_end_pid)
     try:
-        world = mx.distributed.init(backend=args.backend, strict=True)
-        rank = world.rank()
+        # Before the ring: until every rank has let its stdin go, the launcher spins.
         boot = read_bootstrap() if rank == 0 else None
         release_stdin()
+        world = mx.distributed.init(backend=args.backend, strict=True)
+        rank = world.rank()
         if boot is not None:
             link = channel.connect(boot["addresses"], boot["token"], {"ranks": world.size()})
         return Rank(args, world, link).run()

@@ -30,7 +30,6 @@ RING_TIMEOUT_S = 30.0  # once every rank runs: the ring forms and the all_sums f
 HEARTBEAT_TIMEOUT_S = 20.0
 LATENCY_ROUNDS = 20
 BANDWIDTH_BYTES = 4 * 1024 * 1024
-_NUDGE_S = 2.0
 _POLL_S = 0.25
 
 
@@ -98,9 +97,7 @@ def _run(plan: LaunchPlan) -> Link:
     ranks = Supervisor(plan, HEARTBEAT_TIMEOUT_S, start_timeout=START_TIMEOUT_S, on_line=take)
     try:
         ranks.start()
-        started = time.monotonic()
         all_beating: float | None = None
-        last_nudge = started
         while True:
             try:
                 doc = json.loads(lines.get(timeout=_POLL_S))
@@ -111,9 +108,6 @@ def _run(plan: LaunchPlan) -> Link:
                 link.bandwidth_bytes_per_s = float(doc["bandwidth_bytes_per_s"])
                 return link
             now = time.monotonic()
-            if now - last_nudge > _NUDGE_S:
-                ranks.nudge()  # the ranks have released their stdin (see Supervisor.nudge)
-                last_nudge = now
             code = ranks.poll()
             if code is not None:
                 ranks.drained(2.0)

@@ -45,6 +45,7 @@ SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which ra
 # Checks come a fraction of a second apart; this much between two means this process was
 # not run (a loaded or paused machine): the beats sent meanwhile may not be read yet.
 _SELF_STALL_S = 2.0
+_NUDGE_S = 0.2  # start-up nudges' period (see _nudge_until_ready)
 _TAIL_LINES = 200
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -112,6 +113,7 @@ class Supervisor:
         # rank -> (what its host's watcher last said, when, the rank's pid there)
         self.states: dict[int, tuple[str, float, int]] = {}
         self._processes: dict[int, Any] = {}  # a rank on this machine -> its psutil.Process
+        self._ready = threading.Event()  # set: the ranks are ready, the start-up nudges over
 
     def start(
         self, env: dict[str, str] | None = None, first_line: str | None = None, secret: str = ""
@@ -138,10 +140,31 @@ class Supervisor:
             assert self.proc.stdin is not None
             self.proc.stdin.write((first_line + "\n").encode())
             self.proc.stdin.flush()
+        self._ready = threading.Event()  # this launch's own: a restart's thread is another
+        threading.Thread(target=self._nudge_until_ready, args=(self._ready,), daemon=True).start()
 
     def poll(self) -> int | None:
         """The launcher's exit code once it has exited."""
         return self.proc.poll() if self.proc is not None else None
+
+    def ranks_ready(self) -> None:
+        """Every rank is past release_stdin (rank 0 said it is ready): one last nudge,
+        and the start-up nudges stop."""
+        self._ready.set()
+        self.nudge()
+
+    def _nudge_until_ready(self, ready: threading.Event) -> None:
+        """Nudge from the start until `ranks_ready` or the launcher's end.
+
+        The ranks release their stdin within a second of starting, long before they
+        are ready; each second of spinning launcher threads until then is a core taken
+        from the ranks' imports and loading. A nudge before a rank released is data in
+        its pipe that nobody reads (rank 0 reads only the first line: the bootstrap).
+        """
+        while not ready.wait(_NUDGE_S):
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            self.nudge()
 
     def nudge(self) -> None:
         """One byte for every rank's stdin through the launcher: each rank has closed it.
