@@ -272,10 +272,17 @@ class Terminal:
 
 
 def resumed_and_cold(
-    home: Path, model: str, models: Path, first: str, second: str, max_tokens: int
+    home: Path,
+    model: str,
+    models: Path,
+    first: str,
+    second: str,
+    max_tokens: int,
+    cold: list[dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A session's first turn, then its second in a new chat (its KV from the disk tier),
-    and both turns again with --no-cache: (the resumed turn, the cold turns)."""
+    and both turns again with --no-cache: (the resumed turn, the cold turns). `cold`: a
+    --no-cache run of the same two turns made already (a slow model's is kept)."""
     env = {"EXOKV_MODELS": str(models)}
     args = ["chat", "--model", model, "--json", "--max-tokens", str(max_tokens)]
 
@@ -286,4 +293,4 @@ def resumed_and_cold(
 
     turns("--session", "s", stdin=f"{first}\n")
     resumed = turns("--session", "s", stdin=f"{second}\n")[0]
-    return resumed, turns("--no-cache", stdin=f"{first}\n{second}\n")
+    return resumed, cold or turns("--no-cache", stdin=f"{first}\n{second}\n")

@@ -74,18 +74,26 @@ def test_models_lists_it_with_its_source(gemma3_dir: Path, tmp_path: Path) -> No
 SCRIPT = ["Name a fruit.", "And a color?"]
 
 
+@pytest.fixture(scope="module")
+def cold_run(gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, str]:
+    """SCRIPT on one rank with --no-cache, 4 tokens a reply: (turns, stderr), run once."""
+    from zoo_helpers import zoo_chat
+
+    home = tmp_path_factory.mktemp("cold")
+    code, cold, err = zoo_chat(home, NAME, "--no-cache", "--max-tokens", "4", lines=SCRIPT)
+    assert code == 0, err
+    return cold, err
+
+
 @pytest.mark.timeout(600)
 def test_two_pipeline_ranks_with_the_cache_equal_one_rank_without(
-    gemma3_dir: Path, tmp_path: Path
+    cold_run: tuple[list, str], tmp_path: Path
 ) -> None:
     """No chat template in the file: the fallback, named in one line; the cache invisible
     (replies equal --no-cache at temperature 0) on 2 pipeline ranks, cached on later turns."""
     from zoo_helpers import replies, zoo_chat
 
-    code, cold, err = zoo_chat(
-        tmp_path / "cold", NAME, "--no-cache", "--max-tokens", "4", lines=SCRIPT
-    )
-    assert code == 0, err
+    cold, err = cold_run
     assert len([line for line in err.splitlines() if "no chat template" in line]) == 1, err
     two_args = ("-n", "2", "--max-tokens", "4", "--starting-port", "25680")
     code, two, err = zoo_chat(tmp_path / "two", NAME, *two_args, lines=SCRIPT)
@@ -98,14 +106,16 @@ def test_two_pipeline_ranks_with_the_cache_equal_one_rank_without(
 
 @pytest.mark.timeout(600)
 def test_a_restart_resumes_from_the_disk_tier_with_the_uncached_reply(
-    gemma3_dir: Path, tmp_path: Path
+    gemma3_dir: Path, cold_run: tuple[list, str], tmp_path: Path
 ) -> None:
     """The disk tier on a mixed cache (sliding-window and full layers): a session quit,
     then continued in a new chat, loads its KV from disk and replies as --no-cache does."""
     from chat_helpers import resumed_and_cold
 
-    first, second = "Name a fruit.", "And a color?"
-    resumed, cold = resumed_and_cold(tmp_path, NAME, gemma3_dir.parent, first, second, 4)
+    first, second = SCRIPT
+    resumed, cold = resumed_and_cold(
+        tmp_path, NAME, gemma3_dir.parent, first, second, 4, cold=cold_run[0]
+    )
     assert resumed["cached_tokens"] > 0
     assert any(e["kind"] == "load" for e in resumed["events"]), resumed["events"]
     assert resumed["reply"] == cold[1]["reply"] and resumed["reply"].strip()

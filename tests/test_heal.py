@@ -57,7 +57,7 @@ def test_rank_1_then_rank_0_killed_between_turns(uninterrupted, tmp_path, models
 @pytest.mark.timeout(300)
 def test_rank_1_killed_during_a_turn_runs_it_again(tmp_path, models_dir):
     # A long message: its prefill and reply take seconds, so the kill lands inside.
-    lines = [LINES[0], " ".join(["Tell me about cats and dogs and rivers."] * 300)]
+    lines = [LINES[0], " ".join(["Tell me about cats and dogs and rivers."] * 60)]
     reference = run_script(home_with_models(tmp_path / "ref", models_dir, True), lines, *LONG)
     home = home_with_models(tmp_path / "h", models_dir, True)
     chat = Chat(home, "-n", "2", *LONG, "--starting-port", "26770")

@@ -188,9 +188,10 @@ def test_a_client_that_leaves_during_a_long_prefill_stops_it_on_every_rank(
     tmp_path: Path, models_dir: Path
 ) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
-    long = " ".join(f"word{i}" for i in range(1500))  # some 7,000 tokens: seconds of prefill
+    long = " ".join(f"word{i}" for i in range(300))  # some 1,400 tokens
     body = {"messages": [{"role": "user", "content": long}], "max_tokens": 5, "stream": True}
-    with serving(home, "-n", "2", "--starting-port", "26900") as s:
+    slow = {"EXOKV_TEST_SLOW_PREFILL": "0.004"}  # seconds of prefill, in steps
+    with serving(home, "-n", "2", "--starting-port", "26900", env=slow) as s:
         host, port = s.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=120)
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
