@@ -177,7 +177,7 @@ class Supervisor:
         try:
             self.proc.stdin.write(b"\n")
             self.proc.stdin.flush()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: `stop` closed it meanwhile
             pass
 
     def expect_beats(self) -> None:
