@@ -46,6 +46,7 @@ SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which ra
 # not run (a loaded or paused machine): the beats sent meanwhile may not be read yet.
 _SELF_STALL_S = 2.0
 _NUDGE_S = 0.2  # start-up nudges' period (see _nudge_until_ready)
+_NUDGE_FOR_S = 180.0  # and their end: every rank lets stdin go as it starts, before the ring
 _TAIL_LINES = 200
 _NODE_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -154,14 +155,18 @@ class Supervisor:
         self.nudge()
 
     def _nudge_until_ready(self, ready: threading.Event) -> None:
-        """Nudge from the start until `ranks_ready` or the launcher's end.
+        """Nudge from the start until `ranks_ready`, the launcher's end, or _NUDGE_FOR_S.
 
         The ranks release their stdin within a second of starting, long before they
         are ready; each second of spinning launcher threads until then is a core taken
         from the ranks' imports and loading. A nudge before a rank released is data in
         its pipe that nobody reads (rank 0 reads only the first line: the bootstrap).
+        The bench and the link test have no ready moment: the limit ends their nudges,
+        long after every rank let go, rather than at the end of an hours-long run (an
+        ssh rank's relay may not drain them).
         """
-        while not ready.wait(_NUDGE_S):
+        until = time.monotonic() + _NUDGE_FOR_S
+        while not ready.wait(_NUDGE_S) and time.monotonic() < until:
             if self.proc is None or self.proc.poll() is not None:
                 return
             self.nudge()
