@@ -15,12 +15,13 @@ from test_cluster import run_script
 
 LINES = ["Hello there", "Tell me about cats", "And dogs?"]
 LONG = ("--max-tokens", "300")  # a reply long enough to be killed in the middle of
+SHORT = ("--max-tokens", "40")  # between turns: a reply's length does not matter
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, models_dir: Path):
     home = home_with_models(tmp_path_factory.mktemp("uninterrupted"), models_dir, True)
-    return run_script(home, LINES, *LONG)
+    return run_script(home, LINES, *SHORT)
 
 
 def kill(chat: Chat, rank: int) -> None:
@@ -35,7 +36,7 @@ def restarts(turn: dict) -> list[dict]:
 @pytest.mark.timeout(300)
 def test_rank_1_then_rank_0_killed_between_turns(uninterrupted, tmp_path, models_dir):
     home = home_with_models(tmp_path / "h", models_dir, True)
-    chat = Chat(home, "-n", "2", *LONG, "--starting-port", "26750")
+    chat = Chat(home, "-n", "2", *SHORT, "--starting-port", "26750")
     first = chat.send(LINES[0])
     turns = [first]
     for rank, line in ((1, LINES[1]), (0, LINES[2])):
