@@ -43,9 +43,12 @@ def group(cmdline: list[str]) -> str:
     return "front end" if "exokv" in text else "other"
 
 
-def trial(model: str, ranks: int, port: int, path: str | None) -> dict[str, Any]:
-    """One chat start and its two turns: CPU seconds per group, wall seconds, replies."""
-    env = {**os.environ, "EXOKV_HOME": tempfile.mkdtemp(prefix="exokv-startup-")}
+def trial(model: str, ranks: int, port: int, path: str | None, models: Path) -> dict[str, Any]:
+    """One chat start and its two turns: CPU seconds per group, wall seconds, replies.
+    A fresh EXOKV_HOME each time (nothing cached), its models those in `models`."""
+    home = Path(tempfile.mkdtemp(prefix="exokv-startup-"))
+    (home / "models").symlink_to(models, target_is_directory=True)
+    env = {**os.environ, "EXOKV_HOME": str(home)}
     if path is not None:
         env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "exokv", "chat", "--model", model, "--json"]
@@ -102,10 +105,20 @@ def main() -> None:
         if args.baseline:
             rev = baseline_tree(args.baseline, Path(scratch) / "before")
             codes[f"before ({rev[:7]})"] = str(Path(scratch) / "before")
+        models = Path(scratch) / "home" / "models"
+        warm = {**os.environ, "EXOKV_HOME": str(models.parent)}  # a builtin is made once
+        subprocess.run(
+            [sys.executable, "-m", "exokv", "chat", "--model", args.model, "--json"],
+            input=b"",
+            env=warm,
+            capture_output=True,
+            check=True,
+        )
         trials: dict[str, list[dict[str, Any]]] = {name: [] for name in codes}
         for _ in range(args.repeats):
             for name, path in codes.items():
-                trials[name].append(trial(args.model, args.ranks, args.starting_port, path))
+                run = trial(args.model, args.ranks, args.starting_port, path, models)
+                trials[name].append(run)
     replies = {json.dumps(t["replies"]) for runs in trials.values() for t in runs}
     if len(replies) != 1:
         raise SystemExit(f"startup_cpu: the replies differ between trials: {replies}")
