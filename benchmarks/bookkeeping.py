@@ -101,7 +101,7 @@ def old_plan(entries, sizes, ranks, threshold) -> list[int]:
 
 
 def old_render(tokenizer: Any, replies: dict[str, list[int]], messages: list[dict]) -> list[int]:
-    """Engine.render before exokv.prompt: templates the history before every reply."""
+    """Engine.render before exokv.prompt.render: templates the history before every reply."""
 
     def template(ms):
         if not ms:
@@ -288,7 +288,7 @@ def bench_render(contexts: list[int], repeat: int, seed: int) -> list[dict[str, 
     from mlx_lm.utils import load_tokenizer
 
     from exokv.model.builtin import ensure_builtin
-    from exokv.prompt import PromptRenderer
+    from exokv.prompt.render import PromptRenderer
 
     tokenizer = load_tokenizer(ensure_builtin("tiny"))
     rng = random.Random(seed)
@@ -421,7 +421,7 @@ class _PaddedEngine:
         self.walls: list[float] = []
 
     def turn(self, t: int) -> None:
-        from exokv.records import TurnRequest
+        from exokv.core.records import TurnRequest
 
         self.messages.append({"role": "user", "content": f"question {t} about rivers"})
         request = TurnRequest(session="s", messages=list(self.messages), max_tokens=8)
@@ -506,7 +506,7 @@ def bench_store(turns: int, seed: int) -> dict[str, Any]:
 
     from exokv.cache import durable
     from exokv.config import exokv_home
-    from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
+    from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnResult
     from exokv.state import connection
     from exokv.state.store import Store
 

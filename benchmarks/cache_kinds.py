@@ -21,9 +21,9 @@ from families import build  # noqa: E402
 from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 import exokv  # noqa: E402
+from exokv.core.records import TurnRequest  # noqa: E402
 from exokv.model.resolve import load_model  # noqa: E402
 from exokv.rank.engine import Engine, EngineOptions  # noqa: E402
-from exokv.records import TurnRequest  # noqa: E402
 
 tok = load_model("builtin:tiny")[1]
 SYSTEM = ("You answer briefly. " + " ".join(f"rule {i} is kept" for i in range(12))) * 8

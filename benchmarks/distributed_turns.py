@@ -21,12 +21,12 @@ import os
 import statistics
 from typing import Any
 
-from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
 from exokv.config import exokv_home
+from exokv.core.records import TurnRequest
+from exokv.frontend.start import ChatOptions, validate
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.records import TurnRequest
 
 WORDS = (
     "river stone light window garden paper music winter orange signal harbor "

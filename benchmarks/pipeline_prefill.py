@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exokv.wire.launch import free_ports
+from exokv.launch.command import free_ports
 
 HERE = Path(__file__).resolve()
 

@@ -23,11 +23,11 @@ from typing import Any
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
+from exokv.core.records import TurnRequest
+from exokv.frontend.start import ChatOptions, validate
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.records import TurnRequest
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
 

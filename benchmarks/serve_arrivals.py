@@ -274,7 +274,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dict[str, Any]:
-    from exokv.wire.launch import launcher
+    from exokv.launch.command import launcher
 
     env = {**os.environ, "EXOKV_HOME": str(home)}
     ranks = args.ranks

@@ -456,7 +456,7 @@ def main() -> None:
 def run(args: argparse.Namespace, path: Path, home: Path, serial_home: Path) -> dict[str, Any]:
     """Start the servers, measure them in turn, stop them; each server's ring ports are
     a block of its own from --starting-port."""
-    from exokv.wire.launch import launcher
+    from exokv.launch.command import launcher
 
     env = {**os.environ, "EXOKV_HOME": str(home)}
     ranks = args.ranks

@@ -55,11 +55,11 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from exokv.chat.run import ChatOptions, validate
     from exokv.client import make_client
     from exokv.config import exokv_home
+    from exokv.core.records import TurnRequest
+    from exokv.frontend.start import ChatOptions, validate
     from exokv.rank import typeahead
-    from exokv.records import TurnRequest
 
     chunks = [int(c) for c in args.chunks.split(",") if c] or [typeahead.STEP_TOKENS]
     if args.ranks > 1 and chunks != [typeahead.STEP_TOKENS]:

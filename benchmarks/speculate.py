@@ -25,11 +25,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
+from exokv.core.records import TurnRequest, TurnResult
+from exokv.frontend.start import ChatOptions, validate
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.records import TurnRequest, TurnResult
 
 PASSAGE = (
     "The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying "

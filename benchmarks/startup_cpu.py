@@ -36,7 +36,7 @@ def group(cmdline: list[str]) -> str:
     text = " ".join(cmdline)
     if "mlx.launch" in text:
         return "launcher"
-    if "exokv.wire.watcher" in text:
+    if "exokv.launch.watcher" in text:
         return "watchers"
     if "exokv.rank" in text:
         return "ranks"

@@ -16,9 +16,9 @@ import gc
 import mlx.core as mx
 
 from exokv.bench.strategies import Carried, MlxLmLru
+from exokv.core.records import TurnRequest
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine
-from exokv.records import TurnRequest
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ import argparse
 import json
 import statistics
 
+from exokv.core.records import TurnRequest
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.records import TurnRequest
 
 WORDS = (
     "river stone light window garden paper music winter orange signal harbor "

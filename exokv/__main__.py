@@ -1,3 +1,3 @@
-from exokv.cli import main
+from exokv.cli.app import main
 
 main()

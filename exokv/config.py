@@ -120,7 +120,7 @@ TEST_FAKE_VERSIONS = Setting(
     "EXOKV_TEST_FAKE_VERSIONS",
     "path of a JSON file of versions (~ is each host's own HOME)",
     "none",
-    "a host whose file exists reports those versions (exokv.hostprobe), as a host with "
+    "a host whose file exists reports those versions (exokv.hosts.probe), as a host with "
     "other installs would",
     forwarded=True,
     test=True,
@@ -312,7 +312,7 @@ def hold_beat_hook(rank: int) -> float:
 
 def host_memory_hook(ranks: int) -> list[int] | None:
     """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
-    from exokv.sizes import parse_size
+    from exokv.core.sizes import parse_size
 
     text = TEST_HOST_MEMORY.text()
     if not text:

@@ -17,35 +17,22 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv",  # the package itself: its version
             "exokv.layers",
             "exokv.errors",
-            "exokv.records",
-            "exokv.sizes",
             "exokv.config",
-            "exokv.hosts",
-            "exokv.options",
-            "exokv.placement",  # pure: layers and budgets from gathered numbers
-            "exokv.prompt",
-            "exokv.templating",  # the marker messages of raw prompts and tools
-            "exokv.tables",
+            "exokv.core",  # records, options, sizes, tables
+            "exokv.prompt",  # what the model sees
+            "exokv.hosts",  # the package's docstring
+            "exokv.hosts.hostfile",
+            "exokv.hosts.placement",  # pure: layers and budgets from gathered numbers
         ),
     ),
-    ("below the cache", ("exokv.collectives", "exokv.state", "exokv.model", "exokv.hostprobe")),
+    ("below the cache", ("exokv.collectives", "exokv.state", "exokv.model", "exokv.hosts.probe")),
     ("cache", ("exokv.cache",)),
-    ("wire", ("exokv.wire",)),
-    ("rank", ("exokv.rank",)),
-    ("client", ("exokv.client",)),
-    (
-        "front ends",
-        (
-            "exokv.chat",
-            "exokv.serve",  # a second front end of the same client; it uses the chat's wiring
-            "exokv.bench",
-            "exokv.bench_cli",
-            "exokv.cache_cli",
-            "exokv.sessions_cli",
-            "exokv.hosts_cli",
-            "exokv.completion",
-        ),
-    ),
+    # The channel and its messages, starting and minding ranks, asking hosts over ssh.
+    ("wire", ("exokv.wire", "exokv.launch", "exokv.hosts.facts", "exokv.hosts.linktest")),
+    ("rank", ("exokv.rank", "exokv.hosts.link_main")),
+    ("client", ("exokv.client", "exokv.hosts.fetch", "exokv.hosts.listing", "exokv.hosts.plan")),
+    # Two front ends of the same client, and the start and the store they share.
+    ("front ends", ("exokv.frontend", "exokv.chat", "exokv.serve", "exokv.bench")),
     ("cli", ("exokv.cli", "exokv.__main__")),
 )
 

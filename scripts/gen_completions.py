@@ -144,7 +144,7 @@ def command_tree(root: Any) -> list[Cmd]:
 def load_tree() -> list[Cmd]:
     import typer
 
-    from exokv import cli
+    from exokv.cli import app as cli
 
     cli._mount_subcommands()
     return command_tree(typer.main.get_command(cli.app))

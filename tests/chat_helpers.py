@@ -72,7 +72,7 @@ def exokv_text(
     env = {**os.environ, "EXOKV_HOME": str(home)}
     env.pop("EXOKV_DEBUG", None)
     return subprocess.run(
-        [sys.executable, "-c", "from exokv.cli import main; main()", *args],
+        [sys.executable, "-c", "from exokv.cli.app import main; main()", *args],
         env=env,
         input=stdin,
         stdin=None if stdin is not None else subprocess.DEVNULL,

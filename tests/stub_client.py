@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
 class StubClient:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from exokv.core.records import TurnRequest
 from exokv.rank.batch import batchable, run_batch
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.pace import Pace
-from exokv.records import TurnRequest
 
 SYSTEM = "You are a terse assistant that answers in one line."
 QUESTIONS = ["Hi there.", "What is rain?", "Pick a colour.", "Who are you?", "Count to three."]

@@ -29,7 +29,7 @@ STRATEGY_FIELDS = ("total_ttft_s", "cached_fraction", "peak_cache_bytes", "media
 def _bench(args: list[str], home: Path, prelude: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "EXOKV_HOME": str(home)}
     env.pop("EXOKV_DEBUG", None)
-    code = prelude + "from exokv.cli import main; main()"
+    code = prelude + "from exokv.cli.app import main; main()"
     return subprocess.run(
         [sys.executable, "-c", code, "bench", *args],
         capture_output=True,

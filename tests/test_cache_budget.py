@@ -11,8 +11,8 @@ import mlx.core as mx
 import pytest
 
 from exokv.cache import kinds
+from exokv.core.records import TurnRequest
 from exokv.rank.engine import Engine, EngineOptions, decode, prefill
-from exokv.records import TurnRequest
 from tests.test_cache_kinds import KINDS, model_for, stored_bytes
 
 SYSTEM = "You answer briefly. " + " ".join(f"rule {i} is kept" for i in range(12))

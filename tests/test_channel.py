@@ -10,9 +10,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
-from exokv.records import TurnRequest
+from exokv.core.records import TurnRequest
+from exokv.frontend.start import ChatOptions, validate
 from exokv.wire import channel
 from exokv.wire.messages import Heartbeat, Hello, Message, Refused, Status
 

@@ -35,8 +35,8 @@ def test_each_client_implements_every_member(cls: type) -> None:
 
 
 def test_one_local_rank_gets_the_engine_in_process() -> None:
-    from exokv.chat.run import ChatOptions, validate
-    from exokv.options import parse_budgets
+    from exokv.core.options import parse_budgets
+    from exokv.frontend.start import ChatOptions, validate
 
     client = make_client(validate(ChatOptions(model="builtin:tiny", seed=0, cache_budget="1MB")))
     try:

@@ -22,15 +22,15 @@ import psutil
 import pytest
 from chat_helpers import Chat, home_with_models
 
-from exokv.chat.run import ChatOptions, validate
 from exokv.client.cluster import ClusterClient
 from exokv.config import FORWARDED_ENV
+from exokv.core.options import parse_split
+from exokv.core.records import TurnRequest
 from exokv.errors import UsageError
-from exokv.hosts import parse_hosts, read_hostfile
-from exokv.options import parse_split
-from exokv.records import TurnRequest
-from exokv.wire.launch import plan_launch
-from exokv.wire.supervise import diagnose
+from exokv.frontend.start import ChatOptions, validate
+from exokv.hosts.hostfile import parse_hosts, read_hostfile
+from exokv.launch.command import plan_launch
+from exokv.launch.supervise import diagnose
 
 SCRIPT = [
     "Hello, who are you?",
@@ -141,7 +141,7 @@ def test_unreachable_host_fails_before_launching(monkeypatch) -> None:
     import threading
 
     from exokv.errors import ExokvError
-    from exokv.wire import launch
+    from exokv.launch import command as launch
 
     sshd = socket.create_server(("127.0.0.1", 0))  # greets like an ssh server
 
@@ -409,7 +409,7 @@ def _watched_rank(chat: Chat, rank: str) -> psutil.Process | None:
     for p in _rank_processes(chat):
         try:
             if p.environ().get("MLX_RANK") == rank and any(
-                "exokv.wire.watcher" in " ".join(c.cmdline()) for c in p.children()
+                "exokv.launch.watcher" in " ".join(c.cmdline()) for c in p.children()
             ):
                 return p
         except psutil.Error:
@@ -436,7 +436,7 @@ def test_the_ranks_scratch_folder_shares_mlx_kernel_cache(
     it are the ones every MLX process on this machine keeps, and survive its removal."""
     import shutil
 
-    from exokv.wire.launch import make_scratch
+    from exokv.launch.command import make_scratch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     scratch = make_scratch()

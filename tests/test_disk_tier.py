@@ -83,7 +83,7 @@ def test_a_corrupt_spilled_file_is_a_miss_with_the_right_reply(tokenizer, tmp_pa
 
 def _second_half(engine: Engine, script: list, replies: dict) -> list:
     """The script's second turns, each conversation with its first reply."""
-    from exokv.records import TurnRequest
+    from exokv.core.records import TurnRequest
     from tests.test_cache_budget import _with_replies
 
     out = []
@@ -200,8 +200,8 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
 def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path):  # noqa: F811
     """/save copies count against the disk budget; when a spill finds no entry on disk to
     drop, the oldest copy's file goes (its entry stays in RAM) rather than the spill."""
+    from exokv.core.records import TurnRequest
     from exokv.rank import kvsave
-    from exokv.records import TurnRequest
     from tests.test_cache_budget import _with_replies
 
     engine = tiered("window", tokenizer, tmp_path, None)
@@ -238,7 +238,7 @@ def test_a_full_disk_of_saved_copies_makes_room_for_a_spill(tokenizer, tmp_path)
 )
 def test_the_disk_tier_is_on_unless_the_chat_keeps_nothing(given, budgets, no_cache, want):
     from exokv.cache.tier_options import shown_disk_budget
-    from exokv.chat.run import ChatOptions, validate
+    from exokv.frontend.start import ChatOptions, validate
 
     opts = ChatOptions("builtin:tiny", disk_budget=given, cache_budget=budgets or None)
     opts.no_cache = no_cache

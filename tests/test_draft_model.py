@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from chat_helpers import home_with_models, run_exokv
 
+from exokv.core.records import TurnRequest
 from exokv.errors import UsageError
 from exokv.rank.draft import MODEL, Drafter, PassCost
 from exokv.rank.draft_model import DraftModel, check_draft, same_tokenizer
 from exokv.rank.engine import Engine
-from exokv.records import TurnRequest
 
 QUESTION = [{"role": "user", "content": "Hello there, tell me about the weather in Paris today"}]
 PROMPT = QUESTION[0]["content"]

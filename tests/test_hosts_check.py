@@ -20,8 +20,8 @@ import pytest
 from ssh_hosts import HOSTS, SshHosts
 
 from exokv.errors import UsageError
-from exokv.hosts import jaccl_problems, read_hostfile
-from exokv.wire.launch import plan_launch
+from exokv.hosts.hostfile import jaccl_problems, read_hostfile
+from exokv.launch.command import plan_launch
 
 REPO = "acme/tiny-model"
 
@@ -316,9 +316,9 @@ def test_versions_are_compared_as_the_ranks_need_them() -> None:
     """Python by major.minor; exokv, mlx and mlx-lm exactly; a package missing there is said so."""
     from dataclasses import replace
 
-    from exokv.hostprobe import probe
-    from exokv.hosts_cli import host_problems
-    from exokv.wire.facts import Answer
+    from exokv.cli.hosts import host_problems
+    from exokv.hosts.facts import Answer
+    from exokv.hosts.probe import probe
 
     front = probe()
     major, minor, _ = front.python.split(".")
@@ -343,7 +343,7 @@ def test_facts_from_another_exokv_are_read() -> None:
     """An older exokv's probe lacks the newer fields; a newer one's has more: both parse."""
     from dataclasses import asdict
 
-    from exokv.hostprobe import HostFacts, probe
+    from exokv.hosts.probe import HostFacts, probe
 
     facts = asdict(probe("builtin:tiny"))
     older = {k: v for k, v in facts.items() if k not in ("disk_total", "model")}
@@ -355,7 +355,7 @@ def test_facts_from_another_exokv_are_read() -> None:
 def test_where_a_model_stands_is_found_without_side_effects(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from exokv.hostprobe import model_presence
+    from exokv.hosts.probe import model_presence
 
     monkeypatch.setenv("EXOKV_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
@@ -397,7 +397,7 @@ def test_a_repo_the_hub_has_is_what_a_chat_would_fetch(
     from hub_standin import REPO as HUB_REPO
     from hub_standin import standin
 
-    from exokv.hostprobe import model_presence
+    from exokv.hosts.probe import model_presence
 
     served = standin(tmp_path / "hub").start()
     try:

@@ -14,8 +14,8 @@ import pytest
 from chat_helpers import cache_json, exokv_text
 from typer.testing import CliRunner
 
-from exokv import cache_cli
-from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
+from exokv.cli import cache as cache_cli
+from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import Store, caches_dir, db_path, register_chat
 
 MODEL = "builtin:tiny"

@@ -139,7 +139,7 @@ def test_readers_see_whole_turns_while_a_chat_writes(tmp_path: Path) -> None:
     lines = [f"Tell me one fact about {topics[i % 8]}, number {i}." for i in range(20)]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
     env = {**os.environ, "EXOKV_HOME": str(tmp_path / "home")}
-    command = [sys.executable, "-c", "from exokv.cli import main; main()"]
+    command = [sys.executable, "-c", "from exokv.cli.app import main; main()"]
     chat_args = [*CHAT[:-1], "24"]  # longer replies: the chat writes for a few seconds
     with (tmp_path / "in.txt").open() as stdin, (tmp_path / "out.txt").open("w") as stdout:
         chat = subprocess.Popen(

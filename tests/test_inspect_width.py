@@ -20,10 +20,10 @@ import pytest
 from chat_helpers import home_with_models, run_exokv
 from rich.console import Console
 
-from exokv import tables
 from exokv.chat.conversation import Outcome
 from exokv.chat.render import Renderer
-from exokv.sizes import format_size
+from exokv.core import tables
+from exokv.core.sizes import format_size
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -119,7 +119,7 @@ def _render(width: int, outcome: Outcome) -> str:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_chat_tables_fit(home: Path, width: int) -> None:
     from exokv.chat.conversation import ChatController, TurnSettings
-    from exokv.chat.hooks import StoreHooks
+    from exokv.frontend.hooks import StoreHooks
     from exokv.state import Store
 
     with Store.open(home) as store:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import queue
 
+from exokv.core.records import TurnRequest
 from exokv.rank.joins import JoinBox
-from exokv.records import TurnRequest
 from exokv.wire import messages
 from exokv.wire.messages import Batch, BatchRow, Join
 

@@ -1,6 +1,6 @@
 """A rank's liveness from its heartbeat and its host's watcher (issue 28 item 4).
 
-The rule (exokv.wire.supervise): a late heartbeat with a host that says the rank
+The rule (exokv.launch.supervise): a late heartbeat with a host that says the rank
 runs is busy, until the wedged limit; stopped, gone, or no word from the host is
 dead within the heartbeat timeout. Here the rule on lines fed to the Supervisor
 as the launcher relays them, the fast path for ranks on this machine, and the
@@ -21,10 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exokv.hosts import Host
-from exokv.wire.launch import LaunchPlan
-from exokv.wire.supervise import Supervisor
-from exokv.wire.watcher import state_line
+from exokv.hosts.hostfile import Host
+from exokv.launch.command import LaunchPlan
+from exokv.launch.supervise import Supervisor
+from exokv.launch.watcher import state_line
 
 TIMEOUT = 10.0
 

@@ -2,7 +2,7 @@
 
 Chats over real ssh on the two hosts of tests/ssh_hosts.py (rank 1 on `exokv-b`):
 the hosts are not "this machine" to the front end, so what it knows of rank 1's
-process comes from rank 1's watcher's lines alone (exokv.wire.watcher), relayed by
+process comes from rank 1's watcher's lines alone (exokv.launch.watcher), relayed by
 ssh and mlx.launch like the rank's own output.
 """
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from exokv.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
 from exokv.wire import messages as m
 
 REQUEST = TurnRequest("s", [{"role": "user", "content": "hi"}], max_tokens=8, seed=3)

@@ -62,7 +62,7 @@ def _ranks_left(home: Path) -> list[int]:
         for p in psutil.process_iter(["pid", "cmdline"]):
             try:
                 command = " ".join(p.info["cmdline"] or [])
-                if ("exokv.rank.main" in command or "exokv.wire.watcher" in command) and (
+                if ("exokv.rank.main" in command or "exokv.launch.watcher" in command) and (
                     p.environ().get("EXOKV_HOME") == str(home)
                 ):
                     left.append(p.pid)

@@ -1,4 +1,4 @@
-"""exokv.placement: layers placed in proportion to what each rank can hold, the budgets
+"""exokv.hosts.placement: layers placed in proportion to what each rank can hold, the budgets
 from what is left, and a refusal that says by how much (pure: no model, no ranks)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exokv.errors import UsageError
-from exokv.placement import (
+from exokv.hosts.placement import (
     DoesNotFit,
     ModelSizes,
     RankRoom,

@@ -191,9 +191,9 @@ def test_sizes_that_cannot_be_read_fall_back_to_the_even_split(tmp_path, models_
     """A local model short of a shard here: no plan, the split left to the ranks' even
     default; with every rank on this machine nothing is said (the ranks' own refusal
     names the file: tests/test_zoo_chat.py); --plan says why as an error."""
-    from exokv.chat.layout import place
+    from exokv.core.options import ClusterOptions
+    from exokv.hosts.plan import place
     from exokv.model.layer_sizes import SizesUnknown
-    from exokv.options import ClusterOptions
 
     partial = tmp_path / "partial"
     partial.mkdir()

@@ -19,10 +19,10 @@ import pytest
 from chat_helpers import ANSI
 
 from exokv.client.stopwatch import FirstText
+from exokv.core.records import TurnRequest, TurnResult
 from exokv.rank import pace as pace_module
 from exokv.rank.engine import PREFILL_STEP, Engine
 from exokv.rank.pace import FIRST_TOKENS, GROWTH, TARGET_S, Pace
-from exokv.records import TurnRequest, TurnResult
 
 SLOW = "EXOKV_TEST_SLOW_PREFILL"
 

@@ -81,7 +81,7 @@ def _remote_client(beats: dict[int, float], checked: float) -> ClusterClient:
     from types import SimpleNamespace
 
     from exokv.client.cluster import HEARTBEAT_TIMEOUT, ClusterClient
-    from exokv.wire.supervise import Supervisor
+    from exokv.launch.supervise import Supervisor
 
     client = object.__new__(ClusterClient)
     # Remote ranks whose hosts said nothing: only their beats count (tests/test_liveness.py
@@ -100,7 +100,7 @@ def test_a_check_after_the_front_end_itself_was_not_run_waits_for_the_next() -> 
     import time
 
     from exokv.client.cluster import HEARTBEAT_TIMEOUT
-    from exokv.wire.supervise import _SELF_STALL_S
+    from exokv.launch.supervise import _SELF_STALL_S
 
     now = time.monotonic()
     stale = {0: now, 1: now - HEARTBEAT_TIMEOUT - 5}

@@ -1,4 +1,4 @@
-"""exokv.wire.remote: a module run here and over ssh, its output, its time limit."""
+"""exokv.launch.remote: a module run here and over ssh, its output, its time limit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from exokv.wire.remote import run_module, run_on_each
+from exokv.launch.remote import run_module, run_on_each
 
 
 def _module(tmp_path: Path, body: str) -> str:
@@ -51,7 +51,7 @@ def test_each_host_answers_in_order_over_ssh(ssh_hosts, monkeypatch: pytest.Monk
 
 
 def test_this_machine_probes_itself() -> None:
-    from exokv.hostprobe import HostFacts, probe
+    from exokv.hosts.probe import HostFacts, probe
 
     facts = probe()
     assert 0 < facts.memory_available <= facts.memory_total
@@ -61,8 +61,8 @@ def test_this_machine_probes_itself() -> None:
 
 @pytest.mark.timeout(60)
 def test_each_host_gives_its_facts(ssh_hosts, monkeypatch: pytest.MonkeyPatch) -> None:
-    from exokv.hostprobe import HostFacts
-    from exokv.wire.facts import gather_facts
+    from exokv.hosts.facts import gather_facts
+    from exokv.hosts.probe import HostFacts
 
     monkeypatch.setenv("PATH", ssh_hosts.env()["PATH"])
     here, a, nowhere = gather_facts([None, "exokv-a", "exokv-nowhere"])

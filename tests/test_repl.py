@@ -30,7 +30,7 @@ from rich.console import Console
 from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.chat.render import Renderer, status_line, visible
 from exokv.chat.repl import ChatCompleter, run_repl
-from exokv.records import TurnRequest, TurnResult
+from exokv.core.records import TurnRequest, TurnResult
 from tests.stub_client import StubClient
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from test_repl import FakeClient, chat_terminal, prompt, say
 
 from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.chat.render import Renderer, status_line
-from exokv.records import TurnResult
+from exokv.core.records import TurnResult
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,7 +23,7 @@ from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.chat.render import Renderer, status_line
 from exokv.chat.repl import run_repl
 from exokv.chat.typeahead import PrefillSpeed, toolbar_text
-from exokv.records import DraftCost, TurnResult
+from exokv.core.records import DraftCost, TurnResult
 
 pytestmark = pytest.mark.timeout(60)
 

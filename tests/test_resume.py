@@ -300,8 +300,8 @@ def _long_prompt() -> list[dict[str, str]]:
 
 
 def test_stop_during_prefill_keeps_the_cache_consistent(engine) -> None:
+    from exokv.core.records import TurnRequest
     from exokv.rank.engine import PREFILL_STEP
-    from exokv.records import TurnRequest
 
     warm, cold = engine(), engine()
     messages = _long_prompt()
@@ -351,7 +351,7 @@ def test_controller_drops_an_exchange_stopped_before_its_first_token(engine) -> 
 
 
 def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(engine, tmp_path: Path) -> None:
-    from exokv.records import TurnRequest
+    from exokv.core.records import TurnRequest
 
     tier = {"disk_dir": str(tmp_path / "tier"), "disk_budget": 1 << 30}
     e = engine(**tier)

@@ -45,7 +45,7 @@ BAD_FLAGS = [
 # command does): the usage errors need no fresh interpreter, and the suite stays fast.
 _RUN_CASES = """
 import contextlib, io, json, sys
-from exokv.cli import main
+from exokv.cli.app import main
 out = []
 for args in json.loads(sys.argv[1]):
     err = io.StringIO()

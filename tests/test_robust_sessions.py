@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from chat_helpers import home_with_models, run_exokv
 
-from exokv.records import TurnResult
+from exokv.core.records import TurnResult
 from exokv.state import Store
 
 

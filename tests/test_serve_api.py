@@ -99,8 +99,8 @@ def test_a_local_path_is_shown_by_its_name(tmp_path) -> None:
 def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from exokv.chat.hooks import StoreHooks
-    from exokv.records import TurnRequest, TurnResult
+    from exokv.core.records import TurnRequest, TurnResult
+    from exokv.frontend.hooks import StoreHooks
     from exokv.serve.run import _Recorder
     from exokv.state import Store
 
@@ -128,7 +128,7 @@ def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> 
 
 
 def test_a_client_cannot_send_the_marker_roles() -> None:
-    from exokv.templating import RAW, TOOLS
+    from exokv.prompt.markers import RAW, TOOLS
 
     for role in (RAW, TOOLS):
         body = json.dumps({"messages": [{"role": role, "content": "x"}]}).encode()
@@ -148,7 +148,7 @@ def test_developer_is_rendered_as_system() -> None:
 
 
 def test_the_marked_template_reads_a_raw_prompt_and_tools() -> None:
-    from exokv.templating import Marked, raw_prompt, tools_message
+    from exokv.prompt.markers import Marked, raw_prompt, tools_message
 
     seen: list[tuple[list, dict]] = []
 

@@ -160,7 +160,7 @@ def test_count_tokens_is_the_prompt_a_message_call_renders(server) -> None:
 
 
 def test_without_the_cache_the_prefill_is_input_not_created() -> None:
-    from exokv.records import TurnResult
+    from exokv.core.records import TurnResult
     from exokv.serve.anthropic import usage
 
     result = TurnResult("s", "r", 30, 0, 30, 4, 0.0, 0.0, 0.0, 1)

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from exokv.config import TEST_SLOW_TEXTS
+from exokv.core.sizes import parse_size
 from exokv.rank.textflow import WINDOW
-from exokv.sizes import parse_size
 from exokv.state.connection import db_path
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import MODEL, raw, serving

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from exokv.records import TurnRequest, TurnResult
+from exokv.core.records import TurnRequest, TurnResult
 from exokv.serve import app as app_module
 from tests.serve_helpers import InProcess
 from tests.stub_client import StubClient

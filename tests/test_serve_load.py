@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from exokv.sizes import parse_size
+from exokv.core.sizes import parse_size
 from exokv.state.connection import db_path
 from tests.chat_helpers import cache_json, home_with_models
 from tests.serve_helpers import MODEL, raw, serving

@@ -18,9 +18,9 @@ import anthropic
 import openai
 import pytest
 
-from exokv.records import TurnRequest, TurnResult
+from exokv.core.records import TurnRequest, TurnResult
+from exokv.prompt.markers import PREFIX
 from exokv.serve.tools import ModelTools, ToolText, model_tools
-from exokv.templating import PREFIX
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import InProcess, raw, serving
 from tests.stub_client import StubClient

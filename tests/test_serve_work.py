@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import RowOutcome, TurnRequest, TurnResult
 from exokv.serve.work import Job, TurnQueue
 from tests.stub_client import StubClient
 

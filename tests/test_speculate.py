@@ -18,11 +18,11 @@ import pytest
 from chat_helpers import home_with_models, run_exokv
 
 from exokv.cache import kinds
+from exokv.core.records import TurnRequest
 from exokv.rank import draft as draft_mod
 from exokv.rank.draft import Drafter, DraftLength, PromptLookup, ScriptedDrafter
 from exokv.rank.engine import Engine, EngineOptions
 from exokv.rank.speculate import greedy_accept, point_mass_accept
-from exokv.records import TurnRequest
 
 QUESTION = [{"role": "user", "content": "Hello there, tell me about the weather in Paris today"}]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.errors import ExokvError
-from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import Store, caches_dir, db_path, register_chat, running_chats
 from exokv.state.schema import LATEST
 from tests.stub_client import StubClient
@@ -491,7 +491,7 @@ def test_chat_keeps_reply_tokens_in_the_store_and_gives_them_back_on_resume(
     tmp_path: Path,
 ) -> None:
     from exokv.chat.conversation import ChatController, TurnSettings
-    from exokv.chat.hooks import StoreHooks
+    from exokv.frontend.hooks import StoreHooks
 
     with Store.open(tmp_path) as store:
         client = TokenClient()

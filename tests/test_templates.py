@@ -14,7 +14,7 @@ from gguf_helpers import write_gguf
 from exokv.errors import UsageError
 from exokv.model import templates
 from exokv.model.templates import Format, Settled, fallback, read_choice, settle
-from exokv.prompt import PromptRenderer
+from exokv.prompt.render import PromptRenderer
 from exokv.rank.stops import TextStops
 
 CONVERSATION = [

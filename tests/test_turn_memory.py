@@ -8,8 +8,8 @@ import gc
 import mlx.core as mx
 import numpy as np
 
+from exokv.core.records import TurnRequest
 from exokv.rank.engine import Engine
-from exokv.records import TurnRequest
 from tests.test_cache_budget import Carried
 
 LONG = " ".join(f"stone {i} river light" for i in range(240))  # ~2,100 tokens

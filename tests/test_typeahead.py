@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from chat_helpers import home_with_models
 
+from exokv.core.records import TurnRequest, TurnResult
 from exokv.rank.typeahead import DraftFeed, covered, stable_text
-from exokv.records import TurnRequest, TurnResult
 from exokv.wire.messages import Draft, Message, Save, Turn
 
 BUDGET = 600 * 1024  # builtin:tiny: 1 KB per token on one rank: about 600 tokens
@@ -172,8 +172,8 @@ def test_a_draft_over_the_budget_stops_and_the_budget_holds(tiny: Any) -> None:
 
 
 def test_through_the_local_client(models_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from exokv.chat.run import ChatOptions, validate
     from exokv.client import make_client
+    from exokv.frontend.start import ChatOptions, validate
 
     monkeypatch.setenv("EXOKV_HOME", str(home_with_models(tmp_path / "h", models_dir)))
     client = make_client(validate(ChatOptions(model="builtin:tiny", seed=0, cache_budget="600KB")))
@@ -201,8 +201,8 @@ def _the_toolbar_learns_the_drafts_cost(client: Any) -> None:
 def test_through_two_ranks_with_identical_events(
     models_dir: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    from exokv.chat.run import ChatOptions, validate
     from exokv.client.cluster import ClusterClient
+    from exokv.frontend.start import ChatOptions, validate
 
     home = home_with_models(tmp_path / "h", models_dir)
     monkeypatch.setenv("EXOKV_HOME", str(home))
@@ -270,7 +270,7 @@ def test_the_draft_worker_frees_its_thread_state_before_close_returns() -> None:
 EXIT_SCRIPT = """
 from exokv.client.local import LocalClient
 from exokv.rank.engine import EngineOptions
-from exokv.records import TurnRequest
+from exokv.core.records import TurnRequest
 
 client = LocalClient("builtin:tiny", EngineOptions())
 client.draft("a", [], "Tell me about rivers and", wait=True)

@@ -138,7 +138,7 @@ def test_resume_keeps_model_system_and_max_kv_size(tmp_path: Path, models_dir: P
 
 
 def test_naming_another_model_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from exokv.chat.resume import resolve
+    from exokv.frontend.resume import resolve
     from exokv.state import Store
 
     monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
@@ -228,7 +228,7 @@ def test_sessions_list_show_rename_rm(tmp_path: Path, models_dir: Path) -> None:
 
 
 def test_pressure_of_a_rank_the_run_does_not_have_is_a_usage_error(tmp_path: Path) -> None:
-    from exokv.records import RankStats
+    from exokv.core.records import RankStats
     from exokv.state import Store
 
     with Store.open(tmp_path) as store:

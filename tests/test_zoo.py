@@ -12,13 +12,13 @@ from mlx_lm.generate import generate_step
 from rich.console import Console
 from zoo_helpers import FAMILIES, zoo_models
 
+from exokv.core.records import TurnRequest
 from exokv.errors import ExokvError
+from exokv.hosts.placement import even_split, local_range
 from exokv.model import zoo
 from exokv.model.catalogue import models_table
 from exokv.model.resolve import load_model
-from exokv.placement import even_split, local_range
 from exokv.rank.main import in_step
-from exokv.records import TurnRequest
 from exokv.wire.messages import Shutdown, Turn, encode
 
 # What each family is, from mlx-lm's own classes: cache kind, pipeline, tensor.

@@ -11,7 +11,7 @@ Output, all on rank 0's standard output and nowhere else (the launcher merges
 every rank's stdout in chunks, so only one rank may write there): a
 `PROGRESS_MARK` line per measurement and one `DOC_MARK` line with the JSON
 document. Every other print of every rank goes to standard error, with the
-heartbeats and the one-line error (`exokv.wire.launch.ERROR_MARK`).
+heartbeats and the one-line error (`exokv.launch.command.ERROR_MARK`).
 
 The JSON argument holds only the bench settings (no secrets).
 """

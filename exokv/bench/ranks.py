@@ -8,7 +8,7 @@ for one rank.
 Time bounds: every rank must say it is alive (a heartbeat on stderr) within
 `START_TIMEOUT` of the launch and then at least every `HEARTBEAT_TIMEOUT`; the
 launcher exiting without a document, or with an error, is a one-line error
-naming the rank (`exokv.wire.supervise`, which the chat's ranks go through too).
+naming the rank (`exokv.launch.supervise`, which the chat's ranks go through too).
 Whatever happens, the launcher's whole process group (the launcher and every
 rank) is ended.
 """
@@ -26,8 +26,8 @@ from typing import Any
 
 from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
 from exokv.errors import ExokvError
-from exokv.wire.launch import LaunchPlan, plan_launch, rank_command
-from exokv.wire.supervise import Supervisor
+from exokv.launch.command import LaunchPlan, plan_launch, rank_command
+from exokv.launch.supervise import Supervisor
 
 START_TIMEOUT = 90.0  # launcher start + distributed init, until every rank beats
 # Ranks beat every 2 s, from a thread, even while MLX computes. Twice the chat's 10 s:

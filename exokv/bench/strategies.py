@@ -46,8 +46,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache.prefix_cache import cache_length
 from exokv.collectives import Group
+from exokv.core.records import TurnRequest
 from exokv.rank.engine import Engine, EngineOptions, decode, prefill
-from exokv.records import TurnRequest
 
 LRU_MAX_SIZE = 10  # mlx_lm.server --prompt-cache-size default
 # The strategies --cache-budget limits. cold holds nothing between turns; carried holds

@@ -9,7 +9,7 @@ import statistics
 from typing import Any
 
 from exokv.bench import STRATEGIES
-from exokv.sizes import format_size
+from exokv.core.sizes import format_size
 
 
 def grade(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -21,8 +21,8 @@ from exokv.cache.policy import Entry, Eviction, RankLoad, plan_lru
 from exokv.cache.prefix_cache import PrefixCache
 from exokv.cache.radix import Node, RadixTree
 from exokv.collectives import Group
+from exokv.core.records import CacheEvent, EntryInfo, RankStats
 from exokv.errors import ExokvError
-from exokv.records import CacheEvent, EntryInfo, RankStats
 
 _FIXED = 9  # numbers before the per-class rates in the gathered vector
 _DIGEST = 8

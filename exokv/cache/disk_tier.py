@@ -44,7 +44,7 @@ from exokv.cache.kinds import StorageClass
 from exokv.cache.prefix_cache import Payload, PrefixCache, _slices
 from exokv.cache.radix import Node, common_prefix
 from exokv.collectives import Group
-from exokv.records import CacheEvent
+from exokv.core.records import CacheEvent
 
 RAM, DISK = "ram", "disk"
 

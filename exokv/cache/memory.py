@@ -13,7 +13,7 @@ import mlx.core as mx
 import psutil
 
 from exokv.config import fake_pressure_hook
-from exokv.placement import cache_budget
+from exokv.hosts.placement import cache_budget
 
 
 @dataclass(frozen=True)

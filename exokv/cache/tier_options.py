@@ -1,4 +1,4 @@
-"""A rank's disk tier and quantized KV: --disk-budget (parsed by exokv.options),
+"""A rank's disk tier and quantized KV: --disk-budget (parsed by exokv.core.options),
 --kv-bits and --kv-group-size turned into the rank's EngineOptions fields.
 
 A chat has a disk tier unless told otherwise (`--disk-budget 0`, `--no-cache` or a
@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from exokv.core.options import AUTO, ClusterOptions, DiskBudget
 from exokv.errors import UsageError
-from exokv.options import AUTO, ClusterOptions, DiskBudget
 
 AUTO_SHARE = 0.25  # --disk-budget auto: this share of the free space under EXOKV_HOME
 KV_BITS = (4, 8)
@@ -56,7 +56,7 @@ def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
 
 class TierSettings(Protocol):
     """What a rank's tier is made from: a front end's ClusterOptions, or a rank's argv
-    (exokv.rank.main parses --disk-budget with exokv.options.parse_disk_budget)."""
+    (exokv.rank.main parses --disk-budget with exokv.core.options.parse_disk_budget)."""
 
     model: str
     disk_budget: DiskBudget

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exokv.client import Client
-from exokv.records import TurnRequest, TurnResult
+from exokv.core.records import TurnRequest, TurnResult
 
 COMMANDS = {
     "/help": "list the commands and keys",

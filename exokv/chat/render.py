@@ -30,12 +30,12 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from exokv import tables
 from exokv.chat.conversation import COMMANDS, Outcome
 from exokv.chat.markdown import MarkdownStream
 from exokv.config import shown_reply_hook
-from exokv.records import TurnResult
-from exokv.sizes import format_size
+from exokv.core import tables
+from exokv.core.records import TurnResult
+from exokv.core.sizes import format_size
 
 # A prefill shorter than this, known at its start, gets no bar: it is over before it shows.
 BAR_MIN_TOKENS = 1024

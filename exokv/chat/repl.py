@@ -47,9 +47,9 @@ from exokv.chat.render import BannerInfo, Renderer
 from exokv.chat.typeahead import DraftWatcher, PrefillSpeed, toolbar_text
 from exokv.client import Client
 from exokv.config import debug_enabled, exokv_home
+from exokv.core.options import ClusterOptions
+from exokv.core.records import TIER_OFF_BECAUSE
 from exokv.errors import ExokvError
-from exokv.options import ClusterOptions
-from exokv.records import TIER_OFF_BECAUSE
 
 HISTORY_FILE = "history"
 

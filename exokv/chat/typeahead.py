@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.client import Client
+from exokv.core.records import DraftCost
 from exokv.rank.typeahead import stable_text
-from exokv.records import DraftCost
 
 PAUSE_S = 0.3  # typing paused this long: the draft goes to the ranks
 EVERY_S = 1.0  # and while typing goes on, a changed draft goes at least this often

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from exokv.options import ClusterOptions
-from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.core.options import ClusterOptions
+from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
 class Client(Protocol):

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from exokv.core.records import RowOutcome, TurnRequest
 from exokv.errors import ExokvError
-from exokv.records import RowOutcome, TurnRequest
 from exokv.wire.messages import Batch, BatchRow, Join, Row, Stop, Texts
 
 

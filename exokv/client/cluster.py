@@ -1,6 +1,6 @@
 """ClusterClient: the front end's handle on ranks started by mlx.launch.
 
-It opens the channel, has its Supervisor (exokv.wire.supervise) start the launcher
+It opens the channel, has its Supervisor (exokv.launch.supervise) start the launcher
 in its own process group (so Ctrl-C in the terminal reaches only the front end, and
 close() can end every rank at once), hands rank 0 the address and token through the
 launcher's stdin, and then speaks with rank 0 (exokv.wire.messages): a turn request
@@ -39,12 +39,10 @@ from typing import Any
 from exokv.client import Client
 from exokv.client.stopwatch import FirstText
 from exokv.config import slow_texts_hook
+from exokv.core.options import ClusterOptions
+from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong, UsageError
-from exokv.options import ClusterOptions
-from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
-from exokv.wire import channel
-from exokv.wire.launch import (
+from exokv.launch.command import (
     SCRATCH_PREFIX,
     LaunchPlan,
     check_reachable,
@@ -52,6 +50,9 @@ from exokv.wire.launch import (
     plan_launch,
     rank_command,
 )
+from exokv.launch.supervise import Cause, Supervisor
+from exokv.prompt.render import MAX_REMEMBERED_REPLIES
+from exokv.wire import channel
 from exokv.wire.messages import (
     Draft,
     Drafted,
@@ -74,7 +75,6 @@ from exokv.wire.messages import (
     Turn,
     TurnRefused,
 )
-from exokv.wire.supervise import Cause, Supervisor
 
 CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling back
 # Rank 0 beats every 2 s; this stays inside the 15 s promise to notice a lost rank.
@@ -459,7 +459,7 @@ class ClusterClient(Client):
     def _start(self) -> None:
         plan: LaunchPlan = self.plan
         self._server = channel.ChannelServer(plan.bind_host)
-        from exokv.wire.launch import channel_addresses
+        from exokv.launch.command import channel_addresses
 
         boot = {
             "addresses": channel_addresses(plan, self._server.port),

@@ -28,9 +28,7 @@ from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
 from exokv.client.stopwatch import FirstText
-from exokv.errors import ExokvError
-from exokv.prompt import MAX_REMEMBERED_REPLIES
-from exokv.records import (
+from exokv.core.records import (
     CacheEvent,
     CacheFileReport,
     DraftCost,
@@ -38,7 +36,9 @@ from exokv.records import (
     TurnRequest,
     TurnResult,
 )
-from exokv.wire.supervise import Cause
+from exokv.errors import ExokvError
+from exokv.launch.supervise import Cause
+from exokv.prompt.render import MAX_REMEMBERED_REPLIES
 
 T = TypeVar("T")
 BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one

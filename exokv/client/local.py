@@ -9,9 +9,9 @@ from collections.abc import Callable
 from exokv.client import Client
 from exokv.client.stopwatch import FirstText
 from exokv.client.typeahead import DraftRunner
+from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 from exokv.rank import kvsave
 from exokv.rank.engine import Engine, EngineOptions
-from exokv.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
 def forget_thread() -> None:

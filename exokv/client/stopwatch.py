@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from exokv.records import TurnResult
+from exokv.core.records import TurnResult
 
 
 class FirstText:

@@ -326,7 +326,7 @@ def models_table(found: list[dict[str, Any]]) -> Any:
     from rich import box
     from rich.table import Table
 
-    from exokv.sizes import format_size
+    from exokv.core.sizes import format_size
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
     table.add_column("name", no_wrap=True)

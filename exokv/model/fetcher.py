@@ -1,11 +1,11 @@
-"""One host's fetch before the ranks start, run there by exokv.wire.remote: JSON lines out.
+"""One host's fetch before the ranks start, run there by exokv.launch.remote: JSON lines out.
 
 ``main()`` takes the model and what the host's ranks load, fetches it into the
 host's own Hugging Face cache (exokv.model.hub) and prints one JSON object a line:
 ``plan`` (the files it will fetch, their bytes), ``bytes`` (done/total, a few
 times a second), ``file`` (one finished), then ``done`` (the snapshot, what was
 fetched) or ``error`` (one line) with exit code 1. The front end
-(exokv.client.fetching) shows them per host. ``--dry-run`` fetches no weights, and
+(exokv.hosts.fetch) shows them per host. ``--dry-run`` fetches no weights, and
 ``done`` lists the ones that would be fetched (what `hosts check` can report).
 """
 

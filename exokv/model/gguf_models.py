@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from exokv.config import machine_models_dir
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
-from exokv.sizes import format_size
 
 # Bump when the conversion changes, so cached directories are converted again.
 CONVERT_VERSION = 2

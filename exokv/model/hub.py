@@ -143,7 +143,7 @@ def rank_layers(layers: int, split: list[int] | None, ranks: int, rank: int) -> 
     rank 0 the LAST ones; ``split`` lists layers per rank, rank 0 first (None: even,
     the low ranks taking the extra layers). exokv.model.pipeline's own rule, which
     the ranks load by."""
-    from exokv.placement import even_split, local_range  # no mlx: a host's fetch stays light
+    from exokv.hosts.placement import even_split, local_range  # no mlx: a host's fetch stays light
 
     start, end = local_range(split or even_split(layers, ranks), rank)
     return range(start, end)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError, one_line
+from exokv.hosts.placement import ModelSizes
 from exokv.model import hub
 from exokv.model.hub import layer_of
-from exokv.placement import ModelSizes
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own bound on a header
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -23,9 +23,9 @@ from typing import Any
 import mlx.core as mx
 
 from exokv.errors import ExokvError, UsageError, one_line
+from exokv.hosts.placement import even_split, local_range
 from exokv.model import pipeline
 from exokv.model.hub import layer_of
-from exokv.placement import even_split, local_range
 
 _GLOB_CHARS = "*?["
 

@@ -33,7 +33,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from exokv.errors import ExokvError
-from exokv.placement import local_range
+from exokv.hosts.placement import local_range
 
 # Tokens a pipeline stage runs before handing the hidden state on (see micro_chunks).
 # Measured on builtin:base, 2 ranks on one 2-core machine, a 2,048-token prefill:

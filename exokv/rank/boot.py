@@ -5,7 +5,7 @@ What every rank program (the chat's `exokv.rank.main`, the bench's
 launcher, beat on a standard stream so the front end knows it is alive (and end
 when the front end is gone), read the bootstrap line on rank 0, release the
 launcher's stdin, and turn a failure into the one marked line the front end
-reads (`exokv.wire.supervise`).
+reads (`exokv.launch.supervise`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 from exokv.config import debug_enabled, hold_beat_hook
 from exokv.errors import ExokvError
+from exokv.launch.command import BEAT_MARK, ERROR_MARK, rank_command, remove_scratch
+from exokv.launch.watcher import alive
 from exokv.wire import channel
-from exokv.wire.launch import BEAT_MARK, ERROR_MARK, rank_command, remove_scratch
 from exokv.wire.messages import RankFailed
-from exokv.wire.watcher import alive
 
 HEARTBEAT_S = 2.0
 BOOTSTRAP_TIMEOUT = 60.0
@@ -39,7 +39,7 @@ def launcher_rank() -> int:
 
 
 def start_beating(rank: int, front_end: int | None = None, fd: int = 1) -> None:
-    """Start this rank's watcher (exokv.wire.watcher), then its `beat` thread.
+    """Start this rank's watcher (exokv.launch.watcher), then its `beat` thread.
 
     The watcher is the host's word on whether the rank runs, for the times the beat
     thread is not run; it ends the rank when the front end is gone too, should that
@@ -94,7 +94,7 @@ def watch(rank: int, front_end: int | None = None) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "OMPI_COMM_WORLD_RANK")}
     pids = [str(os.getpid())] + ([str(front_end)] if front_end is not None else [])
     return subprocess.Popen(
-        [*rank_command(module="exokv.wire.watcher"), str(rank), *pids],
+        [*rank_command(module="exokv.launch.watcher"), str(rank), *pids],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         env=env,
@@ -119,7 +119,7 @@ def release_stdin() -> None:
     its I/O threads spin (a core between them, on a small machine). Once the read
     end is closed, its next write fails with EPIPE and it stops watching that pipe;
     the front end sends a byte now and then until the ranks are ready to trigger
-    exactly that (exokv.wire.supervise.Supervisor.nudge). So every rank program
+    exactly that (exokv.launch.supervise.Supervisor.nudge). So every rank program
     calls this first, before the ring forms and before the model loads.
     """
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -26,17 +26,17 @@ from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD, drafts_hook, slow_prefill_hook
+from exokv.core.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
 from exokv.model import pipeline, templates
-from exokv.prompt import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
-from exokv.prompt import PromptRenderer
+from exokv.prompt.markers import Marked
+from exokv.prompt.render import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
+from exokv.prompt.render import PromptRenderer
 from exokv.rank import speculate, typeahead
 from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
 from exokv.rank.pace import Pace
 from exokv.rank.speculate import STOP_CHECK_EVERY, Decoded, ReplyText, StepAgreement
 from exokv.rank.stops import TextStops
-from exokv.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
-from exokv.templating import Marked
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
 
@@ -86,7 +86,7 @@ class Engine:
         self.group = group or LocalGroup()
         self.options = options or EngineOptions()
         self.template = self._settle_template(model, tokenizer)
-        # exokv.templating: raw prompts and tools ride in the messages
+        # exokv.prompt.markers: raw prompts and tools ride in the messages
         self.prompt = PromptRenderer(Marked(tokenizer), self.template.text)
         self._eos = set(tokenizer.eos_token_ids)
         # Stop sequences: the template's (a base model's next "User:") and the model's own.
@@ -196,7 +196,7 @@ class Engine:
 
     def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The prompt's tokens, with each earlier reply as the exact tokens generated
-        (exokv.prompt). Used with and without the cache alike, so replies stay the same."""
+        (exokv.prompt.render). Used with and without the cache alike, so replies stay the same."""
         return self.prompt.render(messages)
 
     def _remember_reply(self, reply: str, generated: list[int]) -> None:

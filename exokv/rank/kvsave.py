@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from exokv.records import TIER_OFF_BECAUSE, CacheFileReport
+from exokv.core.records import TIER_OFF_BECAUSE, CacheFileReport
 
 TIER_OFF = "the disk tier is off (--disk-budget 0)"
 

@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from exokv.config import TEST_FAIL_AT, fail_at_hook, rank_log_enabled
+from exokv.core.options import AUTO, parse_disk_budget
+from exokv.core.records import CacheFileReport
 from exokv.errors import ExokvError, PromptTooLong
-from exokv.options import AUTO, parse_disk_budget
+from exokv.launch.command import remove_scratch
+from exokv.launch.watcher import alive
 from exokv.rank.boot import (
     HEARTBEAT_S,
     beat_loaded,
@@ -44,9 +47,7 @@ from exokv.rank.boot import (
 from exokv.rank.joins import JoinBox
 from exokv.rank.textflow import TextFlow
 from exokv.rank.typeahead import DraftFeed
-from exokv.records import CacheFileReport
 from exokv.wire import channel, messages
-from exokv.wire.launch import remove_scratch
 from exokv.wire.messages import (
     Batch,
     Draft,
@@ -71,7 +72,6 @@ from exokv.wire.messages import (
     TurnRefused,
 )
 from exokv.wire.wake import Doorbell
-from exokv.wire.watcher import alive
 
 if TYPE_CHECKING:
     from exokv.collectives import Group

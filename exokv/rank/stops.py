@@ -2,7 +2,7 @@
 
 Checked on every rank alike: each decodes the same tokens into the same text, so
 each ends the reply at the same token with no collective. The reply is the text
-before the stop; the tokens remembered for it (exokv.prompt shows the model its
+before the stop; the tokens remembered for it (exokv.prompt.render shows the model its
 own tokens) are those that spell exactly that text, or none when the stop begins
 inside a token (the reply is then encoded again from its text: the same on every
 rank, with or without the cache).

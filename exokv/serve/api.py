@@ -171,7 +171,7 @@ def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
 
 def _tool_calls(calls: Any, i: int) -> str:
     """An assistant message's tool calls as the template reads them (each call's
-    arguments an object), kept as JSON text (exokv.templating unpacks it)."""
+    arguments an object), kept as JSON text (exokv.prompt.markers unpacks it)."""
     where = f"messages[{i}].tool_calls"
     if not isinstance(calls, list):
         raise bad(f"{where} must be a list", "messages")
@@ -461,8 +461,8 @@ class ToolsShape:
     PREFIX = ""  # the reply id's
 
     def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
+        from exokv.prompt.markers import reply_prefix, tools_message
         from exokv.serve.tools import ToolText, check, forced_opening
-        from exokv.templating import reply_prefix, tools_message
 
         self.model = model
         self.call = call

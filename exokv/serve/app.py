@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from exokv.records import TurnRequest, TurnResult
+from exokv.core.records import TurnRequest, TurnResult
 from exokv.serve import api
 from exokv.serve.metrics import Metrics
 from exokv.serve.work import Job, TurnQueue

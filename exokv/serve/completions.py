@@ -1,6 +1,6 @@
 """POST /v1/completions: OpenAI's legacy completions, a prompt in and its continuation out.
 
-The prompt is not templated: it travels as exokv.templating's raw prompt through the
+The prompt is not templated: it travels as exokv.prompt.markers's raw prompt through the
 same turn path as a chat, cached in the same prefix tree (a prompt that starts like
 an earlier one is served from the cache as far as they agree).
 """
@@ -11,8 +11,8 @@ import secrets
 import time
 from typing import Any
 
+from exokv.prompt.markers import raw_prompt
 from exokv.serve import api
-from exokv.templating import raw_prompt
 
 
 def parse(

@@ -4,7 +4,7 @@ POST /v1/messages/count_tokens runs no turn, and the ranks take no other message
 while a batch decodes, so the front end renders the request itself: the same
 tokenizer files the ranks load (exokv.model.loading), the same template they settle
 on (exokv.model.templates, from the same --chat-template spec), the same renderer
-(exokv.prompt over exokv.templating's marker messages, which say tools and raw
+(exokv.prompt.render over exokv.prompt.markers's marker messages, which say tools and raw
 prompts), and each echoed reply as the tokens generated where the client or the
 store knows them (exokv.serve.replies), as the turn would render it.
 """
@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from exokv.records import TurnRequest
+from exokv.core.records import TurnRequest
 from exokv.serve.api import ApiError
 
 Pairs = Callable[[TurnRequest], list[tuple[str, list[int]]]]
@@ -35,9 +35,9 @@ class FrontRender:
     def _load(self) -> Any:
         from exokv.model import templates
         from exokv.model.loading import load_tokenizer
-        from exokv.prompt import PromptRenderer
+        from exokv.prompt.markers import Marked
+        from exokv.prompt.render import PromptRenderer
         from exokv.serve.tools import model_files
-        from exokv.templating import Marked
 
         try:
             tokenizer, config = load_tokenizer(model_files(self.name))

@@ -2,7 +2,7 @@
 
 A client resends the whole conversation with each call, so the server renders each
 earlier reply from its text; the ranks render it as the tokens they generated while
-they remember them (exokv.prompt), and the store keeps those tokens with every
+they remember them (exokv.prompt.render), and the store keeps those tokens with every
 assistant message it records (messages.tokens, as for the chat). A server started
 again knows none of them: re-encoding the text can give other tokens, the disk
 tier's entry for the conversation is missed from the reply on, and the reply at
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from exokv.records import RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import RowOutcome, TurnRequest, TurnResult
 from exokv.serve.prompts import assistant_replies
 
 

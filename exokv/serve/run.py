@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from exokv.chat.conversation import Conversation
-from exokv.chat.run import ChatOptions, prepare, started, store_hooks
 from exokv.errors import ExokvError, UsageError
+from exokv.frontend.start import ChatOptions, prepare, started, store_hooks
+from exokv.prompt.markers import PREFIX
 from exokv.serve import api
-from exokv.templating import PREFIX
 
 DEFAULT_PORT = 8000
 # Exact at temperature 0 and faster than one at a time, on one rank and several
@@ -109,8 +109,8 @@ class _Recorder:
 def run_serve(opts: ServeOptions) -> int:
     import uvicorn
 
-    from exokv.chat.signals import ended_by_signals
     from exokv.client.heal import HealingClient
+    from exokv.frontend.signals import ended_by_signals
     from exokv.serve.app import Service, build_app
     from exokv.serve.drain import AFTER_STOP_S, DrainingServer
     from exokv.serve.prompts import FrontRender
@@ -120,7 +120,7 @@ def run_serve(opts: ServeOptions) -> int:
 
     cluster, plan = prepare(opts)
     if opts.plan:
-        from exokv.chat.layout import print_plan
+        from exokv.hosts.plan import print_plan
 
         return print_plan(plan, False)
     for warning in check(opts):

@@ -1,6 +1,6 @@
 """OpenAI tool calling through the model's own chat template and mlx-lm's tool parsers.
 
-The request's `tools` reach the template as its `tools` argument (exokv.templating's
+The request's `tools` reach the template as its `tools` argument (exokv.prompt.markers's
 marker message, so every rank renders them alike), `role: "tool"` results and
 assistant `tool_calls` as the template expects them; the reply's tool calls are
 cut out of its text where the model's parser marks them (mlx-lm's
@@ -10,7 +10,7 @@ template does not read `tools` gets one clear 400.
 
 A forced call (tool_choice required, or a named function) starts the reply as the
 template writes a call (`ModelTools.opening`, read from the template's own renders of
-an assistant's call): the text is put after the generation prompt (exokv.templating's
+an assistant's call): the text is put after the generation prompt (exokv.prompt.markers's
 prefix marker), the model continues it, and the reader of calls reads the opening
 before the reply's text.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exokv.prompt.markers import has_tools_support
 from exokv.serve.api import ApiError
-from exokv.templating import has_tools_support
 
 
 @dataclass(frozen=True)

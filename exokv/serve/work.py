@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.client import Client
+from exokv.core.records import RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong
-from exokv.records import RowOutcome, TurnRequest, TurnResult
 from exokv.serve.api import ApiError, StopText
 
 RETRY_AFTER_S = 1

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from exokv.config import exokv_home
+from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.errors import ExokvError
-from exokv.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import queries
 from exokv.state.connection import connect, db_path, guarded
 

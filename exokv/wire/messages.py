@@ -17,8 +17,8 @@ import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
 
+from exokv.core.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError
-from exokv.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
 
 RequestId = int | str | None  # a request's number (turns, batch rows), "draft-N" for drafts
 

@@ -6,8 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from exokv.hosts import HostList
-from exokv.wire.remote import run_on_each
+from exokv.hosts.hostfile import HostList
+from exokv.launch.remote import run_on_each
 
 LISTING = "exokv.model.catalogue"
 LIST_TIMEOUT_S = 120

@@ -20,7 +20,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from exokv.sizes import format_size
+from exokv.core.sizes import format_size
 
 ESSENTIAL = 0  # a column of this priority is never dropped (rows stack instead)
 

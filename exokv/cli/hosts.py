@@ -1,10 +1,10 @@
 """`exokv hosts check`: every host of a hostfile asked, before a chat, what would stop it.
 
-All hosts are asked at once, each within a time limit (exokv.wire.facts): reached
+All hosts are asked at once, each within a time limit (exokv.hosts.facts): reached
 over ssh, the same Python (major.minor) and the same exokv, mlx and mlx-lm as this
 front end, memory and disk, the --model there. Then, when every host answered, the
 ranks are started as a chat starts them and a few all_sums time the link between
-neighbours (exokv.wire.link), which also proves their ports. What is wrong comes
+neighbours (exokv.hosts.linktest), which also proves their ports. What is wrong comes
 as one line per problem, with what to do; the exit code is 1 when there is any.
 """
 
@@ -19,15 +19,15 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from exokv import tables
+from exokv.core import tables
+from exokv.core.sizes import format_size
+from exokv.core.tables import Column
 from exokv.errors import UsageError
-from exokv.hostprobe import PACKAGES, HostFacts, probe
-from exokv.hosts import HostList, jaccl_problems, parse_hosts, read_hostfile
-from exokv.sizes import format_size
-from exokv.tables import Column
-from exokv.wire.facts import PROBE_TIMEOUT_S, Answer, ask_hosts
-from exokv.wire.launch import LOOPBACK
-from exokv.wire.link import Link, measure_link
+from exokv.hosts.facts import PROBE_TIMEOUT_S, Answer, ask_hosts
+from exokv.hosts.hostfile import HostList, jaccl_problems, parse_hosts, read_hostfile
+from exokv.hosts.linktest import Link, measure_link
+from exokv.hosts.probe import PACKAGES, HostFacts, probe
+from exokv.launch.command import LOOPBACK
 
 hosts_app = typer.Typer(
     help="Check the hosts of a hostfile before a chat: versions, memory, model, link.",

@@ -1,4 +1,4 @@
-"""Every host's facts (exokv.hostprobe), asked for all at once, with a time limit."""
+"""Every host's facts (exokv.hosts.probe), asked for all at once, with a time limit."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exokv.hostprobe import HostFacts, probe
-from exokv.wire.remote import RemoteRun, run_on_each
+from exokv.hosts.probe import HostFacts, probe
+from exokv.launch.remote import RemoteRun, run_on_each
 
 PROBE_TIMEOUT_S = 30.0
 _NO_MODULE = re.compile(r"No module named '([\w.]+)'")
@@ -32,7 +32,7 @@ def ask_hosts(
     """
     remote = [h for h in hosts if h is not None]
     args = ["--model", model] if model is not None else []
-    runs = iter(run_on_each(remote, "exokv.hostprobe", lambda _: args, timeout=timeout))
+    runs = iter(run_on_each(remote, "exokv.hosts.probe", lambda _: args, timeout=timeout))
     return [Answer(None, probe(model)) if h is None else _answer(h, next(runs)) for h in hosts]
 
 

@@ -19,12 +19,12 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from exokv import tables
 from exokv.config import exokv_home
+from exokv.core import tables
+from exokv.core.sizes import format_size
+from exokv.core.tables import Column
 from exokv.errors import ExokvError, UsageError
-from exokv.sizes import format_size
 from exokv.state import Store, caches_dir, clear_saved_caches, queries, running_chats
-from exokv.tables import Column
 
 cache_app = typer.Typer(
     help="Inspect the prefix cache: stats, entries, pressure, evictions.",

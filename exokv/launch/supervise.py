@@ -1,12 +1,12 @@
 """Supervisor: the launcher and the ranks it started, watched from the front end.
 
-One per launch. It starts mlx.launch (`exokv.wire.launch` planned it: ranks on this
+One per launch. It starts mlx.launch (`exokv.launch.command` planned it: ranks on this
 machine, or over ssh through a hostfile) in its own process group, so Ctrl-C in the
 terminal reaches only the front end and one kill ends every rank; drains the
 launcher's stdout and stderr in threads, taking the ranks' heartbeats out (every
 rank beats every few seconds, even while the model computes: `exokv.rank.boot.beat`)
 and their watchers' state lines (each rank's host says every second whether the
-rank process runs: `exokv.wire.watcher`), keeping the rest as a tail; judges whether
+rank process runs: `exokv.launch.watcher`), keeping the rest as a tail; judges whether
 every rank is alive; names the cause when the ranks fail; and ends the process group.
 
 The rule, the same for every rank, on this machine or another: a heartbeat within
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from exokv.config import debug_enabled, wedged_limit
-from exokv.wire.launch import BEAT_MARK, ERROR_MARK, STATE_MARK, LaunchPlan
-from exokv.wire.watcher import GONE, RUNNING, STOPPED, state_of
+from exokv.launch.command import BEAT_MARK, ERROR_MARK, STATE_MARK, LaunchPlan
+from exokv.launch.watcher import GONE, RUNNING, STOPPED, state_of
 
 SETTLE_S = 4.0  # after a failure, how long the launcher gets to report which rank died
 # Checks come a fraction of a second apart; this much between two means this process was

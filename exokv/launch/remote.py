@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from exokv.config import FORWARDED_ENV
-from exokv.wire.launch import rank_command
+from exokv.launch.command import rank_command
 
 SSH_CONNECT_TIMEOUT_S = 10
 

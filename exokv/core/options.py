@@ -1,7 +1,7 @@
 """The ranks' layout and cache options, parsed: what every layer below the command line gets.
 
 A front end (the chat, the server) checks and parses its flags once, at the boundary
-(`exokv.chat.run.validate`), into a `ClusterOptions`; the client, the cluster and the
+(`exokv.frontend.start.validate`), into a `ClusterOptions`; the client, the cluster and the
 disk tier read its values and parse nothing again. The parsers here are the ones that
 need nothing but the text: their messages are the ones users see for a bad value.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from exokv.core.sizes import parse_size
 from exokv.errors import UsageError
-from exokv.hosts import HostList
-from exokv.sizes import parse_size
+from exokv.hosts.hostfile import HostList
 
 AUTO: Literal["auto"] = "auto"  # --disk-budget auto: a share of the free space, per rank
 # A rank's disk tier: bytes, AUTO (worked out where the tier lives), or None: no tier.
@@ -83,7 +83,7 @@ def parse_budgets(text: str | None, ranks: int) -> list[int] | None:
 
 def parse_split(text: str | None) -> list[int] | None:
     """'3,1' -> [3, 1]: layers per rank, rank 0 first; 'auto' (the default) -> None: placed
-    from the hosts' memory (exokv.chat.layout)."""
+    from the hosts' memory (exokv.hosts.plan)."""
     if text is None or text.strip().lower() == AUTO:
         return None
     try:

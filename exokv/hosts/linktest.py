@@ -1,7 +1,7 @@
 """The link test of `exokv hosts check`: ranks started as a chat starts them, timed.
 
-`measure_link` plans an mlx.launch over the hosts (`exokv.wire.launch.plan_launch`,
-so the same hostfile, backend and ports as a chat), runs `exokv.rank.link_main` on
+`measure_link` plans an mlx.launch over the hosts (`exokv.launch.command.plan_launch`,
+so the same hostfile, backend and ports as a chat), runs `exokv.hosts.link_main` on
 every rank under a Supervisor, and returns what rank 0 measured, or one line
 saying where it stopped: a rank that never started, the ring that never formed
 (the ranks' ports closed between neighbours), a rank's own error. Everything it
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exokv.errors import ExokvError
-from exokv.hosts import HostList
-from exokv.wire.launch import SCRATCH_PREFIX, LaunchPlan, plan_launch, rank_command
-from exokv.wire.supervise import Cause, Supervisor
+from exokv.hosts.hostfile import HostList
+from exokv.launch.command import SCRATCH_PREFIX, LaunchPlan, plan_launch, rank_command
+from exokv.launch.supervise import Cause, Supervisor
 
-LINK_MODULE = "exokv.rank.link_main"
-LINK_MARK = "exokv-link "  # rank 0's line with the figures (exokv.rank.link_main prints it)
+LINK_MODULE = "exokv.hosts.link_main"
+LINK_MARK = "exokv-link "  # rank 0's line with the figures (exokv.hosts.link_main prints it)
 START_TIMEOUT_S = 60.0  # ssh, the launcher and python's start on every host
 RING_TIMEOUT_S = 30.0  # once every rank runs: the ring forms and the all_sums finish
 HEARTBEAT_TIMEOUT_S = 20.0

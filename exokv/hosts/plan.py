@@ -1,5 +1,5 @@
 """The ranks' layout decided before they start: each host's memory gathered, the model's
-layer sizes read from its headers, a plan made (exokv.placement) and shown.
+layer sizes read from its headers, a plan made (exokv.hosts.placement) and shown.
 
 Both front ends (the chat and `exokv serve`) call `place` between parsing their
 options and starting the ranks, so the split the ClusterOptions hold from then on is
@@ -14,15 +14,15 @@ from dataclasses import replace
 from typing import IO, Any
 
 from exokv.config import host_memory_hook
+from exokv.core.options import ClusterOptions
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
-from exokv.options import ClusterOptions
-from exokv.placement import DoesNotFit, Plan, RankRoom, place_tensor, plan_split
-from exokv.placement import place as place_layers
-from exokv.sizes import format_size
+from exokv.hosts.placement import DoesNotFit, Plan, RankRoom, place_tensor, plan_split
+from exokv.hosts.placement import place as place_layers
 
 
 class HostsUnknown(ExokvError):
-    """A host gave no memory figures (unreachable, or no exokv.hostprobe there)."""
+    """A host gave no memory figures (unreachable, or no exokv.hosts.probe there)."""
 
 
 def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, Plan | None]:
@@ -89,7 +89,7 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
 
 def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
     """Each rank's host, its usable memory and the ranks sharing it, in rank order."""
-    from exokv.wire.facts import ask_hosts
+    from exokv.hosts.facts import ask_hosts
 
     hosts: list[str | None] = (
         [h.ssh for h in cluster.hosts.hosts] if cluster.hosts is not None else [None]
@@ -121,7 +121,7 @@ def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
 
 def plan_table(plan: Plan, width: int) -> Any:
     """The plan as a table: host, layers, weights, cache budget, free after."""
-    from exokv.tables import Column, fit
+    from exokv.core.tables import Column, fit
 
     columns = [
         Column("rank"),

@@ -21,8 +21,8 @@ from typing import Any
 
 from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plural
 from exokv.client import Client
-from exokv.records import CacheEvent, CacheFileReport, RankStats, TurnResult
-from exokv.sizes import format_size
+from exokv.core.records import CacheEvent, CacheFileReport, RankStats, TurnResult
+from exokv.core.sizes import format_size
 from exokv.state import queries
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store

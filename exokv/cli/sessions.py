@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from exokv import tables
 from exokv.config import exokv_home
+from exokv.core import tables
 from exokv.errors import ExokvError
 from exokv.state import Store
 from exokv.state.locks import SessionBusy, SessionLocks

@@ -1,8 +1,8 @@
 """The hosts a chat runs on, from `--hosts a,b` or an mlx hostfile: read and checked once.
 
-The front end parses them at the command line's boundary (`exokv.chat.run.validate`),
+The front end parses them at the command line's boundary (`exokv.frontend.start.validate`),
 so a bad hostfile is a one-line error before anything starts, and the launcher's
-planning (`exokv.wire.launch`) gets the parsed hosts instead of reading the file again.
+planning (`exokv.launch.command`) gets the parsed hosts instead of reading the file again.
 
 The format is mlx's own (`mlx/_distributed_utils/common.py`, `Hostfile.from_file`),
 which `mlx.distributed_config` writes: `{"backend", "envs", "hosts": [{"ssh", "ips",

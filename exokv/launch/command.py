@@ -2,7 +2,7 @@
 
 The ranks are always started by mlx's own launcher. This module only decides
 its arguments: `-n` for ranks on this machine, `--hosts` or `--hostfile` for
-several machines (read and checked before, by exokv.hosts), the backend and the
+several machines (read and checked before, by exokv.hosts.hostfile), the backend and the
 first port.
 
 Ranks start with an import path that leaves out the working folder (see
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from exokv.config import FORWARDED_ENV
 from exokv.errors import ExokvError, UsageError
-from exokv.hosts import Host, HostList, is_ip
+from exokv.hosts.hostfile import Host, HostList, is_ip
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_STARTING_PORT = 32323  # mlx.launch's own default
@@ -88,7 +88,7 @@ def plan_launch(
     scratch: Path | None = None,
 ) -> LaunchPlan:
     """The mlx.launch invocation that runs `command` (a python argv) on every rank: on
-    `hosts` (parsed and checked by exokv.hosts) or else `ranks` ranks on this machine.
+    `hosts` (parsed and checked by exokv.hosts.hostfile) or else `ranks` ranks on this machine.
 
     `scratch`: a folder of ours where a hostfile is written when hosts given by
     name need their IPs filled in for the ring backend (mlx.launch refuses names).

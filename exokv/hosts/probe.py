@@ -1,7 +1,7 @@
 """What one host is: its versions, memory and free disk, as one JSON line.
 
 Run on every host before a chat places layers (`--split auto`) and by `exokv hosts
-check`: `python -m exokv.hostprobe [--model M]` there (through exokv.wire.remote),
+check`: `python -m exokv.hosts.probe [--model M]` there (through exokv.launch.remote),
 or `probe()` in-process for this machine. Nothing here loads a model or mlx's GPU
 state, generates, converts or downloads anything: it must answer in well under a
 second on a busy Mac. With a model it also says whether that model is there
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from exokv.config import exokv_home, fake_versions_hook
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
-from exokv.sizes import format_size
 
 
 @dataclass
@@ -242,7 +242,7 @@ def _working_set() -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="exokv.hostprobe")
+    parser = argparse.ArgumentParser(prog="exokv.hosts.probe")
     parser.add_argument("--model", default=None, help="also say whether this model is here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     print(probe(args.model).to_json(), flush=True)

@@ -11,9 +11,9 @@ import typer
 import typer.core
 
 from exokv import __version__
-from exokv.chat.signals import Terminated
 from exokv.config import API_KEY, debug_enabled
 from exokv.errors import ExokvError, UsageError
+from exokv.frontend.signals import Terminated
 
 app = typer.Typer(
     name="exokv",
@@ -204,8 +204,9 @@ def chat(
     restarts: int = _RESTARTS,
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
-    from exokv.chat.resume import resolve
-    from exokv.chat.run import ChatOptions, run_chat
+    from exokv.chat.run import run_chat
+    from exokv.frontend.resume import resolve
+    from exokv.frontend.start import ChatOptions
 
     _check_layout(backend, parallel, restarts)
     one_shot = " ".join(prompt or []).strip() or None
@@ -286,9 +287,9 @@ def serve(
     max_body: str = typer.Option("1MB", "--max-body", help="largest request body (413 above)"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
-    from exokv.chat.resume import resolve
+    from exokv.core.sizes import parse_size
+    from exokv.frontend.resume import resolve
     from exokv.serve.run import ServeOptions, run_serve
-    from exokv.sizes import parse_size
 
     _check_layout(backend, parallel, restarts)
     settled = resolve(None, model, max_kv_size, chat_template)
@@ -345,9 +346,9 @@ def _models_per_host(hosts: str | None, hostfile: str | None, json_out: bool) ->
 
     from rich.console import Console
 
-    from exokv.client.listing import models_on_hosts
     from exokv.errors import UsageError
-    from exokv.hosts import parse_hosts, read_hostfile
+    from exokv.hosts.hostfile import parse_hosts, read_hostfile
+    from exokv.hosts.listing import models_on_hosts
     from exokv.model.catalogue import models_table
 
     if hosts and hostfile:
@@ -374,7 +375,7 @@ def completions(
     shell: str = typer.Argument(..., metavar="SHELL", help="bash|zsh|fish"),
 ) -> None:
     """Print the shell completion script for bash, zsh or fish (install lines in the README)."""
-    from exokv.completion import script
+    from exokv.cli.completion import script
 
     print(script(shell), end="")
 
@@ -382,7 +383,7 @@ def completions(
 @app.command("_complete", hidden=True)
 def _complete(kind: str = typer.Argument(..., metavar="KIND")) -> None:
     # What the completion scripts call for values known only at run time.
-    from exokv.completion import values
+    from exokv.cli.completion import values
 
     for value in values(kind):
         print(value)
@@ -392,20 +393,20 @@ _mounted = False
 
 
 def _mount_subcommands() -> None:
-    # Each command lives in its own module; importing them here keeps cli.py thin.
+    # Each command lives in its own module; importing them here keeps cli/app.py thin.
     global _mounted
     if _mounted:
         return
     _mounted = True
-    from exokv import cache_cli
-    from exokv.sessions_cli import sessions_app
+    from exokv.cli import cache as cache_cli
+    from exokv.cli.sessions import sessions_app
 
     app.add_typer(cache_cli.cache_app, name="cache")
     app.add_typer(sessions_app, name="sessions")
-    from exokv.hosts_cli import hosts_app
+    from exokv.cli.hosts import hosts_app
 
     app.add_typer(hosts_app, name="hosts")
-    from exokv.bench_cli import bench
+    from exokv.cli.bench import bench
 
     app.command()(bench)
 
@@ -414,7 +415,7 @@ def main() -> None:
     """Console entry point: one-line errors with exit codes, tracebacks only with EXOKV_DEBUG=1."""
     if len(sys.argv) == 3 and sys.argv[1] == "_complete":
         # Every Tab after --model or --session runs this: skip loading the whole app.
-        from exokv.completion import values
+        from exokv.cli.completion import values
 
         for value in values(sys.argv[2]):
             print(value)

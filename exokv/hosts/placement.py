@@ -1,7 +1,7 @@
 """Placement: which layers each rank holds and how much cache it may keep, from memory.
 
 Pure arithmetic on gathered numbers (no MLX, no I/O): the front end gathers each
-host's memory (exokv.wire.facts) and the model's per-layer weight bytes (exokv.model
+host's memory (exokv.hosts.facts) and the model's per-layer weight bytes (exokv.model
 .layer_sizes) and asks `place` for a Plan before any rank starts.
 
 The pipeline's order is mlx-lm's: rank 0 runs the LAST layers, rank r the layers
@@ -24,8 +24,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from exokv.core.sizes import format_size
 from exokv.errors import UsageError
-from exokv.sizes import format_size
 
 # Less room than this many tokens of cache on a rank and the model does not fit.
 MIN_CACHE_TOKENS = 2048

@@ -1,6 +1,6 @@
-"""One rank of `exokv hosts check`'s link test: `python -m exokv.rank.link_main '<JSON>'`.
+"""One rank of `exokv hosts check`'s link test: `python -m exokv.hosts.link_main '<JSON>'`.
 
-Started by mlx.launch exactly as a chat's ranks are (see `exokv.wire.link`), over
+Started by mlx.launch exactly as a chat's ranks are (see `exokv.hosts.linktest`), over
 the real backend: a handful of one-number all_sums time the round trip (latency)
 and a few all_sums of some MB time the throughput (bandwidth). Getting that far
 proves the ranks' ports are open between neighbours. Rank 0 prints the figures
@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
+from exokv.hosts.linktest import LINK_MARK
 from exokv.rank.boot import launcher_rank, release_stdin, report_error, start_beating
-from exokv.wire.link import LINK_MARK
 
 
 def main(argv: list[str] | None = None) -> int:

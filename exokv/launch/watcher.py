@@ -9,7 +9,7 @@ the rank is doing and prints one STATE_MARK line on the stderr it shares with th
 rank, which the launcher relays to the front end like any rank line (over ssh for a
 remote rank). The front end's Supervisor reads them: a late heartbeat with a
 running rank is busy, a stopped or gone rank is dead, and no word from the watcher
-either is a host gone (`exokv.wire.supervise`).
+either is a host gone (`exokv.launch.supervise`).
 
 Why a child of the rank rather than a parent wrapped around it: the rank stays the
 process mlx.launch started — its pid (the launcher's kill path), its environment,
@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from exokv.wire.launch import STATE_MARK, remove_scratch
+from exokv.launch.command import STATE_MARK, remove_scratch
 
 WATCH_S = 1.0  # between two state lines
 END_GRACE_S = 3.0  # a rank told to end (SIGTERM) gets this long before SIGKILL

@@ -65,7 +65,7 @@ def bench(
         raise UsageError(f"--ranks must be at least 1 (got {ranks})")
     budget = None
     if cache_budget is not None:
-        from exokv.sizes import parse_size
+        from exokv.core.sizes import parse_size
 
         try:
             budget = parse_size(cache_budget)

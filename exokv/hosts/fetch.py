@@ -5,7 +5,7 @@ rank, or ``-n``) it fetches what the ranks load here, with huggingface_hub's own
 progress bars. With ``--hosts``/``--hostfile`` it first fetches the config and
 tokenizer here (the front end tokenizes and names the model's identity, and learns
 the commit the revision names, so every host fetches the same one), then runs
-exokv.model.fetcher on every host at once through exokv.wire.remote, each in its
+exokv.model.fetcher on every host at once through exokv.launch.remote, each in its
 own Hugging Face cache and for its own ranks' layers, and shows each host's
 progress. A host that fails ends the start with one line naming it.
 
@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
-from exokv.hosts import HostList
+from exokv.hosts.hostfile import HostList
+from exokv.launch.remote import RemoteRun, run_on_each
 from exokv.model import hub
-from exokv.sizes import format_size
-from exokv.wire.remote import RemoteRun, run_on_each
 
 FETCHER = "exokv.model.fetcher"
 # A host's fetch is ended after this long: a stalled download fails sooner on its own

@@ -1,7 +1,7 @@
 """What the chat template sees, for requests that are not a plain chat.
 
-A turn travels to every rank as its messages (exokv.records.TurnRequest) and every
-rank renders them alike (exokv.prompt). Three kinds of request need more than the
+A turn travels to every rank as its messages (exokv.core.records.TurnRequest) and every
+rank renders them alike (exokv.prompt.render). Three kinds of request need more than the
 template's `messages`: a raw prompt (POST /v1/completions: no template at all), a
 chat with tools (the template's own `tools` argument), and a reply that must start
 with given text (a forced tool call: the opening of the call, which the reply
