@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from exokv.prompt.render import PromptRenderer
 from exokv.prompt import render as prompt_module
+from exokv.prompt.render import PromptRenderer
 
 
 @pytest.fixture(scope="module")
