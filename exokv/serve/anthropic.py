@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from exokv.serve import api
+from exokv.serve.tools import ModelTools
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -66,11 +67,7 @@ def parse(
     if not counting and api.whole(doc, "max_tokens") is None:
         raise api.bad("max_tokens: Field required", "max_tokens")
     tools, forced, forced_name = _tools(doc)
-    raw = doc.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise api.bad("messages must be a non-empty list", "messages")
-    if len(raw) > limits.messages:
-        raise api.bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
+    raw = api.message_list(doc, limits)
     messages: list[dict[str, str]] = []
     if doc.get("system") is not None:
         messages.append({"role": "system", "content": _text(doc["system"], "system", limits)})
@@ -88,7 +85,7 @@ def parse(
         messages=messages,
         stop=api.stops(doc, limits, "stop_sequences"),
         tools=tools,
-        tool_messages=any(m["role"] == "tool" or "tool_calls" in m for m in messages),
+        tool_messages=api.calls_tools(messages),
         forced=forced,
         forced_name=forced_name,
         **fields,
@@ -185,7 +182,7 @@ class Shape(api.ToolsShape):
 
     PREFIX = "msg_"
 
-    def __init__(self, model: str, call: api.ChatCall, tools: Any = None) -> None:
+    def __init__(self, model: str, call: api.ChatCall, tools: ModelTools | None = None) -> None:
         super().__init__(model, call, tools)
         # A forced call's reply starts inside the call: no text block before it.
         self._text_open = not self._prefix  # the text block `_text_index` takes text
@@ -217,12 +214,7 @@ class Shape(api.ToolsShape):
         }
 
     def whole(self, job: Any, result: Any) -> dict[str, Any]:
-        text, calls = job.reply, []
-        if self._text is not None:
-            reader = self._new_text()
-            said, calls = reader.feed(text)
-            rest, more = reader.flush()
-            text, calls = said + rest, calls + more
+        text, calls = self.read_whole(job.reply)
         content = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         stop = self._stop(job, result, bool(calls))
@@ -238,9 +230,7 @@ class Shape(api.ToolsShape):
         if text:
             out += self.piece_of_text(text)
         for call in calls:  # each call whole: its block, its input, its end
-            if self._text_open:
-                out.append(_event("content_block_stop", {"index": self._text_index}))
-                self._text_open = False
+            out += self._close_text()
             index, self._blocks = self._blocks, self._blocks + 1
             block = {**_tool_use(call), "input": {}}
             delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
@@ -250,6 +240,13 @@ class Shape(api.ToolsShape):
                 _event("content_block_stop", {"index": index}),
             ]
         return out
+
+    def _close_text(self) -> list[bytes]:
+        """The open text block's end, if one is open (a call, or the message, ends it)."""
+        if not self._text_open:
+            return []
+        self._text_open = False
+        return [_event("content_block_stop", {"index": self._text_index})]
 
     def opening(self) -> list[bytes]:
         usage = {"input_tokens": 0, "output_tokens": 0}  # known when the turn ends
@@ -271,9 +268,7 @@ class Shape(api.ToolsShape):
 
     def closing(self, job: Any, result: Any) -> list[bytes]:
         out = self._said(*self._text.flush()) if self._text is not None else []
-        if self._text_open:
-            out.append(_event("content_block_stop", {"index": self._text_index}))
-            self._text_open = False
+        out += self._close_text()
         stop = self._stop(job, result, self._text is not None and bool(self._text.calls))
         out.append(_event("message_delta", {"delta": stop, "usage": self._usage(job, result)}))
         return out + [_event("message_stop", {})]
@@ -281,10 +276,7 @@ class Shape(api.ToolsShape):
     def broken(self, err: api.ApiError, job: Any) -> list[bytes]:
         used = self._usage(job, job.result) if job.result is not None else {"output_tokens": 0}
         stop = {"stop_reason": "max_tokens", "stop_sequence": None}
-        out = [_event("error", {"error": error_doc(err)["error"]})]
-        if self._text_open:
-            out.append(_event("content_block_stop", {"index": self._text_index}))
-            self._text_open = False
+        out = [_event("error", {"error": error_doc(err)["error"]}), *self._close_text()]
         out.append(_event("message_delta", {"delta": stop, "usage": used}))
         return out + [_event("message_stop", {})]
 

@@ -11,6 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from exokv.prompt.markers import reply_prefix, tools_message
+from exokv.serve.errors import ApiError
+from exokv.serve.tools import ModelTools, ToolText, check, forced_opening
+
 # developer: OpenAI's newer name for system, rendered as a system message; tool: a
 # tool call's result (exokv.serve.tools).
 ROLES = {"system", "user", "assistant", "developer", "tool"}
@@ -36,41 +40,6 @@ class Defaults:
     max_tokens: int = 256
     temperature: float = 0.0
     system: str | None = None  # the model's own system prompt (an ollama model's SYSTEM)
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    TYPES = {
-        400: "invalid_request_error",
-        401: "authentication_error",
-        404: "invalid_request_error",
-        413: "invalid_request_error",
-        499: "client_closed_request",
-        500: "server_error",
-        503: "server_overloaded",
-    }
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def doc(self) -> dict[str, Any]:
-        kind = self.TYPES.get(self.status, "invalid_request_error")
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
 
 
 @dataclass
@@ -141,14 +110,24 @@ def content(message: dict[str, Any], i: int, limits: Limits) -> str:
     return content
 
 
-def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
-    raw = body.get("messages")
+def message_list(doc: dict[str, Any], limits: Limits) -> list[Any]:
+    """The request's `messages`, a list of at most `limits.messages` (each not yet read)."""
+    raw = doc.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list", "messages")
     if len(raw) > limits.messages:
         raise bad(f"{len(raw):,} messages; at most {limits.messages:,}", "messages")
+    return raw
+
+
+def calls_tools(messages: list[dict[str, str]]) -> bool:
+    """Whether the conversation has tool results or calls in it (its template must read them)."""
+    return any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+
+
+def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
     messages = []
-    for i, message in enumerate(raw):
+    for i, message in enumerate(message_list(body, limits)):
         if not isinstance(message, dict):
             raise bad(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
@@ -325,12 +304,11 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
         # As `ollama run` does: the model's SYSTEM when the request brings none.
         messages = [{"role": "system", "content": defaults.system}, *messages]
     fields = sampling(doc, defaults, limits, ("max_completion_tokens", "max_tokens"))
-    tool_messages = any(m["role"] == "tool" or "tool_calls" in m for m in messages)
     return ChatCall(
         messages=messages,
         stop=stops(doc, limits),
         tools=tools,
-        tool_messages=tool_messages,
+        tool_messages=calls_tools(messages),
         forced=forced,
         forced_name=forced_name,
         **fields,
@@ -353,13 +331,20 @@ def conversation_name(messages: list[dict[str, str]]) -> str:
 # -- replies ----------------------------------------------------------------------
 
 
-def usage(prompt: int, cached: int, completion: int) -> dict[str, Any]:
+def usage(result: Any) -> dict[str, Any]:
+    """OpenAI's usage of a turn (a TurnResult)."""
+    prompt, generated = result.prompt_tokens, result.generated_tokens
     return {
         "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
+
+
+def envelope(ident: str, kind: str, model: str) -> dict[str, Any]:
+    """What every OpenAI reply document, whole or streamed, starts with."""
+    return {"id": ident, "object": kind, "created": int(time.time()), "model": model}
 
 
 def finish_reason(engine_reason: str, stopped_by_text: bool) -> str:
@@ -373,10 +358,7 @@ def completion(
     ident: str, model: str, text: str, finish: str, used: dict[str, Any]
 ) -> dict[str, Any]:
     return {
-        "id": ident,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
+        **envelope(ident, "chat.completion", model),
         "choices": [
             {
                 "index": 0,
@@ -399,10 +381,7 @@ def chunk(
     """One server-sent event's data: a delta, the final finish_reason, or (with
     stream_options.include_usage) the usage, with no choices, as OpenAI sends it."""
     doc: dict[str, Any] = {
-        "id": ident,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
+        **envelope(ident, "chat.completion.chunk", model),
         "choices": []
         if delta is None
         else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
@@ -417,57 +396,28 @@ def sse(doc: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class StopText:
-    """Cuts a streamed reply at the first of the request's stop strings.
-
-    Text that could be the start of a stop string is held back until the next piece
-    says whether it is; `hit` tells that a stop string ended the reply.
-    """
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-        self.hit = False
-        self.which: str | None = None  # the stop string that ended it
-
-    def feed(self, piece: str) -> str:
-        """What of the text so far may be sent now."""
-        if self.hit:
-            return ""
-        if not self.stops:
-            return piece
-        self.pending += piece
-        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if found:
-            self.hit = True
-            at, self.which = min(found)
-            out, self.pending = self.pending[:at], ""
-            return out
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out
-
-    def flush(self) -> str:
-        """The reply ended: what was held back is not a stop string."""
-        out, self.pending = ("" if self.hit else self.pending), ""
-        return out
-
-
-class ToolsShape:
-    """What every API's reply shape shares: the request's tools checked against the
-    model, the marker message that renders them, and the reader of calls in the text."""
+class ReplyShape:
+    """What every API's reply shape starts from: the model, the call, the reply's id,
+    and errors in OpenAI's shape (an API with its own overrides `error_doc`)."""
 
     PREFIX = ""  # the reply id's
 
-    def __init__(self, model: str, call: ChatCall, tools: Any = None) -> None:
-        from exokv.prompt.markers import reply_prefix, tools_message
-        from exokv.serve.tools import ToolText, check, forced_opening
-
+    def __init__(self, model: str, call: ChatCall) -> None:
         self.model = model
         self.call = call
         self.stream = call.stream
         self.ident = f"{self.PREFIX}{secrets.token_hex(12)}"
+
+    def error_doc(self, err: ApiError) -> dict[str, Any]:
+        return err.doc()
+
+
+class ToolsShape(ReplyShape):
+    """What the chat APIs' reply shapes share: the request's tools checked against the
+    model, the marker message that renders them, and the reader of calls in the text."""
+
+    def __init__(self, model: str, call: ChatCall, tools: ModelTools | None = None) -> None:
+        super().__init__(model, call)
         check(tools, model, bool(call.tools) or call.tool_messages)
         self._marker = [tools_message(call.tools)] if call.tools else []
         # A forced call: the reply starts as the call's opening (rendered after the
@@ -487,30 +437,29 @@ class ToolsShape:
         """The messages the turn renders: the request's, with the markers it needs."""
         return self._marker + self.call.messages + self._prefix
 
+    def read_whole(self, reply: str) -> tuple[str, list[dict[str, Any]]]:
+        """A whole reply's text and the tool calls it makes (none without tools), read
+        by a reader of its own: the stream's reader is left as it is."""
+        if self._text is None:
+            return reply, []
+        reader = self._new_text()
+        said, calls = reader.feed(reply)
+        rest, more = reader.flush()
+        return said + rest, calls + more
+
 
 class ChatShape(ToolsShape):
     """POST /v1/chat/completions's reply: a chat.completion, or its chunks streamed."""
 
     PREFIX = "chatcmpl-"
 
-    def error_doc(self, err: ApiError) -> dict[str, Any]:
-        return err.doc()
-
     def _finish(self, job: Any, result: Any, calls: bool = False) -> str:
         return "tool_calls" if calls else finish_reason(result.finish_reason, job.stop_text.hit)
 
-    def _usage(self, result: Any) -> dict[str, Any]:
-        return usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
-
     def whole(self, job: Any, result: Any) -> dict[str, Any]:
-        text, calls = job.reply, []
-        if self._text is not None:
-            reader = self._new_text()
-            said, calls = reader.feed(text)
-            rest, more = reader.flush()
-            text, calls = said + rest, calls + more
+        text, calls = self.read_whole(job.reply)
         finish = self._finish(job, result, bool(calls))
-        doc = completion(self.ident, self.model, text, finish, self._usage(result))
+        doc = completion(self.ident, self.model, text, finish, usage(result))
         if calls:
             doc["choices"][0]["message"]["tool_calls"] = calls
             doc["choices"][0]["message"]["content"] = text or None
@@ -540,7 +489,7 @@ class ChatShape(ToolsShape):
         calls = self._text is not None and bool(self._text.calls)
         out.append(sse(chunk(self.ident, self.model, {}, self._finish(job, result, calls))))
         if self.call.include_usage:
-            out.append(sse(chunk(self.ident, self.model, None, used=self._usage(result))))
+            out.append(sse(chunk(self.ident, self.model, None, used=usage(result))))
         return out + [sse("[DONE]")]
 
     def broken(self, err: ApiError, job: Any) -> list[bytes]:
@@ -548,5 +497,5 @@ class ChatShape(ToolsShape):
         # that ignores it still sees: a finish_reason (cut short: "length"), [DONE].
         out = [sse(err.doc()), sse(chunk(self.ident, self.model, {}, "length"))]
         if self.call.include_usage and job.result is not None:
-            out.append(sse(chunk(self.ident, self.model, None, used=self._usage(job.result))))
+            out.append(sse(chunk(self.ident, self.model, None, used=usage(job.result))))
         return out + [sse("[DONE]")]

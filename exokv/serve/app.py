@@ -11,9 +11,10 @@ disconnect and its access line are the same for all.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,8 +25,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from exokv.core.records import TurnRequest, TurnResult
-from exokv.serve import api
+from exokv.serve import anthropic, api, completions
 from exokv.serve.metrics import Metrics
+from exokv.serve.tools import ModelTools
 from exokv.serve.work import Job, TurnQueue
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
@@ -57,7 +59,7 @@ class Service:
     health: Callable[[], str | None] = lambda: None
     metrics: Metrics = field(default_factory=Metrics)
     # The model's tool calling (exokv.serve.tools.ModelTools), read when first asked for.
-    tools: Callable[[], Any] = lambda: None
+    tools: Callable[[], ModelTools | None] = lambda: None
     # A turn's prompt tokens, rendered as its ranks would (exokv.serve.prompts); None:
     # this server cannot count them.
     count: Callable[[TurnRequest], int] | None = None
@@ -69,7 +71,7 @@ class Service:
 
 
 class Shape(Protocol):
-    """One API's request read and reply written (api.OpenAIChat, completions, anthropic)."""
+    """One API's request read and reply written (api.ChatShape, completions, anthropic)."""
 
     stream: bool
 
@@ -212,112 +214,135 @@ class _Stream(StreamingResponse):
             self.on_close()
 
 
-Parse = Callable[[bytes], tuple[TurnRequest, list[str], Shape]]
+# A request's body read into its turn, the stops its reply is cut at, and its shape.
+Parse = Callable[[Service, bytes], tuple[TurnRequest, list[str], Shape]]
+Handler = Callable[[Service, Request], Awaitable[Response]]
+ErrorDoc = Callable[[api.ApiError], dict[str, Any]]  # an error in one API's shape
 
 
 def build_app(service: Service) -> Starlette:
-    from exokv.serve import anthropic, completions
+    """The application: each route's handler, and the one for unknown routes, bound to
+    `service`."""
 
-    async def health(request: Request) -> Response:
-        failure = service.failure()
-        trouble = failure or service.health()
-        status = "failed" if failure else ("ok" if trouble is None else "degraded")
-        doc = {
-            "status": status,
-            "model": service.model,
-            "ranks": service.ranks,
-            "waiting": service.queue.waiting,
-            "busy": service.queue.busy,
-        }
-        if trouble:
-            doc["error"] = trouble
-        return JSONResponse(doc, status_code=200 if trouble is None else 503)
-
-    async def models(request: Request) -> Response:
-        log = _Request(service, request)
-        try:
-            _check_key(service, request)
-        except api.ApiError as err:
-            log.write(err.status)
-            return JSONResponse(err.doc(), status_code=err.status, headers=err.headers)
-        log.write(200)
-        entry = {"id": service.model, "object": "model", "created": 0, "owned_by": "exokv"}
-        return JSONResponse({"object": "list", "data": [entry]})
-
-    async def metrics(request: Request) -> Response:
-        try:
-            _check_key(service, request)
-        except api.ApiError as err:
-            return JSONResponse(err.doc(), status_code=err.status, headers=err.headers)
-        text = service.metrics.render(service.queue.waiting, service.in_flight())
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    def chat(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
-        call = api.parse_chat(body, service.names, service.defaults, service.limits)
-        tools = service.tools() if call.tools or call.tool_messages else None
-        shape = api.ChatShape(service.model, call, tools)
-        return _turn(service, call, shape.turn_messages()), call.stop, shape
-
-    def complete(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
-        call = completions.parse(body, service.names, service.defaults, service.limits)
-        return _turn(service, call), call.stop, completions.Shape(service.model, call)
-
-    def messages(body: bytes) -> tuple[TurnRequest, list[str], Shape]:
-        call = anthropic.parse(body, service.names, service.defaults, service.limits)
-        tools = service.tools() if call.tools or call.tool_messages else None
-        shape = anthropic.Shape(service.model, call, tools)
-        return _turn(service, call, shape.turn_messages()), call.stop, shape
-
-    async def count_tokens(request: Request) -> Response:
-        log = _Request(service, request)
-        try:
-            _check_key(service, request)
-            body = await _body(request, service.limits.body_bytes)
-            call = anthropic.parse(
-                body, service.names, service.defaults, service.limits, counting=True
-            )
-            tools = service.tools() if call.tools or call.tool_messages else None
-            shape = anthropic.Shape(service.model, call, tools)
-            if service.count is None:
-                raise api.ApiError(404, "this server does not count tokens")
-            # Rendering a long conversation takes a while: not in the event loop.
-            count = await asyncio.to_thread(
-                service.count, _turn(service, call, shape.turn_messages())
-            )
-        except api.ApiError as err:
-            log.write(err.status)
-            return JSONResponse(
-                anthropic.error_doc(err), status_code=err.status, headers=err.headers
-            )
-        except ClientDisconnect:
-            log.write(499)
-            return Response(status_code=499)
-        log.write(200)
-        return JSONResponse({"input_tokens": count})
-
-    def route(parse: Parse, error_doc: Callable[[api.ApiError], dict[str, Any]]) -> Any:
+    def bound(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        # A function of its own: Starlette calls a function with the request, but takes
+        # anything else (the partial of `turns`) for an ASGI app.
         async def endpoint(request: Request) -> Response:
-            return await _call(service, request, parse, error_doc)
+            return await handler(service, request)
 
         return endpoint
 
+    def turns(parse: Parse, error_doc: ErrorDoc) -> Callable[[Request], Awaitable[Response]]:
+        return bound(functools.partial(_call, parse=parse, error_doc=error_doc))
+
     async def not_found(request: Request, exc: HTTPException) -> Response:
-        err = api.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-        _Request(service, request).write(exc.status_code)
-        return JSONResponse(err.doc(), status_code=err.status)
+        return _not_found(service, request, exc)
 
     return Starlette(
         routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/chat/completions", route(chat, api.ApiError.doc), methods=["POST"]),
-            Route("/v1/completions", route(complete, api.ApiError.doc), methods=["POST"]),
-            Route("/v1/messages", route(messages, anthropic.error_doc), methods=["POST"]),
-            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route("/health", bound(_health), methods=["GET"]),
+            Route("/metrics", bound(_metrics), methods=["GET"]),
+            Route("/v1/models", bound(_models), methods=["GET"]),
+            Route("/v1/chat/completions", turns(_chat, api.ApiError.doc), methods=["POST"]),
+            Route("/v1/completions", turns(_complete, api.ApiError.doc), methods=["POST"]),
+            Route("/v1/messages", turns(_messages, anthropic.error_doc), methods=["POST"]),
+            Route("/v1/messages/count_tokens", bound(_count_tokens), methods=["POST"]),
         ],
         exception_handlers={HTTPException: not_found},
     )
+
+
+async def _health(service: Service, request: Request) -> Response:
+    failure = service.failure()
+    trouble = failure or service.health()
+    status = "failed" if failure else ("ok" if trouble is None else "degraded")
+    doc = {
+        "status": status,
+        "model": service.model,
+        "ranks": service.ranks,
+        "waiting": service.queue.waiting,
+        "busy": service.queue.busy,
+    }
+    if trouble:
+        doc["error"] = trouble
+    return JSONResponse(doc, status_code=200 if trouble is None else 503)
+
+
+async def _models(service: Service, request: Request) -> Response:
+    log = _Request(service, request)
+    try:
+        _check_key(service, request)
+    except api.ApiError as err:
+        log.write(err.status)
+        return _refusal(err)
+    log.write(200)
+    entry = {"id": service.model, "object": "model", "created": 0, "owned_by": "exokv"}
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def _metrics(service: Service, request: Request) -> Response:
+    try:
+        _check_key(service, request)
+    except api.ApiError as err:
+        return _refusal(err)
+    text = service.metrics.render(service.queue.waiting, service.in_flight())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _model_tools(service: Service, call: api.ChatCall) -> ModelTools | None:
+    """The model's tool calling, read only for a request that has tools in it."""
+    return service.tools() if call.tools or call.tool_messages else None
+
+
+def _chat(service: Service, body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+    call = api.parse_chat(body, service.names, service.defaults, service.limits)
+    shape = api.ChatShape(service.model, call, _model_tools(service, call))
+    return _turn(service, call, shape.turn_messages()), call.stop, shape
+
+
+def _complete(service: Service, body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+    call = completions.parse(body, service.names, service.defaults, service.limits)
+    return _turn(service, call), call.stop, completions.Shape(service.model, call)
+
+
+def _messages(
+    service: Service, body: bytes, counting: bool = False
+) -> tuple[TurnRequest, list[str], Shape]:
+    """An Anthropic request's turn; `counting`: for count_tokens (no max_tokens)."""
+    call = anthropic.parse(body, service.names, service.defaults, service.limits, counting)
+    shape = anthropic.Shape(service.model, call, _model_tools(service, call))
+    return _turn(service, call, shape.turn_messages()), call.stop, shape
+
+
+async def _count_tokens(service: Service, request: Request) -> Response:
+    log = _Request(service, request)
+    try:
+        _check_key(service, request)
+        body = await _body(request, service.limits.body_bytes)
+        turn, _, _ = _messages(service, body, counting=True)
+        if service.count is None:
+            raise api.ApiError(404, "this server does not count tokens")
+        # Rendering a long conversation takes a while: not in the event loop.
+        count = await asyncio.to_thread(service.count, turn)
+    except api.ApiError as err:
+        log.write(err.status)
+        return _refusal(err, anthropic.error_doc)
+    except ClientDisconnect:
+        log.write(499)
+        return Response(status_code=499)
+    log.write(200)
+    return JSONResponse({"input_tokens": count})
+
+
+def _not_found(service: Service, request: Request, exc: HTTPException) -> Response:
+    err = api.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    _Request(service, request).write(exc.status_code)
+    return _refusal(err)
+
+
+def _refusal(err: api.ApiError, error_doc: ErrorDoc = api.ApiError.doc) -> Response:
+    """`err` answered in its API's shape (OpenAI's unless told), with its headers."""
+    return JSONResponse(error_doc(err), status_code=err.status, headers=err.headers)
 
 
 def _turn(service: Service, call: Any, messages: list[dict[str, Any]] | None = None) -> TurnRequest:
@@ -340,7 +365,7 @@ async def _call(
     service: Service,
     request: Request,
     parse: Parse,
-    error_doc: Callable[[api.ApiError], dict[str, Any]],
+    error_doc: ErrorDoc,
 ) -> Response:
     log = _Request(service, request)
     job: Job | None = None
@@ -348,12 +373,12 @@ async def _call(
 
     def refused(err: api.ApiError) -> Response:
         log.write(err.status, job)
-        return JSONResponse(error_doc(err), status_code=err.status, headers=err.headers)
+        return _refusal(err, error_doc)
 
     try:
         _check_key(service, request)
         body = await _body(request, service.limits.body_bytes)
-        turn, stops, shape = parse(body)
+        turn, stops, shape = parse(service, body)
         job = Job(turn, stops, asyncio.get_running_loop())
         service.queue.submit(job)
         log.opened()

@@ -7,8 +7,6 @@ an earlier one is served from the cache as far as they agree).
 
 from __future__ import annotations
 
-import secrets
-import time
 from typing import Any
 
 from exokv.prompt.markers import raw_prompt
@@ -39,32 +37,19 @@ def parse(
 
 def _doc(ident: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
     return {
-        "id": ident,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
+        **api.envelope(ident, "text_completion", model),
         "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
     }
 
 
-class Shape:
+class Shape(api.ReplyShape):
     """The reply: a text_completion, or its chunks streamed (as OpenAI streams them)."""
 
-    def __init__(self, model: str, call: api.ChatCall) -> None:
-        self.model = model
-        self.call = call
-        self.stream = call.stream
-        self.ident = f"cmpl-{secrets.token_hex(12)}"
-
-    def error_doc(self, err: api.ApiError) -> dict[str, Any]:
-        return err.doc()
-
-    def _usage(self, result: Any) -> dict[str, Any]:
-        return api.usage(result.prompt_tokens, result.cached_tokens, result.generated_tokens)
+    PREFIX = "cmpl-"
 
     def whole(self, job: Any, result: Any) -> dict[str, Any]:
         finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
-        return {**_doc(self.ident, self.model, job.reply, finish), "usage": self._usage(result)}
+        return {**_doc(self.ident, self.model, job.reply, finish), "usage": api.usage(result)}
 
     def opening(self) -> list[bytes]:
         return []
@@ -76,7 +61,7 @@ class Shape:
         if not self.call.include_usage or result is None:
             return []
         doc = {**_doc(self.ident, self.model, "", None), "choices": []}
-        return [api.sse({**doc, "usage": self._usage(result)})]
+        return [api.sse({**doc, "usage": api.usage(result)})]
 
     def closing(self, job: Any, result: Any) -> list[bytes]:
         finish = api.finish_reason(result.finish_reason, job.stop_text.hit)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from exokv.core.records import TurnRequest
-from exokv.serve.api import ApiError
+from exokv.serve.errors import ApiError
 
 Pairs = Callable[[TurnRequest], list[tuple[str, list[int]]]]
 

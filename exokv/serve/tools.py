@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from exokv.prompt.markers import has_tools_support
-from exokv.serve.api import ApiError
+from exokv.serve.errors import ApiError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from typing import Any
 from exokv.client import Client
 from exokv.core.records import RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong
-from exokv.serve.api import ApiError, StopText
+from exokv.rank.stops import TextStops
+from exokv.serve.errors import ApiError
 
 RETRY_AFTER_S = 1
 
@@ -37,7 +38,7 @@ class Job:
         self, request: TurnRequest, stops: list[str], loop: asyncio.AbstractEventLoop
     ) -> None:
         self.request = request
-        self.stop_text = StopText(stops)
+        self.stop_text = TextStops(stops)
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.cancelled = threading.Event()  # the client went away
@@ -185,18 +186,11 @@ class TurnQueue:
             # `gather_s` for the others, or it would run alone and they after it.
             deadline = time.monotonic() + (self.gather_s if self.batch > 1 else 0.0)
             while len(jobs) < self.batch:  # the others waiting now join it
-                try:
-                    more = self._jobs.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
+                more = self._take(max(0.0, deadline - time.monotonic()))
                 if more is None:
-                    self._last = True
                     break
                 jobs.append(more)
-            for job in jobs:
-                if job.cancelled.is_set():  # its client left while it waited: nothing ran
-                    job.fail(ApiError(499, "the client closed the request before it ran"))
-            jobs = [j for j in jobs if not j.finished]
+            jobs = [j for j in jobs if not _left_before_run(j)]
             alone = [j for j in jobs if not _joinable(j)]
             together = [j for j in jobs if j not in alone]
             # A client without `turns` (a wrapper that does not pass it on) runs each
@@ -225,6 +219,17 @@ class TurnQueue:
             if self._last:
                 return
 
+    def _take(self, timeout: float = 0.0) -> Job | None:
+        """The next waiting job, waiting up to `timeout` for one; None when none came or
+        close() did (then nothing more comes: `_last`)."""
+        try:
+            job = self._jobs.get(timeout=timeout) if timeout > 0 else self._jobs.get_nowait()
+        except queue.Empty:
+            return None
+        if job is None:
+            self._last = True
+        return job
+
     def _joins(self, jobs: list[Job]) -> list[TurnRequest]:
         """The waiting jobs that join the batch in flight now, up to `batch` rows in all
         (rows whose answer has not come count): appended to `jobs`, their requests out."""
@@ -233,29 +238,25 @@ class TurnQueue:
         free = self.batch - sum(1 for j in jobs if not j.finished)
         joined: list[TurnRequest] = []
         while free > 0:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
+            job = self._take()
+            if job is None:
                 break
-            if job is None:  # close(): nothing more comes
-                self._last = True
-                break
-            if job.cancelled.is_set():
-                job.fail(ApiError(499, "the client closed the request before it ran"))
-            elif not _joinable(job):
+            if _left_before_run(job):
+                continue
+            if not _joinable(job):
                 self._held.append(job)
-            else:
-                with self._lock:  # cancel() looks a row up in the same list
-                    jobs.append(job)
-                joined.append(job.request)
-                free -= 1
+                continue
+            with self._lock:  # cancel() looks a row up in the same list
+                jobs.append(job)
+            joined.append(job.request)
+            free -= 1
         return joined
 
     def _run_batch(self, jobs: list[Job]) -> None:
         def on_text(i: int, piece: str) -> None:
             job = jobs[i]
             if not (job.cancelled.is_set() or job.stop_text.hit):
-                job.text(job.stop_text.feed(piece))
+                job.text(job.stop_text.stream(piece))
 
         def should_stop(i: int) -> bool:
             job = jobs[i]
@@ -315,7 +316,7 @@ class TurnQueue:
             if job.cancelled.is_set() or job.stop_text.hit:
                 self._stop(job)  # the stop may have come before the turn began
                 return
-            job.text(job.stop_text.feed(piece))
+            job.text(job.stop_text.stream(piece))
             if job.stop_text.hit:
                 self._stop(job)
 
@@ -329,6 +330,13 @@ class TurnQueue:
             self._failed(job, err)
             return
         self._finish(job, result)
+
+
+def _left_before_run(job: Job) -> bool:
+    """Whether the job's client left while it waited (it is answered so): nothing ran."""
+    if job.cancelled.is_set():
+        job.fail(ApiError(499, "the client closed the request before it ran"))
+    return job.finished
 
 
 def _joinable(job: Job) -> bool:
