@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from exokv.core.options import KvQuant
 from exokv.model import layer_sizes
 from exokv.model.hub import layer_of
 from exokv.model.hub import repo_of as hub_repo
@@ -112,7 +113,7 @@ def test_kv_bytes_per_token_from_the_config():
     assert kv_bytes_per_token({**base, "head_dim": 64, "torch_dtype": "float32"}) == 8 * 64 * 2 * 4
     assert kv_bytes_per_token({"text_config": {**base, "torch_dtype": "float16"}}) == 4096
     # 8 bits: one byte a value plus a scale and a bias (2 bytes each) per group of 64.
-    assert kv_bytes_per_token({**base, "torch_dtype": "float16"}, 8, 64) == 2048 + 32 * 4
+    assert kv_bytes_per_token({**base, "torch_dtype": "float16"}, KvQuant(8, 64)) == 2048 + 32 * 4
     no_gqa = {"num_attention_heads": 4, "hidden_size": 64}
     assert kv_bytes_per_token(no_gqa) == 4 * 16 * 2 * 2
 

@@ -19,6 +19,7 @@ SCRIPT = r"""
 import sys, threading, time
 from types import SimpleNamespace
 
+from exokv.core.options import ClusterOptions, RankOptions
 from exokv.rank import main as rank
 
 SLOW_S = 1.0
@@ -55,10 +56,10 @@ def load_shard(*args):
 
 rank.load_shard = load_shard
 world = SimpleNamespace(rank=lambda: 0, size=lambda: 1)
-args = SimpleNamespace(split=None, model="m", parallel="pipeline")
+options = RankOptions(ClusterOptions(model="m"))
 tic = time.monotonic()
 try:
-    rank.Rank(args, world, Link()).run()
+    rank.Rank(options, world, Link()).run()
 except Loaded:
     pass
 assert time.monotonic() - tic >= SLOW_S

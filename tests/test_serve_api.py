@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from exokv.rank.stops import TextStops
 from exokv.serve import api
 from exokv.serve.run import ServeOptions, check, model_names
 from tests.stub_client import StubClient
@@ -59,16 +60,16 @@ def test_limits_are_enforced() -> None:
 
 @pytest.mark.parametrize("pieces", [["ab", "cSTO", "Pde"], ["abcS", "T", "O", "P"], ["abcSTOPde"]])
 def test_stop_text_cuts_at_the_stop_string_however_it_is_split(pieces: list[str]) -> None:
-    cut = api.StopText(["STOP", "zz"])
-    out = "".join(cut.feed(p) for p in pieces) + cut.flush()
+    cut = TextStops(["STOP", "zz"])
+    out = "".join(cut.stream(p) for p in pieces) + cut.flush()
     assert out == "abc" and cut.hit
 
 
 def test_stop_text_without_a_hit_sends_everything() -> None:
-    cut = api.StopText(["STOP"])
-    out = "".join(cut.feed(p) for p in ["ST", "OR", "Y"]) + cut.flush()
+    cut = TextStops(["STOP"])
+    out = "".join(cut.stream(p) for p in ["ST", "OR", "Y"]) + cut.flush()
     assert out == "STORY" and not cut.hit
-    assert api.StopText([]).feed("abc") == "abc"
+    assert TextStops([]).stream("abc") == "abc"
 
 
 def test_one_conversation_is_one_session() -> None:
@@ -81,11 +82,14 @@ def test_one_conversation_is_one_session() -> None:
 
 
 def test_another_address_without_a_key_is_warned_about() -> None:
-    assert check(ServeOptions(model="builtin:tiny")) == []
-    assert check(ServeOptions(model="builtin:tiny", host="::1")) == []
-    warned = check(ServeOptions(model="builtin:tiny", host="0.0.0.0"))
+    from exokv.frontend.start import ChatOptions
+
+    tiny = ChatOptions(model="builtin:tiny")
+    assert check(ServeOptions(tiny)) == []
+    assert check(ServeOptions(tiny, host="::1")) == []
+    warned = check(ServeOptions(tiny, host="0.0.0.0"))
     assert len(warned) == 1 and "--api-key" in warned[0] and "in clear" in warned[0]
-    assert check(ServeOptions(model="builtin:tiny", host="0.0.0.0", api_key="k")) == []
+    assert check(ServeOptions(tiny, host="0.0.0.0", api_key="k")) == []
 
 
 def test_a_local_path_is_shown_by_its_name(tmp_path) -> None:

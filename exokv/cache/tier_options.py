@@ -1,5 +1,6 @@
-"""A rank's disk tier and quantized KV: --disk-budget (parsed by exokv.core.options),
---kv-bits and --kv-group-size turned into the rank's EngineOptions fields.
+"""A rank's disk tier and quantized KV: --disk-budget (parsed by exokv.core.options)
+turned into the rank's EngineOptions fields (exokv.rank.options), and the bounds of
+--kv-bits and --kv-group-size.
 
 A chat has a disk tier unless told otherwise (`--disk-budget 0`, `--no-cache` or a
 cache budget of 0): by default a quarter of the free space under EXOKV_HOME, which
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from exokv.core.options import AUTO, ClusterOptions, DiskBudget
+from exokv.core.options import AUTO, ClusterOptions, KvQuant
 from exokv.errors import UsageError
 
 AUTO_SHARE = 0.25  # --disk-budget auto: this share of the free space under EXOKV_HOME
@@ -24,12 +25,12 @@ KV_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-def check_kv_quantization(kv_bits: int | None, group: int) -> None:
+def check_kv_quantization(kv: KvQuant) -> None:
     """--kv-bits and --kv-group-size: what mlx can quantize the KV cache with."""
-    if kv_bits is not None and kv_bits not in KV_BITS:
-        raise UsageError(f"--kv-bits {kv_bits}: use 4 or 8")
-    if group not in GROUP_SIZES:
-        raise UsageError(f"--kv-group-size {group}: use 32, 64 or 128")
+    if kv.bits is not None and kv.bits not in KV_BITS:
+        raise UsageError(f"--kv-bits {kv.bits}: use 4 or 8")
+    if kv.group_size not in GROUP_SIZES:
+        raise UsageError(f"--kv-group-size {kv.group_size}: use 32, 64 or 128")
 
 
 def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
@@ -54,18 +55,6 @@ def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
     )
 
 
-class TierSettings(Protocol):
-    """What a rank's tier is made from: a front end's ClusterOptions, or a rank's argv
-    (exokv.rank.main parses --disk-budget with exokv.core.options.parse_disk_budget)."""
-
-    model: str
-    disk_budget: DiskBudget
-    kv_bits: int | None
-    kv_group_size: int
-    max_kv_size: int | None
-    ranks_here: int
-
-
 def disk_bytes(budget: int | Literal["auto"], where: Path, ranks_here: int = 1) -> int:
     """A disk budget in bytes: AUTO is a share of the free space at `where` (divided
     among the ranks sharing this machine's disk)."""
@@ -85,20 +74,22 @@ def tier_dir(model: str, layout: str, rank: int) -> Path:
     return caches_dir() / safe(model) / safe(layout) / f"rank{rank}"
 
 
-def tier_options(opts: TierSettings, rank: int, layout: str) -> dict[str, Any]:
-    """EngineOptions fields for the disk tier and quantized KV."""
-    bits, group = opts.kv_bits, opts.kv_group_size
-    out: dict[str, Any] = {"kv_bits": bits, "kv_group_size": group}
-    if opts.disk_budget is None:
-        return out
-    full = f"{layout}-kv{bits or 16}g{group}-max{opts.max_kv_size or 0}"
-    where = tier_dir(_identity(opts.model), full, rank)
-    budget = disk_bytes(opts.disk_budget, where, opts.ranks_here)
+def tier_options(
+    cluster: ClusterOptions, rank: int, layout: str, ranks_here: int
+) -> dict[str, Any]:
+    """EngineOptions fields for rank `rank`'s disk tier (none: no tier); `ranks_here`
+    share this machine's disk."""
+    if cluster.disk_budget is None:
+        return {}
+    kv = cluster.kv
+    full = f"{layout}-kv{kv.bits or 16}g{kv.group_size}-max{cluster.max_kv_size or 0}"
+    where = tier_dir(_identity(cluster.model), full, rank)
+    budget = disk_bytes(cluster.disk_budget, where, ranks_here)
     # Every rank must have the tier or none (its numbers ride in the turn's gather):
     # `auto` on a rank with no free space is a tier of 0 bytes, not no tier.
-    if budget > 0 or opts.disk_budget == AUTO:
-        out.update(disk_dir=str(where), disk_budget=budget)
-    return out
+    if budget > 0 or cluster.disk_budget == AUTO:
+        return {"disk_dir": str(where), "disk_budget": budget}
+    return {}
 
 
 def shown_disk_budget(opts: ClusterOptions) -> int | None:

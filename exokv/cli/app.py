@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any
 
 import click
 import typer
 import typer.core
 
 from exokv import __version__
+from exokv.cli import flags
 from exokv.config import API_KEY, debug_enabled
 from exokv.errors import ExokvError, UsageError
 from exokv.frontend.signals import Terminated
@@ -61,89 +61,6 @@ def _root(
         raise typer.Exit(0)
 
 
-# The chat's model, layout and cache options, shared with `exokv serve` (one definition
-# each: the two front ends start the same ranks the same way).
-_MODEL = typer.Option(
-    None,
-    "--model",
-    "-m",
-    help="smollm2 (default), builtin:NAME, a path, a .gguf, ollama:NAME or a HF repo id",
-)
-_SYSTEM = typer.Option(None, "--system", help="system prompt")
-_CHAT_TEMPLATE = typer.Option(
-    None,
-    "--chat-template",
-    help="chatml|llama3|gemma|mistral|qwen|phi|plain or a Jinja file (default: the model's)",
-)
-_MAX_TOKENS = typer.Option(256, "--max-tokens", help="most tokens per reply")
-_TEMP = typer.Option(
-    None, "--temp", help="sampling temperature (default 0, or an ollama model's own)"
-)
-_SEED = typer.Option(None, "--seed", help="random seed")
-_RANKS = typer.Option(1, "--ranks", "-n", help="ranks on this machine")
-_HOSTS = typer.Option(None, "--hosts", help="a,b,... one rank per host")
-_HOSTFILE = typer.Option(None, "--hostfile", help="mlx hostfile (JSON)")
-_BACKEND = typer.Option("ring", "--backend", help="ring|jaccl|mpi")
-_PARALLEL = typer.Option("pipeline", "--parallel", help="pipeline|tensor")
-_SPLIT = typer.Option(
-    None, "--split", help="layers per rank: auto (from memory; the default) or e.g. 3,1"
-)
-_PLAN = typer.Option(
-    False, "--plan", help="print where the layers and cache go, then exit (loads no weights)"
-)
-_CACHE_BUDGET = typer.Option(None, "--cache-budget", help="bytes per rank: 2GB or 64MB,16MB")
-_MEMORY_THRESHOLD = typer.Option(
-    0.9, "--memory-threshold", help="RAM fraction that triggers eviction"
-)
-_MAX_KV_SIZE = typer.Option(None, "--max-kv-size", help="rotating KV cache of this many tokens")
-_NO_CACHE = typer.Option(False, "--no-cache", help="prefill the whole prompt every turn")
-_DISK_BUDGET = typer.Option(
-    None, "--disk-budget", help="disk tier per rank: 20GB, auto (a share of free space) or 0"
-)
-_KV_BITS = typer.Option(None, "--kv-bits", help="quantized KV cache: 4 or 8 bits")
-_KV_GROUP_SIZE = typer.Option(64, "--kv-group-size", help="quantization group size")
-_NO_SPECULATE = typer.Option(
-    False, "--no-speculate", help="decode one token at a time, no drafts from the conversation"
-)
-_STARTING_PORT = typer.Option(None, "--starting-port", help="first port for the ranks")
-_DRAFT_MODEL = typer.Option(
-    None,
-    "--draft-model",
-    help="a small model with the model's tokenizer that drafts replies on rank 0 (as --model)",
-)
-_RESTARTS = typer.Option(
-    3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
-)
-
-
-# The options above that go to ChatOptions under their own names, for both commands.
-_SHARED = (
-    "seed",
-    "ranks",
-    "hosts",
-    "hostfile",
-    "backend",
-    "parallel",
-    "split",
-    "plan",
-    "cache_budget",
-    "memory_threshold",
-    "no_cache",
-    "no_speculate",
-    "disk_budget",
-    "kv_bits",
-    "kv_group_size",
-    "starting_port",
-    "restarts",
-    "draft_model",
-)
-
-
-def _shared(values: dict[str, Any]) -> dict[str, Any]:
-    """The shared model, layout and cache options among a command's parameters."""
-    return {name: values[name] for name in _SHARED}
-
-
 def _temperature(given: float | None, model_default: float | None) -> float:
     """--temp as given, else the model's own default (an ollama manifest's params), else 0."""
     if given is not None:
@@ -168,31 +85,31 @@ def chat(
         help="a message to answer in one turn, then exit (as `llm` and `ollama run`)",
         show_default=False,
     ),
-    model: str = _MODEL,
-    system: str = _SYSTEM,
-    chat_template: str = _CHAT_TEMPLATE,
-    max_tokens: int = _MAX_TOKENS,
-    temp: float = _TEMP,
-    seed: int = _SEED,
-    ranks: int = _RANKS,
-    hosts: str = _HOSTS,
-    hostfile: str = _HOSTFILE,
-    backend: str = _BACKEND,
-    parallel: str = _PARALLEL,
-    split: str = _SPLIT,
-    plan: bool = _PLAN,
-    cache_budget: str = _CACHE_BUDGET,
-    memory_threshold: float = _MEMORY_THRESHOLD,
-    max_kv_size: int = _MAX_KV_SIZE,
-    no_cache: bool = _NO_CACHE,
+    model: str = flags.MODEL,
+    system: str = flags.SYSTEM,
+    chat_template: str = flags.CHAT_TEMPLATE,
+    max_tokens: int = flags.MAX_TOKENS,
+    temp: float = flags.TEMP,
+    seed: int = flags.SEED,
+    ranks: int = flags.RANKS,
+    hosts: str = flags.HOSTS,
+    hostfile: str = flags.HOSTFILE,
+    backend: str = flags.BACKEND,
+    parallel: str = flags.PARALLEL,
+    split: str = flags.SPLIT,
+    plan: bool = flags.PLAN,
+    cache_budget: str = flags.CACHE_BUDGET,
+    memory_threshold: float = flags.MEMORY_THRESHOLD,
+    max_kv_size: int = flags.MAX_KV_SIZE,
+    no_cache: bool = flags.NO_CACHE,
     no_typeahead: bool = typer.Option(
         False, "--no-typeahead", help="REPL: no prefill of the line before Enter"
     ),
-    no_speculate: bool = _NO_SPECULATE,
-    draft_model: str = _DRAFT_MODEL,
-    disk_budget: str = _DISK_BUDGET,
-    kv_bits: int = _KV_BITS,
-    kv_group_size: int = _KV_GROUP_SIZE,
+    no_speculate: bool = flags.NO_SPECULATE,
+    draft_model: str = flags.DRAFT_MODEL,
+    disk_budget: str = flags.DISK_BUDGET,
+    kv_bits: int = flags.KV_BITS,
+    kv_group_size: int = flags.KV_GROUP_SIZE,
     session: str = typer.Option(
         None, "--session", help="name the conversation; resumes it if it exists"
     ),
@@ -200,8 +117,8 @@ def chat(
     plain: bool = typer.Option(
         False, "--plain", help="REPL: replies as raw text, not rendered as markdown"
     ),
-    starting_port: int = _STARTING_PORT,
-    restarts: int = _RESTARTS,
+    starting_port: int = flags.STARTING_PORT,
+    restarts: int = flags.RESTARTS,
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
     from exokv.chat.run import run_chat
@@ -232,40 +149,40 @@ def chat(
         json=json_out,
         plain=plain,
         prompt=one_shot,
-        **_shared(locals()),
+        **flags.passed_on(chat, locals()),
     )
     raise typer.Exit(run_chat(opts))
 
 
 @app.command()
 def serve(
-    model: str = _MODEL,
+    model: str = flags.MODEL,
     max_tokens: int = typer.Option(
         256, "--max-tokens", help="reply length for a request without max_tokens"
     ),
     temp: float = typer.Option(
         None, "--temp", help="temperature for a request without one (0, or an ollama model's)"
     ),
-    chat_template: str = _CHAT_TEMPLATE,
-    seed: int = _SEED,
-    ranks: int = _RANKS,
-    hosts: str = _HOSTS,
-    hostfile: str = _HOSTFILE,
-    backend: str = _BACKEND,
-    parallel: str = _PARALLEL,
-    split: str = _SPLIT,
-    plan: bool = _PLAN,
-    cache_budget: str = _CACHE_BUDGET,
-    memory_threshold: float = _MEMORY_THRESHOLD,
-    max_kv_size: int = _MAX_KV_SIZE,
-    no_cache: bool = _NO_CACHE,
-    no_speculate: bool = _NO_SPECULATE,
-    draft_model: str = _DRAFT_MODEL,
-    disk_budget: str = _DISK_BUDGET,
-    kv_bits: int = _KV_BITS,
-    kv_group_size: int = _KV_GROUP_SIZE,
-    starting_port: int = _STARTING_PORT,
-    restarts: int = _RESTARTS,
+    chat_template: str = flags.CHAT_TEMPLATE,
+    seed: int = flags.SEED,
+    ranks: int = flags.RANKS,
+    hosts: str = flags.HOSTS,
+    hostfile: str = flags.HOSTFILE,
+    backend: str = flags.BACKEND,
+    parallel: str = flags.PARALLEL,
+    split: str = flags.SPLIT,
+    plan: bool = flags.PLAN,
+    cache_budget: str = flags.CACHE_BUDGET,
+    memory_threshold: float = flags.MEMORY_THRESHOLD,
+    max_kv_size: int = flags.MAX_KV_SIZE,
+    no_cache: bool = flags.NO_CACHE,
+    no_speculate: bool = flags.NO_SPECULATE,
+    draft_model: str = flags.DRAFT_MODEL,
+    disk_budget: str = flags.DISK_BUDGET,
+    kv_bits: int = flags.KV_BITS,
+    kv_group_size: int = flags.KV_GROUP_SIZE,
+    starting_port: int = flags.STARTING_PORT,
+    restarts: int = flags.RESTARTS,
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback)"),
     port: int = typer.Option(8000, "--port", help="port to listen on"),
     api_key: str = typer.Option(
@@ -289,13 +206,14 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
     from exokv.core.sizes import parse_size
     from exokv.frontend.resume import resolve
+    from exokv.frontend.start import ChatOptions
     from exokv.serve.run import ServeOptions, run_serve
 
     _check_layout(backend, parallel, restarts)
     settled = resolve(None, model, max_kv_size, chat_template)
     for note in settled.notes:
         print(f"exokv: {note}", file=sys.stderr)
-    opts = ServeOptions(
+    front = ChatOptions(
         model=settled.model,
         max_tokens=max_tokens,
         temp=_temperature(temp, settled.defaults.temperature),
@@ -303,6 +221,10 @@ def serve(
         max_kv_size=max_kv_size,
         chat_template=settled.chat_template,
         prompt_format=settled.prompt_format,
+        **flags.passed_on(serve, locals()),
+    )
+    opts = ServeOptions(
+        front,
         host=host,
         port=port,
         api_key=api_key,
@@ -311,7 +233,6 @@ def serve(
         batch_wait_ms=batch_wait,
         drain_s=drain_timeout,
         max_body=parse_size(max_body),
-        **_shared(locals()),
     )
     raise typer.Exit(run_serve(opts))
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from exokv.cli import flags
 from exokv.errors import ExokvError, UsageError
 
 BENCH_DEFAULT_MODEL = "builtin:base"
@@ -48,7 +49,7 @@ def bench(
     kv_bits: int = typer.Option(
         None, "--kv-bits", help="quantized KV (4 or 8) for exokv and exokv+disk; drift reported"
     ),
-    kv_group_size: int = typer.Option(64, "--kv-group-size", help="quantization group size"),
+    kv_group_size: int = flags.KV_GROUP_SIZE,
 ) -> None:
     """Compare cold, carried, mlx-lm-lru and exokv on the same conversations."""
     from exokv.bench import SCENARIOS
@@ -74,8 +75,9 @@ def bench(
         if budget <= 0:
             raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
     from exokv.cache.tier_options import check_kv_quantization
+    from exokv.core.options import KvQuant
 
-    check_kv_quantization(kv_bits, kv_group_size)
+    check_kv_quantization(KvQuant(kv_bits, kv_group_size))
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
     # shared-prefix gives its conversations' turns the half of --context that its

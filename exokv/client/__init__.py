@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from exokv.core.options import ClusterOptions
+from exokv.core.options import ClusterOptions, RankOptions
 from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 
 
@@ -116,23 +116,13 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
     # One rank runs here unless a hostfile names its machine (a --hosts of one name
     # runs here too, as it always has).
     if opts.rank_count == 1 and (opts.hosts is None or opts.hosts.hostfile is None):
-        from exokv.cache.tier_options import tier_options
         from exokv.client.local import LocalClient
-        from exokv.rank.engine import EngineOptions
+        from exokv.rank.options import engine_options
 
         return LocalClient(
             opts.model,
             draft_model=opts.draft_model,
-            options=EngineOptions(
-                budget=opts.budgets[0] if opts.budgets else None,
-                memory_threshold=opts.memory_threshold,
-                max_kv_size=opts.max_kv_size,
-                seed=opts.seed,
-                chat_template=opts.chat_template,
-                stops=opts.stops,
-                context=opts.context,
-                **tier_options(opts, rank=0, layout="pipeline:1:even"),
-            ),
+            options=engine_options(RankOptions(opts), rank=0, layout="pipeline:1:even"),
         )
     from exokv.client.cluster import ClusterClient
     from exokv.client.heal import HealingClient

@@ -3,8 +3,10 @@
 It opens the channel, has its Supervisor (exokv.launch.supervise) start the launcher
 in its own process group (so Ctrl-C in the terminal reaches only the front end, and
 close() can end every rank at once), hands rank 0 the address and token through the
-launcher's stdin, and then speaks with rank 0 (exokv.wire.messages): a turn request
-out; text, progress and the result back; a stop when the user presses Ctrl-C.
+launcher's stdin (every rank's options go as one word on its command line, an
+exokv.core.options.RankOptions), and then speaks with rank 0 (exokv.wire.messages): a
+turn request out; text, progress and the result back; a stop when the user presses
+Ctrl-C.
 
 Failure detection, each ending in one ExokvError that names the rank and cause:
 the launcher exiting, the channel closing, or a rank going quiet (every rank
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -39,7 +42,7 @@ from typing import Any
 from exokv.client import Client
 from exokv.client.stopwatch import FirstText
 from exokv.config import slow_texts_hook
-from exokv.core.options import ClusterOptions
+from exokv.core.options import ClusterOptions, KvQuant, RankOptions
 from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.launch.command import (
@@ -149,8 +152,7 @@ class ClusterClient(Client):
                 self._prepare_model(opts.model, split)
             else:
                 check_reachable(self.plan)
-            command = self._rank_args(opts, seed, split, opts.budgets)
-            self.plan.argv += command
+            self.plan.argv.append(self._rank_options(opts, seed).to_arg())
             self._started = time.monotonic()
             self._say(f"starting {self.ranks} ranks…")
             self._start()
@@ -416,45 +418,24 @@ class ClusterClient(Client):
                 f"among {self.ranks} ranks; use --parallel pipeline or another -n"
             )
 
-    def _rank_args(
-        self, opts: ClusterOptions, seed: int, split: list[int] | None, budgets: list[int] | None
-    ) -> list[str]:
-        args = [
-            "--model",
-            opts.model,
-            "--backend",
-            self.plan.backend,
-            "--parallel",
-            opts.parallel,
-            "--memory-threshold",
-            str(opts.memory_threshold),
-            "--seed",
-            str(seed),
-        ]
-        if split is not None:
-            args += ["--split", ",".join(map(str, split))]
-        if budgets is not None:
-            args += ["--budgets", ",".join(map(str, budgets))]
-        if opts.max_kv_size is not None:
-            args += ["--max-kv-size", str(opts.max_kv_size)]
-        if opts.chat_template is not None or opts.stops or opts.context is not None:
-            from exokv.model.templates import Format
-
-            # One opaque word: a template file's text crosses ssh unquoted.
-            form = Format(opts.chat_template, opts.stops, opts.context)
-            args += ["--prompt-format", form.to_arg()]
-        # The disk tier (exokv.cache.tier_options): the ranks get what this chat decided.
-        args += ["--disk-budget", str(opts.disk_budget or 0)]
-        if opts.kv_bits is not None:
-            args += ["--kv-bits", str(opts.kv_bits), "--kv-group-size", str(opts.kv_group_size)]
-        if opts.draft_model is not None:  # rank 0 loads it; the others ignore it
-            args += ["--draft-model", opts.draft_model]
-        if self.plan.local:  # a pid means nothing on another host
-            args += ["--front-end-pid", str(os.getpid())]
-            args += ["--ranks-here", str(self.ranks)]  # they share this machine's RAM
+    def _rank_options(self, opts: ClusterOptions, seed: int) -> RankOptions:
+        """The one record every rank starts with, as this launch settled it."""
+        settled = dataclasses.replace(
+            opts,
+            seed=seed,  # drawn here when none was given: the same on every rank
+            backend=self.plan.backend,  # a hostfile's own wins over --backend
+            # The ranks' tier directory names the group size only with --kv-bits, as the
+            # ranks have always had it (a rank in this process names the one given).
+            kv=opts.kv if opts.kv.bits is not None else KvQuant(),
+        )
         first = self.plan.hosts[0]
-        args += ["--wake-host", first.ips[0] if first.ips else first.ssh]
-        return args
+        local = self.plan.local  # a pid means nothing on another host
+        return RankOptions(
+            settled,
+            ranks_here=self.ranks if local else 1,  # they share this machine's RAM
+            front_end_pid=os.getpid() if local else None,
+            wake_host=first.ips[0] if first.ips else first.ssh,
+        )
 
     def _start(self) -> None:
         plan: LaunchPlan = self.plan

@@ -4,12 +4,20 @@ A front end (the chat, the server) checks and parses its flags once, at the boun
 (`exokv.frontend.start.validate`), into a `ClusterOptions`; the client, the cluster and the
 disk tier read its values and parse nothing again. The parsers here are the ones that
 need nothing but the text: their messages are the ones users see for a bad value.
+
+The ranks get the same record, as the launch settled it, in one `RankOptions` word on
+their command line (`exokv.client.cluster` writes it, `exokv.rank.main` reads it, and
+`exokv.rank.options` turns it into the engine's options): a new option of the ranks is
+a field here and its reading there, with no command line to extend in between.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from exokv.core.sizes import parse_size
 from exokv.errors import UsageError
@@ -18,6 +26,15 @@ from exokv.hosts.hostfile import HostList
 AUTO: Literal["auto"] = "auto"  # --disk-budget auto: a share of the free space, per rank
 # A rank's disk tier: bytes, AUTO (worked out where the tier lives), or None: no tier.
 DiskBudget = int | Literal["auto"] | None
+
+
+@dataclass(frozen=True)
+class KvQuant:
+    """--kv-bits and --kv-group-size: how mlx quantizes the KV cache (bits None: it does
+    not). They go together wherever the KV is sized, stored or named."""
+
+    bits: int | None = None
+    group_size: int = 64
 
 
 @dataclass(frozen=True)
@@ -38,8 +55,7 @@ class ClusterOptions:
     no_cache: bool = False
     # The tier each rank gets: None with --no-cache or when a rank's budget is 0.
     disk_budget: DiskBudget = AUTO
-    kv_bits: int | None = None
-    kv_group_size: int = 64
+    kv: KvQuant = KvQuant()
     starting_port: int | None = None
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
     # The prompt format every rank renders with (exokv.model.templates): a template spec
@@ -62,6 +78,36 @@ class ClusterOptions:
     def ranks_here(self) -> int:
         """Ranks sharing this machine (and its disk): ranks on several hosts have their own."""
         return 1 if self.hosts is not None else self.ranks
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """What every rank of a chat starts with: the chat's ClusterOptions as the launch
+    settled them (the seed drawn, the launcher's backend, the split placed) and what only
+    the launch knows. The hosts stay with the front end: a rank needs none of them.
+
+    One command-line word (`to_arg`, base64 JSON: no quoting over ssh or mpirun), the
+    same on every rank; the bootstrap line on stdin would reach rank 0 alone, and only
+    once the ring is up could rank 0 pass it on, while the backend is needed to form it.
+    """
+
+    cluster: ClusterOptions
+    ranks_here: int = 1  # ranks sharing this machine's RAM and disk
+    front_end_pid: int | None = None  # a local rank ends with the front end
+    wake_host: str = "127.0.0.1"  # rank 0's address: the others' doorbell (exokv.wire.wake)
+
+    def to_arg(self) -> str:
+        """The record as one command-line word."""
+        sent = dataclasses.replace(self, cluster=dataclasses.replace(self.cluster, hosts=None))
+        return base64.urlsafe_b64encode(json.dumps(dataclasses.asdict(sent)).encode()).decode()
+
+    @classmethod
+    def from_arg(cls, arg: str) -> RankOptions:
+        """The record `to_arg` wrote (both sides are this version: no other is read)."""
+        doc: dict[str, Any] = json.loads(base64.urlsafe_b64decode(arg.encode()))
+        cluster = dict(doc.pop("cluster"))
+        cluster.update(kv=KvQuant(**cluster["kv"]), stops=tuple(cluster["stops"]))
+        return cls(ClusterOptions(**cluster), **doc)
 
 
 def parse_budgets(text: str | None, ranks: int) -> list[int] | None:

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exokv.client import Client, make_client
-from exokv.core.options import AUTO, ClusterOptions, parse_budgets, parse_disk_budget, parse_split
+from exokv.core.options import (
+    AUTO,
+    ClusterOptions,
+    KvQuant,
+    parse_budgets,
+    parse_disk_budget,
+    parse_split,
+)
 from exokv.errors import UsageError
 from exokv.hosts.fetch import fetch_onto_hosts
 from exokv.hosts.hostfile import HostList, parse_hosts, read_hostfile
@@ -23,7 +30,9 @@ from exokv.model.templates import Format
 @dataclass
 class ChatOptions:
     """The chat's flags as the command line gives them; `validate` parses the ranks'
-    layout and cache among them into the ClusterOptions every layer below receives."""
+    layout and cache among them into the ClusterOptions every layer below receives.
+    `exokv serve` starts from one too (exokv.serve.run.ServeOptions), with the chat's
+    own flags (--session, --json, --plain, ...) left at their defaults."""
 
     model: str
     system: str | None = None
@@ -116,7 +125,8 @@ def validate(opts: ChatOptions) -> ClusterOptions:
     from exokv.cache.tier_options import check_kv_quantization
 
     given = None if opts.disk_budget is None else parse_disk_budget(opts.disk_budget)
-    check_kv_quantization(opts.kv_bits, opts.kv_group_size)
+    kv = KvQuant(opts.kv_bits, opts.kv_group_size)
+    check_kv_quantization(kv)
     # A rank that keeps nothing has nothing to spill either: no tier anywhere.
     keeps_nothing = opts.no_cache or 0 in (budgets or [])
     return ClusterOptions(
@@ -133,8 +143,7 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         seed=opts.seed,
         no_cache=opts.no_cache,
         disk_budget=None if keeps_nothing else (given if opts.disk_budget else AUTO),
-        kv_bits=opts.kv_bits,
-        kv_group_size=opts.kv_group_size,
+        kv=kv,
         starting_port=opts.starting_port,
         restarts=opts.restarts,
         chat_template=opts.prompt_format.template or opts.chat_template,

@@ -43,7 +43,7 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     try:
         rooms = rank_rooms(cluster)
         # A model that is not there at all fails here, in its own one line.
-        sizes = model_sizes(cluster.model, cluster.kv_bits, cluster.kv_group_size)
+        sizes = model_sizes(cluster.model, cluster.kv)
     except (HostsUnknown, SizesUnknown) as err:
         if show:
             raise

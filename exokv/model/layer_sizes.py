@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from exokv.core.options import KvQuant
 from exokv.errors import ExokvError, one_line
 from exokv.hosts.placement import ModelSizes
 from exokv.model import hub
@@ -57,10 +58,7 @@ def read_header(path: Path) -> dict[str, int]:
 
 
 def sizes_of(
-    tensors: Mapping[str, int],
-    config: Mapping[str, Any],
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
+    tensors: Mapping[str, int], config: Mapping[str, Any], kv: KvQuant = KvQuant()
 ) -> ModelSizes:
     """Bytes per layer and outside the layers, and each layer's KV bytes per token."""
     cfg = _text_config(config)
@@ -78,12 +76,10 @@ def sizes_of(
             shared += size
         elif i < count:  # mlx-lm drops layers past the config's count (e.g. MTP heads)
             layers[i] += size
-    return ModelSizes(layers, shared, [kv_bytes_per_token(cfg, kv_bits, kv_group_size)] * count)
+    return ModelSizes(layers, shared, [kv_bytes_per_token(cfg, kv)] * count)
 
 
-def kv_bytes_per_token(
-    config: Mapping[str, Any], kv_bits: int | None = None, kv_group_size: int = 64
-) -> int:
+def kv_bytes_per_token(config: Mapping[str, Any], kv: KvQuant = KvQuant()) -> int:
     """Keys and values one token adds to one attention layer: kv heads x head dim x 2 x
     dtype bytes (quantized: the packed bits plus a scale and a bias per group)."""
     cfg = _text_config(config)
@@ -95,13 +91,13 @@ def kv_bytes_per_token(
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float16"
     width = _DTYPE_BYTES.get(str(dtype), 2)
     values = 2 * kv_heads * head_dim
-    if kv_bits:
-        groups = -(-values // kv_group_size)
-        return values * kv_bits // 8 + groups * 2 * width
+    if kv.bits:
+        groups = -(-values // kv.group_size)
+        return values * kv.bits // 8 + groups * 2 * width
     return values * width
 
 
-def local_sizes(path: Path, kv_bits: int | None = None, kv_group_size: int = 64) -> ModelSizes:
+def local_sizes(path: Path, kv: KvQuant = KvQuant()) -> ModelSizes:
     """The sizes of the model in directory `path`: every weight file must be there."""
     config = _json(path / "config.json")
     index = path / "model.safetensors.index.json"
@@ -123,16 +119,14 @@ def local_sizes(path: Path, kv_bits: int | None = None, kv_group_size: int = 64)
     tensors: dict[str, int] = {}
     for f in files:
         tensors.update(read_header(path / f))
-    return sizes_of(tensors, config, kv_bits, kv_group_size)
+    return sizes_of(tensors, config, kv)
 
 
-def hub_sizes(
-    repo: str, revision: str | None = None, kv_bits: int | None = None, kv_group_size: int = 64
-) -> ModelSizes:
+def hub_sizes(repo: str, revision: str | None = None, kv: KvQuant = KvQuant()) -> ModelSizes:
     """The sizes of a hub repo's model from its headers alone (a few small requests, once
     per commit: kept beside the repo's cache, so a later chat plans with the hub gone)."""
     tensors, config = _hub_headers(repo, revision)
-    return sizes_of(tensors, config, kv_bits, kv_group_size)
+    return sizes_of(tensors, config, kv)
 
 
 def _hub_headers(repo: str, revision: str | None) -> tuple[dict[str, int], dict[str, Any]]:
@@ -166,22 +160,22 @@ def _hub_headers(repo: str, revision: str | None) -> tuple[dict[str, int], dict[
     return tensors, config
 
 
-def model_sizes(name: str, kv_bits: int | None = None, kv_group_size: int = 64) -> ModelSizes:
+def model_sizes(name: str, kv: KvQuant = KvQuant()) -> ModelSizes:
     """The sizes of `--model name`: read here when its files are here, else from the hub
     (a repo not downloaded yet, or only some of its shards on this machine)."""
     repo_id = hub.repo_of(name)
     if repo_id is None:
         from exokv.model.resolve import resolve_model
 
-        return local_sizes(resolve_model(name), kv_bits, kv_group_size)
+        return local_sizes(resolve_model(name), kv)
     repo, revision = repo_id
     snapshot = hub.cached_snapshot(repo, revision)
     if snapshot is not None:
         try:
-            return local_sizes(snapshot, kv_bits, kv_group_size)
+            return local_sizes(snapshot, kv)
         except SizesUnknown:
             pass  # a partial snapshot: the hub has every header
-    return hub_sizes(repo, revision, kv_bits, kv_group_size)
+    return hub_sizes(repo, revision, kv)
 
 
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:

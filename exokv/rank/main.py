@@ -1,4 +1,8 @@
-"""One rank of a distributed chat: `python -m exokv.rank.main ...`, started by mlx.launch.
+"""One rank of a distributed chat: `python -m exokv.rank.main OPTIONS`, started by mlx.launch.
+
+OPTIONS is one word, the chat's options as the launch settled them (an
+`exokv.core.options.RankOptions`), the same for every rank; its engine's options are
+read from it in `exokv.rank.options`.
 
 Every rank loads its shard of the model and runs the same Engine. Rank 0 alone
 talks to the front end over the channel: it reads one request, broadcasts it to
@@ -15,7 +19,6 @@ environment.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from exokv.config import TEST_FAIL_AT, fail_at_hook, rank_log_enabled
-from exokv.core.options import AUTO, parse_disk_budget
+from exokv.core.options import RankOptions
 from exokv.core.records import CacheFileReport
 from exokv.errors import ExokvError, PromptTooLong
 from exokv.launch.command import remove_scratch
@@ -126,49 +129,40 @@ class CountingGroup:
         self.seconds[kind] += time.perf_counter() - tic
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="exokv.rank.main")
-    p.add_argument("--model", required=True)
-    p.add_argument("--backend", default="ring")
-    p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline")
-    p.add_argument("--split", default=None, help="layers per rank, rank 0 first")
-    p.add_argument("--budgets", default=None, help="bytes per rank, comma separated")
-    p.add_argument("--memory-threshold", type=float, default=0.9)
-    p.add_argument("--max-kv-size", type=int, default=None)
-    p.add_argument("--prompt-format", default=None)  # exokv.model.templates.Format.to_arg
-    # the disk tier (exokv.cache.tier_options)
-    p.add_argument("--disk-budget", type=parse_disk_budget, default=AUTO)
-    p.add_argument("--kv-bits", type=int, default=None)
-    p.add_argument("--kv-group-size", type=int, default=64)
-    p.add_argument("--draft-model", default=None, help="rank 0 drafts with it (whole)")
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--front-end-pid", type=int, default=None, help="local ranks end with it")
-    p.add_argument("--ranks-here", type=int, default=1, help="ranks sharing this machine's memory")
-    p.add_argument("--wake-host", default="127.0.0.1", help="rank 0's address for the others")
-    return p.parse_args(argv)
+def read_options(argv: list[str] | None = None) -> RankOptions:
+    """The one word every rank is started with (exokv.core.options.RankOptions)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if len(argv) != 1:
+            raise ValueError(f"{len(argv)} arguments")
+        return RankOptions.from_arg(argv[0])
+    except (ValueError, TypeError, KeyError) as err:
+        # The front end of this very version writes it: anything else is a usage slip.
+        print(f"exokv.rank.main: expected one RankOptions word ({err})", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    options = read_options(argv)
     rank = launcher_rank()
     link: channel.Connection | None = None
     # Beating (and watching the front end) from before the ring forms: a front end
     # killed while the ranks start must not leave them waiting for each other.
-    start_beating(rank, args.front_end_pid)
+    start_beating(rank, options.front_end_pid)
     try:
         # Before the ring: until every rank has let its stdin go, the launcher spins.
         boot = read_bootstrap() if rank == 0 else None
         release_stdin()
-        world = mx.distributed.init(backend=args.backend, strict=True)
+        world = mx.distributed.init(backend=options.cluster.backend, strict=True)
         rank = world.rank()
         if boot is not None:
             link = channel.connect(boot["addresses"], boot["token"], {"ranks": world.size()})
-        return Rank(args, world, link).run()
+        return Rank(options, world, link).run()
     except Exception as err:  # noqa: BLE001 - every failure becomes one line for the front end
         report_error(rank, err, link)
         return 1
     finally:
-        if args.front_end_pid is not None and not alive(args.front_end_pid):
+        if options.front_end_pid is not None and not alive(options.front_end_pid):
             remove_scratch()  # the front end was killed: nobody else will
 
 
@@ -242,9 +236,9 @@ def in_step(group: Group, message: Message | None, step: int, turn: int) -> Mess
 
 class Rank:
     def __init__(
-        self, args: argparse.Namespace, world: mx.distributed.Group, link: channel.Connection | None
+        self, options: RankOptions, world: mx.distributed.Group, link: channel.Connection | None
     ) -> None:
-        self.args = args
+        self.options = options
         self.world = world
         self.rank = world.rank()
         self.link = link
@@ -288,46 +282,31 @@ class Rank:
             threading.Thread(target=self._heartbeat, daemon=True).start()
             threading.Thread(target=self._read_channel, daemon=True).start()
             self.link.send(Status("loading the model"))
-        from exokv.cache.tier_options import tier_options
-        from exokv.rank.engine import Engine, EngineOptions
+        from exokv.rank.engine import Engine
+        from exokv.rank.options import engine_options
 
-        args = self.args
-        split = [int(s) for s in args.split.split(",")] if args.split else None
-        model, tokenizer = load_shard(args.model, self.world, args.parallel, split)
-        from exokv.model.templates import Format
-
-        form = Format.from_arg(args.prompt_format)
+        cluster = self.options.cluster
+        model, tokenizer = load_shard(cluster.model, self.world, cluster.parallel, cluster.split)
         beat_loaded(self.rank)
-        budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
         from exokv.collectives import MlxGroup  # mlx-lm: imported after beat() has started
 
         group = CountingGroup(MlxGroup(self.world))
         draft = None
-        if args.draft_model is not None and self.rank == 0:  # its drafts go with each step
+        if cluster.draft_model is not None and self.rank == 0:  # its drafts go with each step
             from exokv.rank.draft_model import load_draft
 
-            draft = load_draft(args.draft_model, tokenizer)
+            draft = load_draft(cluster.draft_model, tokenizer)
         engine = Engine(
             model,
             tokenizer,
             group=group,
             draft=draft,
-            options=EngineOptions(
-                budget=budgets[self.rank] if budgets else None,
-                ranks_here=args.ranks_here,  # they share this machine's RAM
-                memory_threshold=args.memory_threshold,
-                max_kv_size=args.max_kv_size,
-                chat_template=form.template,
-                stops=form.stops,
-                context=form.context,
-                seed=args.seed,  # the same seed on every rank: sampling agrees at temp > 0
-                **tier_options(args, rank=self.rank, layout=self._layout()),
-            ),
+            options=engine_options(self.options, self.rank, self._layout()),
         )
         inject_failure(engine, self.rank, fail_at_hook())
         self.engine, self.group = engine, group
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
-        doorbell = Doorbell.connect(group, args.wake_host)
+        doorbell = Doorbell.connect(group, self.options.wake_host)
         # Startup only, not per turn: every rank's effective budget for the front end.
         all_budgets = [
             row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
@@ -432,8 +411,9 @@ class Rank:
 
     def _layout(self) -> str:
         """What a rank's disk tier depends on besides the model: how the layers are spread."""
-        split = self.args.split or "even"
-        return f"{self.args.parallel}:{self.world.size()}:{split}"
+        split = self.options.cluster.split
+        shown = ",".join(map(str, split)) if split else "even"
+        return f"{self.options.cluster.parallel}:{self.world.size()}:{shown}"
 
     def _save(self, engine: Any, group: Any, message: Save) -> CacheFileReport:
         """Every rank writes its shard of the conversation's path; a write that failed on

@@ -28,7 +28,11 @@ DEFAULT_BATCH_WAIT_MS = 10.0
 
 
 @dataclass
-class ServeOptions(ChatOptions):
+class ServeOptions:
+    """`exokv serve`'s options: the chat's model, layout and cache, as the chat has them
+    (`front`: what `prepare` and `started` take), and the server's own."""
+
+    front: ChatOptions  # the chat's own flags (--session, --json, ...) at their defaults
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     api_key: str | None = None
@@ -118,20 +122,21 @@ def run_serve(opts: ServeOptions) -> int:
     from exokv.serve.tools import model_tools
     from exokv.serve.work import TurnQueue
 
-    cluster, plan = prepare(opts)
-    if opts.plan:
+    front = opts.front
+    cluster, plan = prepare(front)
+    if front.plan:
         from exokv.hosts.plan import print_plan
 
         return print_plan(plan, False)
     for warning in check(opts):
         _say(f"warning: {warning}")
-    with ended_by_signals(), started(opts, cluster, kind="serve") as run:
+    with ended_by_signals(), started(front, cluster, kind="serve") as run:
         # Replies' tokens a restart forgot come back from the store (exokv.serve.replies).
         client = RepliesFromStore(run.client, run.store.load_reply_tokens)
         if isinstance(run.client, HealingClient):
             run.client.heal_when_idle = True  # /health says so; no request waits for it
         # No session locks: an API conversation is not opened like a chat's session.
-        hooks = store_hooks(run, opts, locks=False)
+        hooks = store_hooks(run, front, locks=False)
         failed: list[str] = []
         server: DrainingServer | None = None
 
@@ -148,7 +153,7 @@ def run_serve(opts: ServeOptions) -> int:
             batch=opts.batch,
             gather_s=opts.batch_wait_ms / 1000,
         )
-        shown, names = model_names(opts.model)
+        shown, names = model_names(front.model)
         service = Service(
             model=shown,
             names=names,
@@ -157,15 +162,15 @@ def run_serve(opts: ServeOptions) -> int:
             api_key=opts.api_key,
             limits=api.Limits(body_bytes=opts.max_body),
             defaults=api.Defaults(
-                max_tokens=opts.max_tokens, temperature=opts.temp, system=opts.system
+                max_tokens=front.max_tokens, temperature=front.temp, system=front.system
             ),
             use_cache=cluster.keep_cache,
-            speculate=not opts.no_speculate,
+            speculate=not front.no_speculate,
             log=lambda line: print(line, file=sys.stderr, flush=True),
             failure=lambda: client.failure or (failed[0] if failed else None),
             health=run.client.health,
-            tools=functools.cache(lambda: model_tools(opts.model, cluster.chat_template)),
-            count=FrontRender(opts.model, cluster.chat_template, client.known).count,
+            tools=functools.cache(lambda: model_tools(front.model, cluster.chat_template)),
+            count=FrontRender(front.model, cluster.chat_template, client.known).count,
         )
 
         def halt() -> None:
