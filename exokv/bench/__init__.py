@@ -1,9 +1,9 @@
-"""`exokv bench`: the same conversations through four cache strategies, side by side.
+"""`exokv bench`: the same conversations through five cache strategies, side by side.
 
 - ``scenarios``: deterministic conversations from a seed (linear, switch, branch,
   shared-prefix), sized so the last turn reaches ``--context`` tokens.
-- ``strategies``: cold, carried, mlx-lm-lru and exokv, all decoding greedily with
-  the same code path on one loaded model.
+- ``strategies``: cold, carried, mlx-lm-lru, exokv and exokv+disk, all decoding
+  greedily with the same code path on one loaded model.
 - ``runner``: interleaves the strategies turn by turn, repeats, checks that every
   strategy gives the same reply, measures the limit and takes medians.
 - ``targets``: grades a run against the issues' targets.

@@ -87,49 +87,60 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
             "keeps one conversation, as mlx_lm.chat does)."
         )
     for name, s in doc["scenarios"].items():
-        table = Table(
-            title=f"{name} ({len(s['turns'])} turns, last prompt {s['last_prompt_tokens']} tokens)"
-        )
-        for col in (
-            "strategy",
-            "total TTFT",
-            "cached",
-            "peak cache",
-            "decode tok/s",
-            "evicted",
-            "exokv speedup",
-        ):
-            table.add_column(col, justify="left" if col == "strategy" else "right")
-        for strat in STRATEGIES:
-            e = s["strategies"][strat]
-            speed = s["speedup"].get(strat)
-            table.add_row(
-                strat,
-                _s(e["total_ttft_s"]),
-                f"{e['cached_fraction']:.3f}",
-                _bytes(e["peak_cache_bytes"][0]),
-                f"{e['median_decode_tps']:.0f}",
-                str(e.get("evicted", 0)),
-                f"{speed:.2f}x" if speed is not None else "",
-            )
-        lim = s["limit"]
-        table.add_row(
-            "[dim]limit[/]",
-            _s(lim["total_ttft_s"]),
-            f"{lim['cached_fraction']:.3f} (ideal {lim['ideal_cached_fraction']:.3f})",
-            _bytes(s["ideal_cache_bytes"][0]),
-            "",
-            "",
-            "",
-        )
-        console.print(table)
+        console.print(_scenario_table(name, s))
         console.print(_sizes_line(doc, s))
         if budget is not None:
             _print_budget(console, name, s, budget)
+    console.print(_targets_table(doc["targets"]))
+    if not doc["replies_match"]:
+        console.print(f"[red]replies differ in {len(doc['mismatches'])} turn(s)[/]")
+
+
+def _scenario_table(name: str, s: dict[str, Any]) -> Table:
+    """Each strategy's totals on one scenario, and the limit's."""
+    table = Table(
+        title=f"{name} ({len(s['turns'])} turns, last prompt {s['last_prompt_tokens']} tokens)"
+    )
+    for col in (
+        "strategy",
+        "total TTFT",
+        "cached",
+        "peak cache",
+        "decode tok/s",
+        "evicted",
+        "exokv speedup",
+    ):
+        table.add_column(col, justify="left" if col == "strategy" else "right")
+    for strat in STRATEGIES:
+        e = s["strategies"][strat]
+        speed = s["speedup"].get(strat)
+        table.add_row(
+            strat,
+            _s(e["total_ttft_s"]),
+            f"{e['cached_fraction']:.3f}",
+            _bytes(e["peak_cache_bytes"][0]),
+            f"{e['median_decode_tps']:.0f}",
+            str(e.get("evicted", 0)),
+            f"{speed:.2f}x" if speed is not None else "",
+        )
+    lim = s["limit"]
+    table.add_row(
+        "[dim]limit[/]",
+        _s(lim["total_ttft_s"]),
+        f"{lim['cached_fraction']:.3f} (ideal {lim['ideal_cached_fraction']:.3f})",
+        _bytes(s["ideal_cache_bytes"][0]),
+        "",
+        "",
+        "",
+    )
+    return table
+
+
+def _targets_table(targets: list[dict[str, Any]]) -> Table:
     table = Table(title="targets")
     for col in ("target", "value", "threshold", "met", "detail"):
         table.add_column(col)
-    for t in doc["targets"]:
+    for t in targets:
         table.add_row(
             t["target"],
             f"{t['value']:.3f}",
@@ -137,9 +148,7 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
             "[green]met[/]" if t["met"] else "[red]missed[/]",
             t["detail"],
         )
-    console.print(table)
-    if not doc["replies_match"]:
-        console.print(f"[red]replies differ in {len(doc['mismatches'])} turn(s)[/]")
+    return table
 
 
 def _sizes_line(doc: dict[str, Any], s: dict[str, Any]) -> str:

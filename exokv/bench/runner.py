@@ -1,7 +1,7 @@
 """Run the scenarios through every strategy, interleaved, and summarise.
 
 For each scenario and each of ``--repeat`` runs, every strategy starts empty and
-the steps are played in order; at each step the four strategies and the limit
+the steps are played in order; at each step the five strategies and the limit
 measurement run one after the other (the order rotates from one run to the
 next, so drift and order effects hit all alike). The replies must be the same
 for every strategy; the history continues with the cold reply, and any
@@ -178,113 +178,155 @@ def _run_once(
     mismatches: list[dict[str, Any]],
     group: Group | None = None,
 ) -> dict[str, Any]:
-    # Every strategy, the scenario's sizing and the limits use the exokv engine's
-    # renderer: the same token sequences for all, whatever that renderer does.
+    """One run of scenario `name`: every strategy from empty, the steps in order, each
+    step's strategies in an order rotated by `rep`; replies are checked against cold's."""
     budget = config.cache_budget
-    kv = {"kv_bits": config.kv_bits, "kv_group_size": config.kv_group_size}
-    exo = make("exokv", model, tokenizer, budget=budget, group=group, **kv)
-    strategies: dict[str, Any] = {"exokv": exo}
-
-    def r(messages: Sequence[dict[str, str]]) -> list[int]:
-        return strategies["exokv"].render(messages)  # the current one (see restart)
-
-    for s in STRATEGIES:
-        if s != "exokv":
-            strategies[s] = make(s, model, tokenizer, r, budget, group=group, **kv)
+    strategies, r = _strategies(config, model, tokenizer, group)
     scen = scenarios.build(name, config.turns, config.context, r, config.seed)
     oracle = Oracle(model)
-    order = list(STRATEGIES) + ["limit"]
+    order = [*STRATEGIES, "limit"]
     shift = rep % len(order)
     order = order[shift:] + order[:shift]
-    seen: list[list[int]] = []  # earlier conversations as rendered, replies included
-    # (a rendered reply may differ from the generated tokens: the ideal counts it all)
-    trie: dict[int, Any] = {}
-    distinct = 0
-    peak = {s: 0 for s in STRATEGIES}
-    budget_peak: dict[str, int] = {}
-    rows = []
+    tally = _Tally()
     while (step := scen.next_step()) is not None:
         if step.index == scen.restart_at:  # a new process: exokv+disk keeps its disk tier
             for s in STRATEGIES:
                 restart = getattr(strategies[s], "restart", None)
                 strategies[s] = restart() if restart else make(s, model, tokenizer, r, budget)
         tokens = r(step.messages)
-        outcomes: dict[str, Outcome] = {}
-        limit_cached, limit_ttft = 0, 0.0
-        for s in order:
-            where = f"{name} {rep + 1}/{config.repeat} turn {step.index}/{len(scen)}"
-            progress.advance(f"{where} {s}")
-            if s == "limit":
-                limit_cached, limit_ttft = oracle.limit(tokens)
-            else:
-                outcomes[s] = strategies[s].turn(
-                    step.conversation, step.messages, config.reply_tokens
-                )
-            synchronize()  # work generate_step queued must not run into the next timing
+        where = f"{name} {rep + 1}/{config.repeat} turn {step.index}/{len(scen)}"
+        outcomes, limit = _play(step, tokens, order, strategies, oracle, config, progress, where)
         ref = outcomes["cold"]
-        for s in STRATEGIES:
-            o = outcomes[s]
-            if config.kv_bits and s in QUANTIZED:  # not expected to equal: how far apart
-                if o.reply != ref.reply:
-                    cold_tokens = [t for t in ref.generated or [] if t not in _eos(tokenizer)]
-                    o.drift_tokens = common_prefix(o.generated or [], cold_tokens)
-                continue
-            if (o.reply, o.generated_tokens, o.prompt_tokens) != (
-                ref.reply,
-                ref.generated_tokens,
-                ref.prompt_tokens,
-            ):
+        for s, o in outcomes.items():
+            if _differs(o, ref, s, config.kv_bits, tokenizer):
                 mismatches.append(
-                    {
-                        "scenario": name,
-                        "run": rep + 1,
-                        "turn": step.index,
-                        "strategy": s,
-                        "reply": o.reply,
-                        "cold_reply": ref.reply,
-                    }
+                    {"scenario": name, "run": rep + 1, "turn": step.index, "strategy": s}
+                    | {"reply": o.reply, "cold_reply": ref.reply}
                 )
         cold: Cold = strategies["cold"]
         held = (ref.tokens or []) + (ref.generated or [])
         oracle.add(held, cold.last_cache)
-        distinct += _trie_add(trie, held)
-        ideal = max((common_prefix(tokens, h) for h in seen), default=0)
-        ideal = max(limit_cached, min(ideal, len(tokens) - 1))
-        seen.append(r([*step.messages, {"role": "assistant", "content": ref.reply}]))
+        tally.distinct += _trie_add(tally.trie, held)
+        ideal = max((common_prefix(tokens, h) for h in tally.seen), default=0)
+        ideal = max(limit[0], min(ideal, len(tokens) - 1))
+        tally.seen.append(r([*step.messages, {"role": "assistant", "content": ref.reply}]))
         scen.commit(step, ref.reply)
+        tally.add(step, tokens, outcomes, limit, ideal)
+    _drop_disk_files(strategies["exokv+disk"])
+    return {
+        "restart_at": scen.restart_at,
+        "kv_bits": config.kv_bits,
+        "kv": _unquantized_kv(model),
+        "turns": tally.rows,
+        "peak_cache_bytes": tally.peak,
+        "budget_peak_bytes": tally.budget_peak,
+        "distinct_tokens": tally.distinct,
+        "bytes_per_token": strategies["exokv"].bytes_per_token,
+        "carried_resets": dict(strategies["carried"].resets),
+    }
+
+
+def _strategies(
+    config: BenchConfig, model: Any, tokenizer: Any, group: Group | None
+) -> tuple[dict[str, Any], Callable[[Sequence[dict[str, str]]], list[int]]]:
+    """Every strategy, made empty, and the renderer they all use: the exokv engine's
+    (the current one: see the restart), so the token sequences are the same for all."""
+    budget = config.cache_budget
+    kv = {"kv_bits": config.kv_bits, "kv_group_size": config.kv_group_size}
+    exo = make("exokv", model, tokenizer, budget=budget, group=group, **kv)
+    strategies: dict[str, Any] = {"exokv": exo}
+
+    def r(messages: Sequence[dict[str, str]]) -> list[int]:
+        return strategies["exokv"].render(messages)
+
+    for s in STRATEGIES:
+        if s != "exokv":
+            strategies[s] = make(s, model, tokenizer, r, budget, group=group, **kv)
+    return strategies, r
+
+
+def _play(
+    step: scenarios.Step,
+    tokens: list[int],
+    order: Sequence[str],
+    strategies: dict[str, Any],
+    oracle: Oracle,
+    config: BenchConfig,
+    progress: Progress,
+    where: str,
+) -> tuple[dict[str, Outcome], tuple[int, float]]:
+    """One step through every strategy and the limit, in `order`; returns the
+    strategies' outcomes (in STRATEGIES' order) and the limit's (cached tokens, TTFT)."""
+    outcomes: dict[str, Outcome] = {}
+    limit = (0, 0.0)
+    for s in order:
+        progress.advance(f"{where} {s}")
+        if s == "limit":
+            limit = oracle.limit(tokens)
+        else:
+            outcomes[s] = strategies[s].turn(step.conversation, step.messages, config.reply_tokens)
+        synchronize()  # work generate_step queued must not run into the next timing
+    return {s: outcomes[s] for s in STRATEGIES}, limit
+
+
+def _differs(o: Outcome, ref: Outcome, s: str, kv_bits: int | None, tokenizer: Any) -> bool:
+    """Whether strategy `s`'s outcome is a mismatch against cold's `ref`. A quantized
+    strategy is not expected to equal it: how far apart goes in its `drift_tokens`."""
+    if kv_bits and s in QUANTIZED:
+        if o.reply != ref.reply:
+            cold_tokens = [t for t in ref.generated or [] if t not in _eos(tokenizer)]
+            o.drift_tokens = common_prefix(o.generated or [], cold_tokens)
+        return False
+    mine = (o.reply, o.generated_tokens, o.prompt_tokens)
+    return mine != (ref.reply, ref.generated_tokens, ref.prompt_tokens)
+
+
+@dataclass
+class _Tally:
+    """What one run adds up, turn by turn."""
+
+    # Earlier conversations as rendered, replies included (a rendered reply may differ
+    # from the generated tokens: the ideal counts it all).
+    seen: list[list[int]] = field(default_factory=list)
+    trie: dict[int, Any] = field(default_factory=dict)
+    distinct: int = 0
+    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STRATEGIES, 0))
+    budget_peak: dict[str, int] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(
+        self,
+        step: scenarios.Step,
+        tokens: list[int],
+        outcomes: dict[str, Outcome],
+        limit: tuple[int, float],
+        ideal: int,
+    ) -> None:
         for s in STRATEGIES:
-            peak[s] = max(peak[s], outcomes[s].cache_bytes)
+            self.peak[s] = max(self.peak[s], outcomes[s].cache_bytes)
             if outcomes[s].budget_bytes is not None:
-                budget_peak[s] = max(budget_peak.get(s, 0), outcomes[s].budget_bytes)
-        rows.append(
+                self.budget_peak[s] = max(self.budget_peak.get(s, 0), outcomes[s].budget_bytes)
+        self.rows.append(
             {
                 "turn": step.index,
                 "conversation": step.conversation,
                 "action": step.action,
                 "prompt_tokens": len(tokens),
-                "limit_cached_tokens": limit_cached,
+                "limit_cached_tokens": limit[0],
                 "ideal_cached_tokens": ideal,
-                "limit_ttft_s": limit_ttft,
+                "limit_ttft_s": limit[1],
                 "strategies": {s: _row(outcomes[s]) for s in STRATEGIES},
             }
         )
-    disk = strategies["exokv+disk"]
-    if disk.engine.coord.tier is not None:  # its files go with the run
+
+
+def _drop_disk_files(disk: Any) -> None:
+    """exokv+disk's disk tier's files go with the run."""
+    if disk.engine.coord.tier is not None:
         import shutil
 
         disk.engine.coord.tier.store.flush()
         shutil.rmtree(disk.disk_dir, ignore_errors=True)
-    return {
-        "restart_at": scen.restart_at,
-        "kv_bits": config.kv_bits,
-        "kv": _unquantized_kv(model),
-        "turns": rows,
-        "peak_cache_bytes": peak,
-        "budget_peak_bytes": budget_peak,
-        "distinct_tokens": distinct,
-        "bytes_per_token": strategies["exokv"].bytes_per_token,
-        "carried_resets": dict(strategies["carried"].resets),
-    }
 
 
 def _eos(tokenizer: Any) -> set[int]:
@@ -356,56 +398,11 @@ def _median(values: Sequence[float]) -> float:
 
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     first = runs[0]
-    nondeterministic = []
-    turns = []
-    for i, row in enumerate(first["turns"]):
-        merged = {k: v for k, v in row.items() if k != "strategies"}
-        merged["limit_ttft_s"] = _median([run["turns"][i]["limit_ttft_s"] for run in runs])
-        merged["strategies"] = {}
-        for s in STRATEGIES:
-            cell = dict(row["strategies"][s])
-            for key in TIMINGS:
-                cell[key] = _median([run["turns"][i]["strategies"][s][key] for run in runs])
-            for run in runs[1:]:
-                other = run["turns"][i]["strategies"][s]
-                if any(other[k] != cell[k] for k in ("prompt_tokens", "cached_tokens")):
-                    nondeterministic.append({"turn": row["turn"], "strategy": s})
-            merged["strategies"][s] = cell
-        turns.append(merged)
-
+    turns, nondeterministic = _merge_turns(runs)
     prompt_total = sum(t["prompt_tokens"] for t in turns)
-    summary: dict[str, Any] = {"strategies": {}}
-    for s in STRATEGIES:
-        cells = [t["strategies"][s] for t in turns]
-        cached = sum(c["cached_tokens"] for c in cells)
-        entry = {
-            "total_ttft_s": _median(
-                [sum(t["strategies"][s]["ttft_s"] for t in r["turns"]) for r in runs]
-            ),
-            "cached_fraction": cached / prompt_total if prompt_total else 0.0,
-            "prompt_tokens": prompt_total,
-            "cached_tokens": cached,
-            "prefilled_tokens": sum(c["prefilled_tokens"] for c in cells),
-            "peak_cache_bytes": [first["peak_cache_bytes"][s]],  # one entry per rank
-            "median_decode_tps": _median([c["decode_tps"] for c in cells]),
-            "max_overhead_fraction": max(
-                (c["overhead_s"] / c["ttft_s"] for c in cells if c["ttft_s"] > 0), default=0.0
-            ),
-        }
-        entry["evicted"] = sum(c["evicted"] for c in cells)
-        if s in first["budget_peak_bytes"]:
-            entry["budget_peak_bytes"] = [first["budget_peak_bytes"][s]]  # one entry per rank
-            entry["budget_accounting"] = BUDGET_ACCOUNTING[s]
-        if s == "carried":
-            entry["resets"] = first["carried_resets"]
-        if s == "exokv+disk":
-            entry["spilled"] = sum(c["spilled"] for c in cells)
-            entry["loaded_tokens"] = sum(c["loaded_tokens"] for c in cells)
-        drift = [c["drift_tokens"] for c in cells if c.get("drift_tokens") is not None]
-        if s in QUANTIZED and first.get("kv_bits"):
-            entry["drifted_turns"] = len(drift)
-            entry["drift_tokens"] = [c.get("drift_tokens") for c in cells]
-        summary["strategies"][s] = entry
+    summary: dict[str, Any] = {
+        "strategies": {s: _strategy_summary(s, runs, turns, prompt_total) for s in STRATEGIES}
+    }
     exokv_total = summary["strategies"]["exokv"]["total_ttft_s"]
     summary["speedup"] = {
         s: summary["strategies"][s]["total_ttft_s"] / exokv_total if exokv_total else 0.0
@@ -425,23 +422,87 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary["bytes_vs_fp16"] = [first["bytes_per_token"] / kv["bytes_per_token_fp16"]]
     if first.get("restart_at"):
         summary["restart_at"] = first["restart_at"]
-        after = [t for t in turns if t["turn"] >= first["restart_at"]]
-        summary["after_restart"] = {
-            "limit_ttft_s": sum(t["limit_ttft_s"] for t in after),
-            **{
-                s: {
-                    "ttft_s": sum(t["strategies"][s]["ttft_s"] for t in after),
-                    "cached_tokens": sum(t["strategies"][s]["cached_tokens"] for t in after),
-                }
-                for s in STRATEGIES
-            },
-        }
+        summary["after_restart"] = _after_restart(turns, first["restart_at"])
     summary["ideal_cache_bytes"] = [first["distinct_tokens"] * first["bytes_per_token"]]
     summary["last_prompt_tokens"] = turns[-1]["prompt_tokens"] if turns else 0
     summary["max_prompt_tokens"] = max((t["prompt_tokens"] for t in turns), default=0)
     summary["nondeterministic"] = nondeterministic
     summary["turns"] = turns
     return summary
+
+
+def _merge_turns(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The first run's turns with the runs' median timings, and the turns where a run's
+    token counts differ from the first's (nondeterministic)."""
+    nondeterministic = []
+    turns = []
+    for i, row in enumerate(runs[0]["turns"]):
+        merged = {k: v for k, v in row.items() if k != "strategies"}
+        merged["limit_ttft_s"] = _median([run["turns"][i]["limit_ttft_s"] for run in runs])
+        merged["strategies"] = {}
+        for s in STRATEGIES:
+            cell = dict(row["strategies"][s])
+            for key in TIMINGS:
+                cell[key] = _median([run["turns"][i]["strategies"][s][key] for run in runs])
+            for run in runs[1:]:
+                other = run["turns"][i]["strategies"][s]
+                if any(other[k] != cell[k] for k in ("prompt_tokens", "cached_tokens")):
+                    nondeterministic.append({"turn": row["turn"], "strategy": s})
+            merged["strategies"][s] = cell
+        turns.append(merged)
+    return turns, nondeterministic
+
+
+def _strategy_summary(
+    s: str, runs: list[dict[str, Any]], turns: list[dict[str, Any]], prompt_total: int
+) -> dict[str, Any]:
+    """Strategy `s`'s totals over the merged turns (and its own figures, by strategy)."""
+    first = runs[0]
+    cells = [t["strategies"][s] for t in turns]
+    cached = sum(c["cached_tokens"] for c in cells)
+    entry = {
+        "total_ttft_s": _median(
+            [sum(t["strategies"][s]["ttft_s"] for t in r["turns"]) for r in runs]
+        ),
+        "cached_fraction": cached / prompt_total if prompt_total else 0.0,
+        "prompt_tokens": prompt_total,
+        "cached_tokens": cached,
+        "prefilled_tokens": sum(c["prefilled_tokens"] for c in cells),
+        "peak_cache_bytes": [first["peak_cache_bytes"][s]],  # one entry per rank
+        "median_decode_tps": _median([c["decode_tps"] for c in cells]),
+        "max_overhead_fraction": max(
+            (c["overhead_s"] / c["ttft_s"] for c in cells if c["ttft_s"] > 0), default=0.0
+        ),
+    }
+    entry["evicted"] = sum(c["evicted"] for c in cells)
+    if s in first["budget_peak_bytes"]:
+        entry["budget_peak_bytes"] = [first["budget_peak_bytes"][s]]  # one entry per rank
+        entry["budget_accounting"] = BUDGET_ACCOUNTING[s]
+    if s == "carried":
+        entry["resets"] = first["carried_resets"]
+    if s == "exokv+disk":
+        entry["spilled"] = sum(c["spilled"] for c in cells)
+        entry["loaded_tokens"] = sum(c["loaded_tokens"] for c in cells)
+    drift = [c["drift_tokens"] for c in cells if c.get("drift_tokens") is not None]
+    if s in QUANTIZED and first.get("kv_bits"):
+        entry["drifted_turns"] = len(drift)
+        entry["drift_tokens"] = [c.get("drift_tokens") for c in cells]
+    return entry
+
+
+def _after_restart(turns: list[dict[str, Any]], restart_at: int) -> dict[str, Any]:
+    """The turns from the restart on: what each strategy kept across it."""
+    after = [t for t in turns if t["turn"] >= restart_at]
+    return {
+        "limit_ttft_s": sum(t["limit_ttft_s"] for t in after),
+        **{
+            s: {
+                "ttft_s": sum(t["strategies"][s]["ttft_s"] for t in after),
+                "cached_tokens": sum(t["strategies"][s]["cached_tokens"] for t in after),
+            }
+            for s in STRATEGIES
+        },
+    }
 
 
 def _check_budget(summary: dict[str, Any], budget: int) -> None:

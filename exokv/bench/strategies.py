@@ -1,7 +1,7 @@
-"""The four strategies, one turn each, on one shared model.
+"""The five strategies, one turn each, on one shared model.
 
 Every strategy turns the messages into tokens with the same renderer (the exokv
-engine's own ``Engine.render``, shared by the runner, so the four see exactly the
+engine's own ``Engine.render``, shared by the runner, so the five see exactly the
 same token sequences whatever that renderer does), prefills the tokens its cache
 does not hold in chunks of ``exokv.rank.engine.PREFILL_STEP`` and decodes
 greedily with mlx-lm's ``generate_step`` fed the last prompt token: the code path
@@ -29,6 +29,8 @@ is tokenized and the cache is looked up) to the first generated token.
   ``EngineOptions(budget=...)``: before each turn it evicts least recently used
   leaves until the stored bytes plus the turn's new tokens fit, and after the
   turn's insert again until the stored bytes are within the budget: a cap).
+- ``exokv+disk``: the same engine with a disk tier under its RAM budget (entries
+  evicted from RAM spill to this run's directory and load back on a hit).
 """
 
 from __future__ import annotations

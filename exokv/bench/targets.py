@@ -15,57 +15,73 @@ from exokv.core.sizes import format_size
 def grade(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target of the issue, measured: value, threshold, met, and the detail."""
     scen = doc["scenarios"]
-    out: list[dict[str, Any]] = []
+    return [
+        *_ttft_targets(scen),
+        *_linear_targets(doc),
+        *_lru_targets(scen),
+        *_shared_prefix_targets(scen),
+        *_disk_targets(doc),
+        _overhead_target(scen),
+    ]
 
+
+def _ttft_targets(scen: dict[str, Any]) -> list[dict[str, Any]]:
     ratios = []
     for name, s in scen.items():
         for t in s["turns"]:
             e = t["strategies"]["exokv"]
             if e["cached_tokens"] > 0 and t["limit_ttft_s"] > 0:
                 ratios.append((e["ttft_s"] / t["limit_ttft_s"], name, t["turn"]))
-    if ratios:
-        worst = max(ratios)
-        over = [r for r in ratios if r[0] > 1.05]
-        out.append(
-            _target(
-                "ttft_vs_limit",
-                "every cached turn's TTFT within 5% of the limit",
-                worst[0],
-                1.05,
-                f"worst {worst[0]:.3f}x ({worst[1]} turn {worst[2]}); median "
-                f"{statistics.median([r[0] for r in ratios]):.3f}x; {len(over)} of {len(ratios)} "
-                "cached turns over 1.05x",
-            )
+    if not ratios:
+        return []
+    worst = max(ratios)
+    over = [r for r in ratios if r[0] > 1.05]
+    return [
+        _target(
+            "ttft_vs_limit",
+            "every cached turn's TTFT within 5% of the limit",
+            worst[0],
+            1.05,
+            f"worst {worst[0]:.3f}x ({worst[1]} turn {worst[2]}); median "
+            f"{statistics.median([r[0] for r in ratios]):.3f}x; {len(over)} of {len(ratios)} "
+            "cached turns over 1.05x",
         )
-    if "linear" in scen:
-        lin = scen["linear"]
-        got = lin["strategies"]["exokv"]["cached_fraction"]
-        ideal = lin["limit"]["ideal_cached_fraction"]
-        limit = lin["limit"]["cached_fraction"]
-        out.append(
-            _target(
-                "linear_cached_fraction",
-                "cached fraction on linear within 0.02 of the limit (the whole earlier "
-                "conversation, replies included)",
-                ideal - got,
-                0.02,
-                f"exokv {got:.3f}, ideal {ideal:.3f}, reachable {limit:.3f} (a reply that "
-                f"retokenizes differently caps every prefix cache at the reachable one); "
-                f"gap to reachable {limit - got:.3f}",
-            )
-        )
-        cold = lin["strategies"]["cold"]["total_ttft_s"]
-        ex = lin["strategies"]["exokv"]["total_ttft_s"]
-        out.append(
-            _target(
-                "linear_vs_cold",
-                "exokv total TTFT <= 0.25 x cold on linear",
-                ex / cold if cold else 0.0,
-                0.25,
-                f"exokv {ex:.2f}s, cold {cold:.2f}s, limit {lin['limit']['total_ttft_s']:.2f}s "
-                f"({doc['turns']} turns to {lin['max_prompt_tokens']} tokens)",
-            )
-        )
+    ]
+
+
+def _linear_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if "linear" not in doc["scenarios"]:
+        return []
+    lin = doc["scenarios"]["linear"]
+    got = lin["strategies"]["exokv"]["cached_fraction"]
+    ideal = lin["limit"]["ideal_cached_fraction"]
+    limit = lin["limit"]["cached_fraction"]
+    cold = lin["strategies"]["cold"]["total_ttft_s"]
+    ex = lin["strategies"]["exokv"]["total_ttft_s"]
+    return [
+        _target(
+            "linear_cached_fraction",
+            "cached fraction on linear within 0.02 of the limit (the whole earlier "
+            "conversation, replies included)",
+            ideal - got,
+            0.02,
+            f"exokv {got:.3f}, ideal {ideal:.3f}, reachable {limit:.3f} (a reply that "
+            f"retokenizes differently caps every prefix cache at the reachable one); "
+            f"gap to reachable {limit - got:.3f}",
+        ),
+        _target(
+            "linear_vs_cold",
+            "exokv total TTFT <= 0.25 x cold on linear",
+            ex / cold if cold else 0.0,
+            0.25,
+            f"exokv {ex:.2f}s, cold {cold:.2f}s, limit {lin['limit']['total_ttft_s']:.2f}s "
+            f"({doc['turns']} turns to {lin['max_prompt_tokens']} tokens)",
+        ),
+    ]
+
+
+def _lru_targets(scen: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
     for name, s in scen.items():
         lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
         ex = s["strategies"]["exokv"]["total_ttft_s"]
@@ -80,42 +96,43 @@ def grade(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 f"mlx-lm-lru {s['strategies']['mlx-lm-lru']['cached_fraction']:.3f}",
             )
         )
-    if "shared-prefix" in scen:
-        s = scen["shared-prefix"]
-        ideal = s["ideal_cache_bytes"][0]
-        got = s["strategies"]["exokv"]["peak_cache_bytes"][0]
-        lru = s["strategies"]["mlx-lm-lru"]["peak_cache_bytes"][0]
-        got_mb, ideal_mb, lru_mb = (format_size(n, unit="MB") for n in (got, ideal, lru))
-        out.append(
-            _target(
-                "shared_prefix_bytes",
-                "shared-prefix: exokv peak cache bytes <= 1.3 x (shared prompt + distinct "
-                "suffixes)",
-                got / ideal if ideal else 0.0,
-                1.3,
-                f"exokv {got_mb}, ideal {ideal_mb} ({s['distinct_tokens']} distinct "
-                f"tokens), mlx-lm-lru {lru_mb} ({lru / ideal if ideal else 0:.2f}x)",
-            )
+    return out
+
+
+def _shared_prefix_targets(scen: dict[str, Any]) -> list[dict[str, Any]]:
+    if "shared-prefix" not in scen:
+        return []
+    s = scen["shared-prefix"]
+    ideal = s["ideal_cache_bytes"][0]
+    got = s["strategies"]["exokv"]["peak_cache_bytes"][0]
+    lru = s["strategies"]["mlx-lm-lru"]["peak_cache_bytes"][0]
+    got_mb, ideal_mb, lru_mb = (format_size(n, unit="MB") for n in (got, ideal, lru))
+    return [
+        _target(
+            "shared_prefix_bytes",
+            "shared-prefix: exokv peak cache bytes <= 1.3 x (shared prompt + distinct suffixes)",
+            got / ideal if ideal else 0.0,
+            1.3,
+            f"exokv {got_mb}, ideal {ideal_mb} ({s['distinct_tokens']} distinct "
+            f"tokens), mlx-lm-lru {lru_mb} ({lru / ideal if ideal else 0:.2f}x)",
         )
-    out += _disk_targets(doc)
-    worst_overhead = (0.0, "", 0)
+    ]
+
+
+def _overhead_target(scen: dict[str, Any]) -> dict[str, Any]:
+    worst = (0.0, "", 0)
     for name, s in scen.items():
         for t in s["turns"]:
             e = t["strategies"]["exokv"]
             if e["ttft_s"] > 0:
-                worst_overhead = max(
-                    worst_overhead, (e["overhead_s"] / e["ttft_s"], name, t["turn"])
-                )
-    out.append(
-        _target(
-            "overhead",
-            "cache overhead <= 5% of TTFT on every turn",
-            worst_overhead[0],
-            0.05,
-            f"worst {100 * worst_overhead[0]:.1f}% ({worst_overhead[1]} turn {worst_overhead[2]})",
-        )
+                worst = max(worst, (e["overhead_s"] / e["ttft_s"], name, t["turn"]))
+    return _target(
+        "overhead",
+        "cache overhead <= 5% of TTFT on every turn",
+        worst[0],
+        0.05,
+        f"worst {100 * worst[0]:.1f}% ({worst[1]} turn {worst[2]})",
     )
-    return out
 
 
 def _disk_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:

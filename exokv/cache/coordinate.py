@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from exokv.cache.disk_tier import DiskTier
 from exokv.cache.kinds import KV, STATE, StorageClass
@@ -80,7 +81,6 @@ class Coordinator:
         self.threshold = threshold
         self.collectives = 0
         self.last: Gathered | None = None
-        self._rates: list[dict[StorageClass, int]] | None = None  # gathered outside a turn
         self.tier: DiskTier | None = None  # the disk tier under RAM, if any (set_tier)
         # Sessions pinned with /pin: their entries go after every other (each turn's
         # request carries them, so every rank holds the same set).
@@ -98,18 +98,22 @@ class Coordinator:
         if self.tier is not None:
             self.tier.pins = self.pins
 
+    def tier_events(self, decision: int) -> list[CacheEvent]:
+        """The disk tier's events since the last call (loads, agreed misses, spills)."""
+        return self.tier.take_events(decision) if self.tier is not None else []
+
+    def close(self) -> None:
+        """Keep the cache for the next run (the disk tier's files); no collective."""
+        if self.tier is not None:
+            self.tier.close()
+
     # -- bytes on every rank, from the tree's counts --------------------------------
 
     def all_rates(self) -> list[dict[StorageClass, int]]:
         """Every rank's rates as last gathered (this rank's alone before any turn)."""
         if self.last is not None:
             return self.last.rates
-        return self._rates or [self.rates] * self.group.size
-
-    def gather_rates(self) -> None:
-        """Every rank's rates, outside a turn (a collective: every rank calls it alike)."""
-        rows = self.group.gather([self.rates[c] for c in self.cache.classes])
-        self._rates = [dict(zip(self.cache.classes, row, strict=True)) for row in rows]
+        return [self.rates] * self.group.size
 
     def node_bytes(self, node: Node) -> list[int]:
         return _bytes(self.cache.counts(node), self.all_rates())
@@ -184,6 +188,23 @@ class Coordinator:
 
     # -- after the turn: every rank within its budget -------------------------------
 
+    def store(
+        self,
+        tokens: Sequence[int],
+        cache: list[Any],
+        length: int,
+        session: str,
+        decision: int,
+        events: list[CacheEvent],
+    ) -> tuple[list[Node], list[Node]]:
+        """Insert the first `length` tokens of `tokens` (what `cache` has run) and record
+        the entries it changed and added; returns (added, changed) as `PrefixCache.insert`.
+        What the tree holds after it follows from the tokens alone, on every rank."""
+        added, changed = self.cache.insert(tokens, cache, session, length=length)
+        events += [self.event("update", n, session, decision) for n in changed]
+        events += [self.event("add", n, session, decision) for n in added]
+        return added, changed
+
     def cap(
         self, decision: int, live: list[Node], tokens: int, session: str, events: list[CacheEvent]
     ) -> None:
@@ -209,6 +230,18 @@ class Coordinator:
                 events.append(self.event("add", head, session, decision))
             self._remove(node, self._evict_event(node, decision, reason, pressures), events)
             path.pop()
+
+    def finish(
+        self, decision: int, events: list[CacheEvent]
+    ) -> tuple[list[RankStats], list[EntryInfo]]:
+        """A turn's last cache work, after its cap: the disk tier's events, its
+        write-through and journal record of what the turn changed (written after the
+        reply), then every rank's figures and the entries the turn changed."""
+        events += self.tier_events(decision)
+        changed = self.cache.tree.drain_changed()
+        if self.tier is not None:
+            self.tier.after_turn(changed)
+        return self.stats(), self.changed_entries(changed)
 
     def _over(self) -> bool:
         budgets = [load.budget for load in self.last.loads]

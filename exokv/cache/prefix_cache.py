@@ -124,6 +124,15 @@ class PrefixCache:
 
     # -- lookup -----------------------------------------------------------------
 
+    def held(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the tree holds (usable or not): from the tree alone, so
+        the same on every rank."""
+        return self.tree.match(tokens).length
+
+    def path(self, tokens: Sequence[int]) -> list[Node]:
+        """The entries `tokens` runs through, root first."""
+        return self.tree.match(tokens).path
+
     def usable(self, path: Sequence[Node], limit: int) -> int:
         """The deepest point at or below `limit` on `path` where every layer can be rebuilt."""
         ends = [n.depth for n in reversed(path) if n.depth < limit]

@@ -136,10 +136,6 @@ def read_marker(path: Path, version: int = GENERATOR_VERSION) -> dict[str, Any] 
     return marker
 
 
-def is_generated(name: str) -> bool:
-    return read_marker(builtin_dir(name)) is not None
-
-
 def ensure_builtin(name: str) -> Path:
     """Generate builtin ``name`` under EXOKV_HOME/models once; return its directory."""
     if name not in SPECS:

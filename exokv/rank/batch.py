@@ -34,7 +34,7 @@ from exokv.cache import memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
-from exokv.rank.engine import prefill
+from exokv.rank.engine import cache_room, prefill
 from exokv.rank.joins import JoinBox
 from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
@@ -113,6 +113,25 @@ def run_batch(
     `should_stop` (only rank 0's ever says yes: the stop is agreed by a collective).
     """
     joinable = joins is not None if joinable is None else joinable
+    # A seeded sample is reproducible alone only; without the cache, a turn is its own.
+    alone = any(not r.use_cache or (r.sample_seed is not None and r.temp > 0) for r in requests)
+    if (len(requests) == 1 and not joinable) or alone or not batchable(engine):
+        return _one_at_a_time(engine, requests, on_text, on_progress, should_stop, on_step, on_row)
+    return _Batch(
+        engine, requests, on_text, on_progress, should_stop, on_step, on_row, joins, joinable
+    ).run()
+
+
+def _one_at_a_time(
+    engine: Any,
+    requests: Sequence[TurnRequest],
+    on_text: RowText | None,
+    on_progress: RowProgress | None,
+    should_stop: RowStop | None,
+    on_step: Callable[[], None] | None,
+    on_row: RowEnd | None,
+) -> list[RowOutcome]:
+    """Each request through `Engine.turn` in order, with the row callbacks as a turn's."""
 
     def row_text(i: int) -> Callable[[str], None] | None:
         if on_text is None:
@@ -131,23 +150,17 @@ def run_batch(
     def row_stop(i: int) -> Callable[[], bool]:
         return lambda: bool(should_stop and should_stop(i))
 
-    # A seeded sample is reproducible alone only; without the cache, a turn is its own.
-    alone = any(not r.use_cache or (r.sample_seed is not None and r.temp > 0) for r in requests)
-    if (len(requests) == 1 and not joinable) or alone or not batchable(engine):
-        outcomes = []
-        for i, request in enumerate(requests):
-            try:
-                result = engine.turn(request, row_text(i), row_progress(i), row_stop(i))
-            except PromptTooLong as err:  # every rank alike, before any collective
-                outcomes.append(_refused(err))
-            else:
-                outcomes.append(RowOutcome(result=result))
-            if on_row is not None:
-                on_row(i, outcomes[-1])
-        return outcomes
-    return _Batch(
-        engine, requests, on_text, on_progress, should_stop, on_step, on_row, joins, joinable
-    ).run()
+    outcomes = []
+    for i, request in enumerate(requests):
+        try:
+            result = engine.turn(request, row_text(i), row_progress(i), row_stop(i))
+        except PromptTooLong as err:  # every rank alike, before any collective
+            outcomes.append(_refused(err))
+        else:
+            outcomes.append(RowOutcome(result=result))
+        if on_row is not None:
+            on_row(i, outcomes[-1])
+    return outcomes
 
 
 def join_pace(engine: Any) -> Pace:
@@ -244,15 +257,13 @@ class _Batch:
         hit = engine.cache.fetch(tokens, expect=expect, lend=False)
         row.hit, row.done = hit, hit.length
         coord = engine.coord
-        if coord.tier is not None:
-            row.events += coord.tier.take_events(row.decision)
+        row.events += coord.tier_events(row.decision)
         if hit.entry is not None:
             row.events.append(
                 coord.event("hit", hit.entry, request.session, row.decision, hit.length)
             )
-        meets = engine.cache.tree.match(tokens).length
-        room = -(-expect // KVCache.step) * KVCache.step - expect
-        new_tokens = len(tokens) - meets + request.max_tokens + room
+        meets = engine.cache.held(tokens)
+        new_tokens = len(tokens) - meets + request.max_tokens + cache_room(expect)
         probe = memory.sample(engine.group.rank)
         coord.begin(row.decision, new_tokens, probe, row.events, copied=hit.length)
         # Its cache is its own copy (nothing was lent): its path is unlocked now, so the
@@ -430,11 +441,8 @@ class _Batch:
         if n <= row.hit.length:
             return  # nothing new: the tree held it all
         session, coord = row.request.session, engine.coord
-        added, changed = engine.cache.insert(row.tokens, row.hit.cache, session, length=n)
-        row.events += [coord.event("update", x, session, row.decision) for x in changed]
-        row.events += [coord.event("add", x, session, row.decision) for x in added]
-        live = engine.cache.tree.match(row.tokens[:n]).path
-        coord.cap(row.decision, live, n, session, row.events)
+        coord.store(row.tokens, row.hit.cache, n, session, row.decision, row.events)
+        coord.cap(row.decision, engine.cache.path(row.tokens[:n]), n, session, row.events)
 
     def _merge(self, row: _Row, picked: mx.array | None) -> mx.array:
         """A row whose prefill is done joins the decoding rows: its cache into the batch
@@ -523,19 +531,13 @@ class _Batch:
             from exokv.cache import kinds
 
             ran = kinds.offset(cache) or row.hit.length
-        full = row.tokens + row.generated
+        full, coord, session = row.tokens + row.generated, engine.coord, row.request.session
         if ran > 0 and cache:
-            added, changed = engine.cache.insert(full, cache, row.request.session, length=ran)
-            coord = engine.coord
-            session = row.request.session
-            row.events += [coord.event("update", n, session, row.decision) for n in changed]
-            row.events += [coord.event("add", n, session, row.decision) for n in added]
+            coord.store(full, cache, ran, session, row.decision, row.events)
         row.cache = None
-        live = engine.cache.tree.match(full[:ran]).path
-        engine.coord.cap(row.decision, live, ran, row.request.session, row.events)
-        if engine.coord.tier is not None:
-            row.events += engine.coord.tier.take_events(row.decision)
-        stats, entries = engine.coord.stats(), engine.coord.changed_entries()
+        coord.cap(row.decision, engine.cache.path(full[:ran]), ran, session, row.events)
+        row.events += coord.tier_events(row.decision)
+        stats, entries = coord.stats(), coord.changed_entries()
         n = len(row.generated)
         tps = (n - 1) / (row.last - row.first) if n > 1 and row.last > row.first else 0.0
         return TurnResult(

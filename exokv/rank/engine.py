@@ -5,13 +5,20 @@ render -> fetch the longest usable cached prefix -> one collective, evict by pla
 of a second (exokv.rank.pace), each with one stop check -> decode -> insert -> evict
 until every rank is within its budget. Every cache decision is made from the token
 sequences (identical everywhere) and the numbers gathered in that one collective.
+
+`Engine.turn` is these steps, one method each: `_prompt`, `_fetch`, `_gather`,
+`_prefill_prompt`, `_reply`, `_store`, `_release`, `_finish`. It uses the cache only
+through `PrefixCache` (fetch, held, path, release) and `Coordinator` (begin, store,
+cap, finish); the tree itself goes only to the typeahead and draft helpers, which
+read it.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +33,14 @@ from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD, drafts_hook, slow_prefill_hook
-from exokv.core.records import CacheEvent, DraftCost, EntryInfo, TurnRequest, TurnResult
+from exokv.core.records import (
+    CacheEvent,
+    DraftCost,
+    EntryInfo,
+    RankStats,
+    TurnRequest,
+    TurnResult,
+)
 from exokv.errors import PromptTooLong
 from exokv.model import pipeline, templates
 from exokv.prompt.markers import Marked
@@ -102,27 +116,13 @@ class Engine:
             self.context = min(self.context or self.options.context, self.options.context)
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
-        # Run on every rank alike (a pipeline forward is itself collective).
-        try:
-            rates = kinds.measure_rates(self._new_cache, self._run_one_token)
-        except ValueError as err:
-            if not self.options.kv_bits:
-                raise
-            from exokv.cache.tier_options import kv_group_misfit
-            from exokv.errors import UsageError
-
-            o = self.options
-            raise UsageError(kv_group_misfit(model, o.kv_bits, o.kv_group_size, str(err))) from None
+        rates = self._measure_rates()
         self.cache = PrefixCache(self._new_cache, agree_classes(self.group, list(rates)))
         # What one token adds to this rank's cache (K/V of every attention layer).
         self.bytes_per_token = sum(r for c, r in rates.items() if c != kinds.STATE)
-        ram = memory.sample(self.group.rank).ram_total // max(self.options.ranks_here, 1)
-        model_bytes = sum(v.nbytes for _, v in _flat_params(model))
-        self.budget = (
-            self.options.budget
-            if self.options.budget is not None
-            else memory.default_budget(self.options.memory_threshold, ram, model_bytes)
-        )
+        self.budget = self.options.budget
+        if self.budget is None:
+            self.budget = self._default_budget()
         self.coord = Coordinator(
             self.cache, self.group, rates, self.budget, self.options.memory_threshold
         )
@@ -134,6 +134,27 @@ class Engine:
         self.pass_cost: PassCost | None = PassCost()
         if self.options.disk_dir is not None and self.options.disk_budget is not None:
             self._start_tier()
+
+    def _measure_rates(self) -> dict[kinds.StorageClass, int]:
+        """This rank's bytes per token (or per state) of each storage class, measured by
+        running the model; on every rank alike, as a pipeline forward is collective."""
+        try:
+            return kinds.measure_rates(self._new_cache, self._run_one_token)
+        except ValueError as err:
+            if not self.options.kv_bits:
+                raise
+            from exokv.cache.tier_options import kv_group_misfit
+            from exokv.errors import UsageError
+
+            o = self.options
+            why = kv_group_misfit(self.model, o.kv_bits, o.kv_group_size, str(err))
+            raise UsageError(why) from None
+
+    def _default_budget(self) -> int:
+        """This rank's cache budget without --cache-budget: from its share of the RAM."""
+        ram = memory.sample(self.group.rank).ram_total // max(self.options.ranks_here, 1)
+        model_bytes = sum(v.nbytes for _, v in _flat_params(self.model))
+        return memory.default_budget(self.options.memory_threshold, ram, model_bytes)
 
     def _settle_template(self, model: Any, tokenizer: Any) -> templates.Settled:
         """The chat template every rank renders with (exokv.model.templates): the one asked
@@ -185,8 +206,7 @@ class Engine:
 
     def close(self) -> None:
         """Keep the cache for the next run (the disk tier); every rank alike, no collective."""
-        if self.coord.tier is not None:
-            self.coord.tier.close()
+        self.coord.close()
 
     @property
     def collectives(self) -> int:
@@ -209,10 +229,27 @@ class Engine:
         on_progress: Callable[[int, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> TurnResult:
+        """One turn, the same steps on every rank. Each step that changes which tokens the
+        cache holds (the fetch's hit, the plan's evictions, the inserts, the cap) decides
+        from the token sequences and the numbers of `_gather`'s one collective only, so
+        every rank makes the same change; this rank's own bytes and RAM never decide alone."""
         start = time.perf_counter()
         if request.sample_seed is not None:
             mx.random.seed(request.sample_seed)  # every rank alike: the request is broadcast
-        tokens = self.render(request.messages)
+        tokens = self._prompt(request.messages)
+        turn = self._fetch(request, tokens, start)
+        try:
+            self._gather(turn)
+            stopped = self._prefill_prompt(turn, on_progress, should_stop)
+            out = self._reply(turn, stopped, on_text, should_stop)
+            self._store(turn, out)
+        finally:
+            self._release(turn)
+        return self._finish(turn, out)
+
+    def _prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The prompt's tokens; one over the context is refused before any collective."""
+        tokens = self.render(messages)
         if self.context is not None and len(tokens) > self.context:
             raise PromptTooLong(
                 f"the prompt is {len(tokens):,} tokens and the model's context is "
@@ -221,101 +258,141 @@ class Engine:
                 tokens=len(tokens),
                 context=self.context,
             )
+        return tokens
+
+    def _fetch(self, request: TurnRequest, tokens: list[int], start: float) -> _Turn:
+        """A new decision and its hit: the longest usable cached prefix (from the tree,
+        so the same length on every rank), locked until `_release`; an empty one without
+        the cache. The turn's events start with the typeahead steps' since the last turn."""
+        tic = time.perf_counter()
         self.decision += 1
         self.coord.set_pins(request.pins)
         self.prefill_steps = []
         events, self.draft_events = self.draft_events, []
-        use_cache = request.use_cache
-        overhead = time.perf_counter()
         expect = len(tokens) + request.max_tokens  # the most tokens this turn's cache holds
-        drafted = typeahead.drafted_spans(self.cache.tree, tokens) if use_cache else []
-        hit = (
-            self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
-            if use_cache
-            else Hit(self._new_cache(), 0, [])
-        )
-        ran = hit.length  # tokens the cache has run
-        typed_ahead = typeahead.covered(drafted, hit.length)
-        if self.coord.tier is not None:  # loads (or agreed misses) from the disk tier
-            events += self.coord.tier.take_events(self.decision)
-        try:
-            if hit.entry is not None:
-                events.append(self._event("hit", hit.entry, request.session, hit.length))
-                if typed_ahead:
-                    used = self._event("draft-used", hit.entry, request.session, hit.length)
-                    used.tokens = typed_ahead
-                    events.append(used)
-            # What the tree does not hold yet is what this turn can add to it; what the
-            # turn holds besides: its cache's room up to mlx-lm's step, and a copy of
-            # the hit where the tree did not lend it.
-            meets = self.cache.tree.match(tokens).length if use_cache else 0
-            room = -(-expect // KVCache.step) * KVCache.step - expect
-            copied = 0 if hit.lent or not use_cache else hit.length
-            new_tokens = len(tokens) - meets + request.max_tokens + room
-            probe = memory.sample(self.group.rank)
-            self.coord.begin(self.decision, new_tokens, probe, events, copied=copied)
-            overhead = time.perf_counter() - overhead
-            stopped = False
-            store = use_cache and not self.cache.exact_anywhere
-            for stop in self._stops(len(tokens), hit.length, meets):
-                stopped = self._prefill(
-                    hit.cache,
-                    tokens[ran:stop],
-                    ran,
-                    len(tokens),
-                    on_progress,
-                    should_stop,
-                    self.prefill_steps,
-                )
-                if stopped:
-                    break
-                ran = stop
-                if store and stop > hit.length:
-                    tic = time.perf_counter()
-                    self._insert(tokens, hit.cache, ran, request.session, events)
-                    overhead += time.perf_counter() - tic
+        if request.use_cache:
+            drafted = typeahead.drafted_spans(self.cache.tree, tokens)  # before fetch touches them
+            hit = self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
+        else:
+            drafted, hit = [], Hit(self._new_cache(), 0, [])
+        turn = _Turn(request, tokens, hit, events, start, ran=hit.length)
+        turn.typed_ahead = typeahead.covered(drafted, hit.length)
+        events += self.coord.tier_events(self.decision)  # loads, or agreed misses
+        if hit.entry is not None:
+            events.append(self._event("hit", hit.entry, request.session, hit.length))
+            if turn.typed_ahead:
+                used = self._event("draft-used", hit.entry, request.session, hit.length)
+                used.tokens = turn.typed_ahead
+                events.append(used)
+        turn.overhead += time.perf_counter() - tic
+        return turn
+
+    def _gather(self, turn: _Turn) -> None:
+        """The turn's one collective (exokv.cache.coordinate): every rank's numbers, then
+        the same evictions on every rank by the plan, so that the turn's tokens fit."""
+        tic = time.perf_counter()
+        request, tokens, hit = turn.request, turn.tokens, turn.hit
+        # What the tree does not hold yet is what this turn can add to it; what the
+        # turn holds besides: its cache's room up to mlx-lm's step, and a copy of
+        # the hit where the tree did not lend it.
+        turn.meets = self.cache.held(tokens) if request.use_cache else 0
+        expect = len(tokens) + request.max_tokens
+        copied = 0 if hit.lent or not request.use_cache else hit.length
+        new_tokens = len(tokens) - turn.meets + request.max_tokens + cache_room(expect)
+        probe = memory.sample(self.group.rank)
+        self.coord.begin(self.decision, new_tokens, probe, turn.events, copied=copied)
+        turn.overhead += time.perf_counter() - tic
+
+    def _prefill_prompt(
+        self,
+        turn: _Turn,
+        on_progress: Callable[[int, int], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> bool:
+        """Prefill what the hit does not hold, up to each of `_stops`, storing each stop
+        reached where the tree needs it. Returns True when stopped (every rank agrees)."""
+        tokens, hit = turn.tokens, turn.hit
+        store = turn.request.use_cache and not self.cache.exact_anywhere
+        for stop in self._stops(len(tokens), hit.length, turn.meets):
+            stopped = self._prefill(
+                hit.cache,
+                tokens[turn.ran : stop],
+                turn.ran,
+                len(tokens),
+                on_progress,
+                should_stop,
+                self.prefill_steps,
+            )
             if stopped:
-                # Stopped during prefill (Ctrl-C): no reply; what was prefilled is kept below.
-                ran = kinds.offset(hit.cache) or ran
-                out = Decoded([], "", "interrupted", 0.0, 0.0)
-            else:
-                out = self._decode(tokens, hit.cache, request, start, on_text, should_stop)
-                ran = len(tokens) + len(out.tokens)  # decode ran every token it gave
-            generated, reply = out.tokens, out.reply
-            self._remember_reply(reply, out.spelled)
-            tic = time.perf_counter()
-            if use_cache:
-                self._insert(tokens + generated, hit.cache, ran, request.session, events)
-        finally:
-            if use_cache:
-                self.cache.release(hit)  # and the hit's K/V back to the tree, if lent
-        if use_cache:
-            live = self.cache.tree.match((tokens + generated)[:ran]).path
-            self.coord.cap(self.decision, live, ran, request.session, events)
-        if self.coord.tier is not None:
-            events += self.coord.tier.take_events(self.decision)
-        changed = self.cache.tree.drain_changed()
-        if self.coord.tier is not None:  # write-through and the journal, written after the reply
-            self.coord.tier.after_turn(changed)
-        stats, entries = self.coord.stats(), self.coord.changed_entries(changed)
-        overhead += time.perf_counter() - tic
+                # Stopped (Ctrl-C): no reply; what was prefilled is kept (`_store`).
+                turn.ran = kinds.offset(hit.cache) or turn.ran
+                return True
+            turn.ran = stop
+            if store and stop > hit.length:
+                with turn.timed():
+                    self._insert(tokens, hit.cache, turn.ran, turn.request.session, turn.events)
+        return False
+
+    def _reply(
+        self,
+        turn: _Turn,
+        stopped: bool,
+        on_text: Callable[[str], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> Decoded:
+        """Decode the reply (none when stopped in prefill), and remember its exact tokens."""
+        if stopped:
+            out = Decoded([], "", "interrupted", 0.0, 0.0)
+        else:
+            cache, request = turn.hit.cache, turn.request
+            out = self._decode(turn.tokens, cache, request, turn.start, on_text, should_stop)
+            turn.ran = len(turn.tokens) + len(out.tokens)  # decode ran every token it gave
+        self._remember_reply(out.reply, out.spelled)
+        return out
+
+    def _store(self, turn: _Turn, out: Decoded) -> None:
+        """The turn's tokens and reply into the tree, as far as its cache ran them."""
+        if turn.request.use_cache:
+            full = turn.tokens + out.tokens
+            with turn.timed():
+                self._insert(full, turn.hit.cache, turn.ran, turn.request.session, turn.events)
+
+    def _release(self, turn: _Turn) -> None:
+        """Unlock the hit's path, and give lent K/V back to the tree (even on an error)."""
+        if turn.request.use_cache:
+            with turn.timed():
+                self.cache.release(turn.hit)
+
+    def _finish(self, turn: _Turn, out: Decoded) -> TurnResult:
+        """The cap (evict, by the numbers `_gather` gathered, until every rank is within
+        its budget), the disk tier's write-through, and the turn's result."""
+        with turn.timed():
+            if turn.request.use_cache:
+                live = self.cache.path((turn.tokens + out.tokens)[: turn.ran])
+                self.coord.cap(self.decision, live, turn.ran, turn.request.session, turn.events)
+            stats, entries = self.coord.finish(self.decision, turn.events)
+        return self._result(turn, out, stats, entries)
+
+    def _result(
+        self, turn: _Turn, out: Decoded, stats: list[RankStats], entries: list[EntryInfo]
+    ) -> TurnResult:
         return TurnResult(
-            session=request.session,
-            reply=reply,
-            prompt_tokens=len(tokens),
-            cached_tokens=hit.length,
-            prefilled_tokens=len(tokens) - hit.length,
-            generated_tokens=len(generated),
+            session=turn.request.session,
+            reply=out.reply,
+            prompt_tokens=len(turn.tokens),
+            cached_tokens=turn.hit.length,
+            prefilled_tokens=len(turn.tokens) - turn.hit.length,
+            generated_tokens=len(out.tokens),
             ttft_s=out.ttft,
             decode_tps=out.tps,
-            overhead_s=overhead,
+            overhead_s=turn.overhead,
             ranks=self.group.size,
             finish_reason=out.finish,
             decision=self.decision,
-            events=events,
+            events=turn.events,
             rank_stats=stats,
             entries=entries,
-            typed_ahead_tokens=typed_ahead,
+            typed_ahead_tokens=turn.typed_ahead,
             draft_tokens=out.drafted,
             accepted_tokens=out.accepted,
             model_draft_tokens=out.model_drafted,
@@ -344,7 +421,7 @@ class Engine:
         if plan is None or (self.context is not None and len(plan.tokens) > self.context):
             return 0
         tokens = plan.tokens
-        meets = self.cache.tree.match(tokens).length
+        meets = self.cache.held(tokens)
         self.last_draft = DraftCost(session, len(tokens), meets)
         if meets >= len(tokens):
             return 0
@@ -357,25 +434,24 @@ class Engine:
         stop = min(len(tokens), hit.length + size)
         try:
             copied = 0 if hit.lent else hit.length
-            room = -(-stop // KVCache.step) * KVCache.step - stop
             probe = memory.sample(self.group.rank)
-            self.coord.begin(self.decision, stop - meets + room, probe, events, copied=copied)
+            new_tokens = stop - meets + cache_room(stop)
+            self.coord.begin(self.decision, new_tokens, probe, events, copied=copied)
             tic = time.perf_counter()
             prefill(self.model, hit.cache, tokens[hit.length : stop])
             self.pace.took(stop - hit.length, time.perf_counter() - tic)
             added, changed = self._insert(tokens, hit.cache, stop, session, events)
         finally:
             self.cache.release(hit)
-        path = self.cache.tree.match(tokens[:stop]).path
+        path = self.cache.path(tokens[:stop])
         typeahead.put_draft_first(self.cache.tree, path, plan.history, drafted, added, changed)
         step = self._event("draft", path[-1], session, hit.length)
         step.tokens = stop - hit.length
         events.append(step)
         self.coord.cap(self.decision, path, stop, session, events)
-        if self.coord.tier is not None:
-            events += self.coord.tier.take_events(self.decision)
+        events += self.coord.tier_events(self.decision)
         self.draft_events += events
-        held = self.cache.tree.match(tokens).length
+        held = self.cache.held(tokens)
         self.last_draft = DraftCost(session, len(tokens), held)
         if held < stop:
             return 0  # the budget did not keep it: no more steps for this draft
@@ -400,10 +476,7 @@ class Engine:
     def _insert(
         self, tokens: Sequence[int], cache: list[Any], length: int, session: str, events: list
     ) -> tuple[list[Node], list[Node]]:
-        added, changed = self.cache.insert(tokens, cache, session, length=length)
-        events += [self._event("update", n, session) for n in changed]
-        events += [self._event("add", n, session) for n in added]
-        return added, changed
+        return self.coord.store(tokens, cache, length, session, self.decision, events)
 
     # -- replies' exact tokens (a resumed session renders as before) -----------
 
@@ -480,41 +553,9 @@ class Engine:
         """The reply after `tokens` (all but the last one in `cache`): with drafts from
         the turn's tokens checked by the model (exokv.rank.speculate) where the request
         and the cache allow it, else one token at a time."""
-        self.speculation = speculate.unsupported(cache) if request.speculate else "off"
-        # Ranks holding different layer kinds (a window on one, none on another) must
-        # all decode the same way: one rank that cannot trim turns drafts off for all.
-        if request.speculate and self.group.size > 1:
-            if self.group.any(bool(self.speculation)) and not self.speculation:
-                self.speculation = "another rank's cache cannot be trimmed"
-        if not self.speculation and request.temp > 0 and request.sample_seed is not None:
-            # The distribution is the same with drafts, the random draws are not: a
-            # seeded request must repeat whatever the cache holds.
-            self.speculation = "a seeded sample repeats only without drafts"
+        self.speculation = self._why_not_speculate(cache, request)
         if not self.speculation:
-            script = drafts_hook()  # tests only: drafts that are partly wrong
-            tree = self.cache.tree if request.use_cache else None
-            drafter = (
-                ScriptedDrafter(tokens, script)
-                if script is not None
-                else Drafter(tokens, tree=tree, cost=self.pass_cost, model=self.draft)
-            )
-            steps = StepAgreement(self.group, should_stop)
-            out = speculate.decode(
-                self.model,
-                self.tokenizer,
-                tokens[-1],
-                cache,
-                request.max_tokens,
-                start,
-                drafter,
-                steps,
-                temp=request.temp,
-                top_p=request.top_p,
-                on_text=on_text,
-                stops=TextStops(self.stops),
-            )
-            out.model_drafted = drafter.model_drafted
-            return out
+            return self._decode_drafted(tokens, cache, request, start, on_text, should_stop)
 
         def stop(generated: int) -> bool:
             # Across ranks the check is a collective: every few tokens, at the same
@@ -538,6 +579,53 @@ class Engine:
         )
         return Decoded(tokens_out, reply, finish, ttft, tps, spelled=stops.kept(tokens_out))
 
+    def _why_not_speculate(self, cache: list[Any], request: TurnRequest) -> str:
+        """Why this turn decodes without drafts ("": it drafts), the same on every rank."""
+        why = speculate.unsupported(cache) if request.speculate else "off"
+        # Ranks holding different layer kinds (a window on one, none on another) must
+        # all decode the same way: one rank that cannot trim turns drafts off for all.
+        if request.speculate and self.group.size > 1:
+            if self.group.any(bool(why)) and not why:
+                why = "another rank's cache cannot be trimmed"
+        if not why and request.temp > 0 and request.sample_seed is not None:
+            # The distribution is the same with drafts, the random draws are not: a
+            # seeded request must repeat whatever the cache holds.
+            why = "a seeded sample repeats only without drafts"
+        return why
+
+    def _decode_drafted(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        request: TurnRequest,
+        start: float,
+        on_text: Callable[[str], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> Decoded:
+        script = drafts_hook()  # tests only: drafts that are partly wrong
+        tree = self.cache.tree if request.use_cache else None
+        drafter = (
+            ScriptedDrafter(tokens, script)
+            if script is not None
+            else Drafter(tokens, tree=tree, cost=self.pass_cost, model=self.draft)
+        )
+        out = speculate.decode(
+            self.model,
+            self.tokenizer,
+            tokens[-1],
+            cache,
+            request.max_tokens,
+            start,
+            drafter,
+            StepAgreement(self.group, should_stop),
+            temp=request.temp,
+            top_p=request.top_p,
+            on_text=on_text,
+            stops=TextStops(self.stops),
+        )
+        out.model_drafted = drafter.model_drafted
+        return out
+
     def _new_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
         if self.options.kv_bits:  # stored quantized, in RAM and on disk alike
@@ -556,6 +644,35 @@ class Engine:
 
     def _event(self, kind: str, node: Node, session: str, hit: int = 0) -> CacheEvent:
         return self.coord.event(kind, node, session, self.decision, hit)
+
+
+@dataclass
+class _Turn:
+    """One turn's state, handed from step to step of `Engine.turn`."""
+
+    request: TurnRequest
+    tokens: list[int]
+    hit: Hit
+    events: list[CacheEvent]
+    start: float  # the turn's start (perf_counter): TTFT counts from it
+    ran: int = 0  # tokens the turn's cache has run
+    meets: int = 0  # tokens of the prompt the tree held at the fetch
+    typed_ahead: int = 0  # tokens of the hit that typeahead steps prefilled
+    overhead: float = 0.0  # seconds of cache work (fetch, gather, inserts, cap), not the model's
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.overhead += time.perf_counter() - tic
+
+
+def cache_room(tokens: int) -> int:
+    """A cache's room past `tokens`: mlx-lm allocates its K/V a step at a time, and the
+    room is held as well (a turn's headroom counts it)."""
+    return -(-tokens // KVCache.step) * KVCache.step - tokens
 
 
 def prefill(

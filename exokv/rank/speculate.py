@@ -237,38 +237,16 @@ def decode(
                 finish = "interrupted"
                 break
             if draft:
-                tic = time.perf_counter()
-                logits = model(mx.array([[y, *draft]]), cache=cache)[0]
-                kept, y = _verify(logits, draft, temp, top_p)
-                if drafter.cost is not None:
-                    drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
-                trim(cache, len(draft) - kept)
+                kept, y = _verify_pass(model, y, draft, cache, drafter, temp, top_p)
             else:
-                kept, tic = 0, time.perf_counter()
-                token = ahead if ahead is not None else _sample(model, y, cache, temp, top_p)
-                if drafter.plain_after(k, room):
-                    if ahead is None:
-                        mx.async_eval(token)  # its own evaluation, before the next pass
-                    ahead = _sample(model, token, cache, temp, top_p)
-                    mx.async_eval(ahead)
-                else:
-                    ahead = None
-                y = int(token.item())
-                if drafter.cost is not None and ahead is None:
-                    drafter.cost.took(1, time.perf_counter() - tic)
+                kept = 0
+                y, ahead = _plain_pass(model, y, ahead, cache, drafter, k, room, temp, top_p)
             new = [*draft[:kept], y]
             drafted, accepted = drafted + len(draft), accepted + kept
             drafter.advance(len(draft), kept, new, asked=k)
-            done, used = False, 0
-            for t in new:
-                used += 1
-                if text.add(t):
-                    finish, done = "stop", True
-                    break
-                if len(text.tokens) >= max_tokens:
-                    done = True
-                    break
-            if done:
+            ended, used = _add(text, new, max_tokens)
+            if ended is not None:
+                finish = ended
                 # Tokens past the end were run (kept draft tokens): off the cache too.
                 trim(cache, len(new) - used)
                 break
@@ -278,6 +256,68 @@ def decode(
         mx.eval([c.state for c in cache])
     reply, ttft, tps = text.finish()
     return Decoded(text.tokens, reply, finish, ttft, tps, drafted, accepted, text.spelled())
+
+
+def _verify_pass(
+    model: Any,
+    y: int,
+    draft: list[int],
+    cache: list[Any],
+    drafter: Drafter,
+    temp: float,
+    top_p: float,
+) -> tuple[int, int]:
+    """One pass over `y` and the draft: how many draft tokens are kept and the model's
+    token after them; the rejected ones are taken off the cache."""
+    tic = time.perf_counter()
+    logits = model(mx.array([[y, *draft]]), cache=cache)[0]
+    kept, y = _verify(logits, draft, temp, top_p)
+    if drafter.cost is not None:
+        drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
+    trim(cache, len(draft) - kept)
+    return kept, y
+
+
+def _plain_pass(
+    model: Any,
+    y: int,
+    ahead: mx.array | None,
+    cache: list[Any],
+    drafter: Drafter,
+    k: int,
+    room: int,
+    temp: float,
+    top_p: float,
+) -> tuple[int, mx.array | None]:
+    """One token without a draft (the one computed ahead, if any), and the next one
+    computed ahead when the step after this one is known to be plain as well."""
+    tic = time.perf_counter()
+    token = ahead if ahead is not None else _sample(model, y, cache, temp, top_p)
+    if drafter.plain_after(k, room):
+        if ahead is None:
+            mx.async_eval(token)  # its own evaluation, before the next pass
+        ahead = _sample(model, token, cache, temp, top_p)
+        mx.async_eval(ahead)
+    else:
+        ahead = None
+    y = int(token.item())
+    if drafter.cost is not None and ahead is None:
+        drafter.cost.took(1, time.perf_counter() - tic)
+    return y, ahead
+
+
+def _add(text: ReplyText, new: list[int], max_tokens: int) -> tuple[str | None, int]:
+    """The pass's tokens into the reply, up to its end: the finish reason if it ended
+    ("stop" at an end-of-turn token or stop sequence, "length" at max_tokens, else
+    None), and how many of `new` it took."""
+    used = 0
+    for t in new:
+        used += 1
+        if text.add(t):
+            return "stop", used
+        if len(text.tokens) >= max_tokens:
+            return "length", used
+    return None, used
 
 
 def trim(cache: list[Any], n: int) -> None:
