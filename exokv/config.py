@@ -11,11 +11,13 @@ sets them. A setting marked `forwarded` reaches ranks on other machines
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from exokv.core.sizes import parse_size
 from exokv.errors import UsageError
 
 DEFAULT_MODEL = "smollm2"
@@ -242,8 +244,6 @@ def slow_texts_hook() -> float:
 
 def drafts_hook() -> list[int] | None:
     """The token ids EXOKV_TEST_DRAFTS's file lists (None when unset)."""
-    import json
-
     path = TEST_DRAFTS.text()
     if path is None:
         return None
@@ -312,8 +312,6 @@ def hold_beat_hook(rank: int) -> float:
 
 def host_memory_hook(ranks: int) -> list[int] | None:
     """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
-    from exokv.core.sizes import parse_size
-
     text = TEST_HOST_MEMORY.text()
     if not text:
         return None

@@ -175,6 +175,7 @@ class _HostProgress:
         self.bars: Any = None
         self.tasks: dict[int, Any] = {}
         if sys.stderr.isatty():
+            # deferred: rich (~0.1 s) only for bars on a terminal; every chat imports this
             from rich.console import Console
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+import mlx.core as mx
+
 from exokv.hosts.linktest import LINK_MARK
 from exokv.rank.boot import launcher_rank, release_stdin, report_error, start_beating
 
@@ -32,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
         parent = settings.get("front_end_pid")
         start_beating(rank, parent, 2)
         release_stdin()  # before the ring: until every rank has, the launcher spins
-        import mlx.core as mx
-
         world = mx.distributed.init(backend=settings.get("backend", "ring"), strict=True)
         doc = measure(world, int(settings["rounds"]), int(settings["bytes"]))
         if world.rank() == 0:
@@ -46,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(world: Any, rounds: int, nbytes: int) -> dict[str, Any]:
     """Latency and bandwidth of all_sum over `world`, the same figures on every rank."""
-    import mlx.core as mx
-
     n = world.size()
     one = mx.array([1.0])
     total = mx.distributed.all_sum(one, group=world)

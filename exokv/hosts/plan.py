@@ -19,6 +19,8 @@ from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
 from exokv.hosts.placement import DoesNotFit, Plan, RankRoom, place_tensor, plan_split
 from exokv.hosts.placement import place as place_layers
+from exokv.model.hub import repo_of
+from exokv.model.layer_sizes import SizesUnknown, model_sizes
 
 
 class HostsUnknown(ExokvError):
@@ -38,8 +40,6 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     """
     if cluster.rank_count == 1 and not show:
         return cluster, None
-    from exokv.model.layer_sizes import SizesUnknown, model_sizes
-
     try:
         rooms = rank_rooms(cluster)
         # A model that is not there at all fails here, in its own one line.
@@ -47,8 +47,6 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
     except (HostsUnknown, SizesUnknown) as err:
         if show:
             raise
-        from exokv.model.hub import repo_of
-
         local = cluster.hosts is None and repo_of(cluster.model) is None
         if isinstance(err, SizesUnknown) and local:
             # A local model whose files cannot be read here, where every rank loads it:
@@ -89,6 +87,8 @@ def place(cluster: ClusterOptions, show: bool = False) -> tuple[ClusterOptions, 
 
 def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
     """Each rank's host, its usable memory and the ranks sharing it, in rank order."""
+    # deferred: hosts.facts brings the probe (psutil, importlib.metadata: ~30 ms); every
+    # chat imports this module, and only a plan (several ranks, or --plan) asks the hosts
     from exokv.hosts.facts import ask_hosts
 
     hosts: list[str | None] = (
@@ -121,6 +121,7 @@ def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
 
 def plan_table(plan: Plan, width: int) -> Any:
     """The plan as a table: host, layers, weights, cache budget, free after."""
+    # deferred: core.tables brings rich (~0.1 s); every chat imports this module, few show a plan
     from exokv.core.tables import Column, fit
 
     columns = [
@@ -161,6 +162,7 @@ def plan_caption(plan: Plan) -> str:
 
 def show_plan(plan: Plan, file: IO[str] | None = None) -> None:
     """The table and its caption, on stderr unless `file` says otherwise."""
+    # deferred: rich (~0.1 s) only to show a plan; every chat imports this module
     from rich.console import Console
 
     console = Console(file=file or sys.stderr, highlight=False, soft_wrap=True)

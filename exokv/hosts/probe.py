@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from exokv.config import exokv_home, fake_versions_hook
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
@@ -97,8 +99,6 @@ PACKAGES = ("exokv", "mlx", "mlx-lm")
 
 def probe(model: str | None = None) -> HostFacts:
     """This machine's facts; with `model`, whether that model is here too."""
-    import psutil
-
     vm = psutil.virtual_memory()
     home = exokv_home()
     while not home.exists() and home != home.parent:
@@ -145,6 +145,7 @@ def _fake_versions() -> dict[str, str]:
 def model_presence(name: str) -> ModelPresence:
     """Where `name` (a --model value) stands on this host, found without side effects:
     the same kinds, in the same order, as exokv.model.resolve.resolve_model."""
+    # deferred: exokv.model (~40 ms on a host over ssh) only with --model
     from exokv.model import hub, resolve
     from exokv.model.packaged import MODELS as PACKAGED
 
@@ -184,12 +185,13 @@ def model_presence(name: str) -> ModelPresence:
 
 
 def _ollama_blob(ref: str) -> Path:
-    from exokv.model import ollama
+    from exokv.model import ollama  # deferred, as in model_presence: only with --model
 
     return ollama.blob_of(ref)
 
 
 def _gguf_presence(name: str, blob: Any) -> ModelPresence:
+    # deferred, as in model_presence: only with --model
     from exokv.model.gguf_models import converted_dir
     from exokv.model.gguf_read import is_gguf
 
@@ -209,7 +211,7 @@ def _hub_presence(name: str) -> ModelPresence:
     """A hub repo (ORG/NAME[@REVISION]): whole in this host's Hugging Face cache, or what
     a chat would fetch onto it (the hub asked for its file list; only the small config,
     tokenizer and index files are downloaded, to read which shards the model has)."""
-    from exokv.model import hub
+    from exokv.model import hub  # deferred, as in model_presence: only with --model
 
     parsed = hub.parse_name(name)
     assert parsed is not None
@@ -233,7 +235,7 @@ def _working_set() -> int | None:
     if sys.platform != "darwin":
         return None
     try:
-        import mlx.core as mx
+        import mlx.core as mx  # deferred: a Mac's only; a host without mlx still answers
 
         info: dict[str, Any] = mx.metal.device_info()
         return int(info["max_recommended_working_set_size"])

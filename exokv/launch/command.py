@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,13 +112,7 @@ def plan_launch(
     if hosts is None:
         args += ["-n", str(ranks)]
     if backend == "ring" and any(not h.ips for h in host_list):
-        # `mac-studio.local` is what people type: look its address up, as ssh would.
-        for h in host_list:
-            if not h.ips:
-                h.ips = [resolve_host(h.ssh)]
-        written = _write_hostfile(host_list, hosts.envs if hosts else [], scratch)
-        flag = "--hostfile" if hosts is not None and hosts.hostfile is not None else "--hosts"
-        args[args.index(flag) : args.index(flag) + 2] = ["--hostfile", str(written)]
+        _fill_in_ips(args, host_list, hosts, scratch)
     local = all(h.ssh == LOOPBACK for h in host_list)
     if starting_port is None:
         starting_port = free_ports(len(host_list)) if local else DEFAULT_STARTING_PORT
@@ -125,10 +121,7 @@ def plan_launch(
     args += ["--backend", backend, "--starting-port", str(starting_port)]
     if not local:
         # Local ranks inherit this environment; remote ones only get what is forwarded.
-        for name in FORWARDED_ENV:
-            value = (env if env is not None else os.environ).get(name)
-            if value is not None:
-                args += ["--env", f"{name}={value}"]
+        args += _forwarded_env(env)
     args += ["--", *command]
     return LaunchPlan(
         argv=args,
@@ -141,6 +134,31 @@ def plan_launch(
     )
 
 
+def _fill_in_ips(
+    args: list[str], host_list: list[Host], hosts: HostList | None, scratch: Path | None
+) -> None:
+    """Each host without an address given looked up, and the launcher's `args` pointed at
+    a hostfile (in `scratch`) that has them: the ring backend refuses names."""
+    # `mac-studio.local` is what people type: look its address up, as ssh would.
+    for h in host_list:
+        if not h.ips:
+            h.ips = [resolve_host(h.ssh)]
+    written = _write_hostfile(host_list, hosts.envs if hosts else [], scratch)
+    flag = "--hostfile" if hosts is not None and hosts.hostfile is not None else "--hosts"
+    args[args.index(flag) : args.index(flag) + 2] = ["--hostfile", str(written)]
+
+
+def _forwarded_env(env: dict[str, str] | None) -> list[str]:
+    """mlx.launch's --env flags for the settings remote ranks get (FORWARDED_ENV that are
+    set in `env`, else in this environment)."""
+    flags: list[str] = []
+    for name in FORWARDED_ENV:
+        value = (env if env is not None else os.environ).get(name)
+        if value is not None:
+            flags += ["--env", f"{name}={value}"]
+    return flags
+
+
 def check_reachable(plan: LaunchPlan, timeout: float = 5.0) -> None:
     """A one-line error, before launching, for a host that ssh cannot reach.
 
@@ -150,8 +168,6 @@ def check_reachable(plan: LaunchPlan, timeout: float = 5.0) -> None:
     """
     if plan.local:
         return
-    from concurrent.futures import ThreadPoolExecutor
-
     remote = [(r, h.ssh) for r, h in enumerate(plan.hosts) if h.ssh != LOOPBACK]
     with ThreadPoolExecutor(max_workers=len(remote)) as pool:
         results = list(pool.map(lambda rh: _probe(rh[1], timeout), remote))
@@ -265,8 +281,6 @@ def free_ports(count: int, start: int = 20000, end: int = 60000) -> int:
 
     Starting from a random offset keeps two chats on one machine apart.
     """
-    import random
-
     base = random.randrange(start, end - count)
     for offset in range(0, end - start, count + 1):
         first = start + (base - start + offset) % (end - start - count)

@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -59,24 +59,7 @@ def run_module(
     "envs") are set for the module as mlx.launch sets them for the ranks.
     """
     argv = [*rank_command(module=module), *args]
-    source = os.environ if env is None else env
-    if host is None:
-        command = argv
-        child_env = {**source, **dict(e.partition("=")[::2] for e in envs)}
-    else:
-        forwarded = [f"{n}={source[n]}" for n in FORWARDED_ENV if source.get(n) is not None]
-        forwarded += list(envs)
-        remote = shlex.join(["env", *forwarded, *argv] if forwarded else argv)
-        command = [
-            "ssh",
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}",
-            host,
-            remote,
-        ]
-        child_env = dict(os.environ)
+    command, child_env = _command(host, argv, os.environ if env is None else env, envs)
     name = host or ""
     try:
         proc = subprocess.Popen(
@@ -90,6 +73,41 @@ def run_module(
         )
     except OSError as err:
         return RemoteRun(name, None, "", "", f"could not start {command[0]}: {err.strerror}")
+    return _collected(proc, name, host is not None, timeout, on_line)
+
+
+def _command(
+    host: str | None, argv: list[str], source: Mapping[str, str], envs: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The command running `argv` on `host` (None: here) and its environment: here,
+    `source` with `envs` set; over ssh, this environment, and on the remote command line
+    `source`'s forwarded settings and `envs`."""
+    if host is None:
+        return argv, {**source, **dict(e.partition("=")[::2] for e in envs)}
+    forwarded = [f"{n}={source[n]}" for n in FORWARDED_ENV if source.get(n) is not None]
+    forwarded += list(envs)
+    remote = shlex.join(["env", *forwarded, *argv] if forwarded else argv)
+    command = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}",
+        host,
+        remote,
+    ]
+    return command, dict(os.environ)
+
+
+def _collected(
+    proc: subprocess.Popen[str],
+    name: str,
+    over_ssh: bool,
+    timeout: float,
+    on_line: Callable[[str], None] | None,
+) -> RemoteRun:
+    """What `proc` wrote until it ended, or until `timeout` seconds passed (it is killed
+    then); over ssh, exit status 255 is ssh's own failure, named by its last line."""
     out: list[str] = []
     err_lines: list[str] = []
 
@@ -122,7 +140,7 @@ def run_module(
         reader.join(timeout=5)
     stderr = "".join(err_lines)
     error = ""
-    if host is not None and proc.returncode == 255:
+    if over_ssh and proc.returncode == 255:
         # ssh's own failure (unreachable, refused, no key): its last line says why.
         lines = [x for x in stderr.splitlines() if x.strip()]
         error = lines[-1].strip() if lines else "ssh failed"

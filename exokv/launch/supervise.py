@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+import psutil
+
 from exokv.config import debug_enabled, wedged_limit
 from exokv.launch.command import BEAT_MARK, ERROR_MARK, STATE_MARK, LaunchPlan
 from exokv.launch.watcher import GONE, RUNNING, STOPPED, state_of
@@ -254,8 +256,6 @@ class Supervisor:
             return None
         state, when, pid = said
         if self.plan.local and state != GONE:
-            import psutil
-
             try:
                 process = self._processes.get(rank)
                 if process is None or process.pid != pid:

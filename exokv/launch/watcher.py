@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any
 
+import psutil
+
 from exokv.launch.command import STATE_MARK, remove_scratch
 
 WATCH_S = 1.0  # between two state lines
@@ -45,8 +47,6 @@ def state_of(process: Any) -> str:
     Anything but stopped (SIGSTOP, a debugger) or ended is running: sleeping on a
     collective, waiting on the disk and computing are all a rank at work.
     """
-    import psutil
-
     try:
         status = process.status()
     except psutil.Error:
@@ -72,8 +72,6 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     # A killed front end is a zombie until its parent reaps it: gone all the same.
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -86,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     rank, pid = int(args[0]), int(args[1])
     front_end = int(args[2]) if len(args) > 2 else None
-    import psutil
-
     ended: list[int] = []
     # The session's end (ssh hanging up, the launcher's kill): end the rank too.
     for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
@@ -118,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def end(process: Any) -> None:
     """End the rank: SIGTERM (and SIGCONT, so a stopped one acts on it), then SIGKILL."""
-    import psutil
-
     try:
         process.terminate()
         process.resume()

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from exokv.config import exokv_home
 from exokv.model import corpus
 
@@ -180,7 +183,7 @@ def ensure_generated(final: Path, version: int, generate: Callable[[Path], None]
 @contextlib.contextmanager
 def _generation_lock(path: Path) -> Iterator[None]:
     try:
-        import fcntl
+        import fcntl  # deferred: POSIX only
     except ImportError:  # pragma: no cover - not a target platform
         yield
         return
@@ -279,8 +282,7 @@ def write_json(path: Path, data: Any) -> None:
 
 def uniform(shape: tuple[int, ...], half_width: float, key_name: str) -> Any:
     """Uniform(-w, w) from SHAKE-256 bits: identical on every platform and library version."""
-    import mlx.core as mx
-    import numpy as np
+    import numpy as np  # deferred: numpy (~0.1 s) only to make weights; every chat imports this
 
     count = int(np.prod(shape))
     stream = hashlib.shake_256(f"exokv:{SEED}:{key_name}".encode()).digest(4 * count)
@@ -293,9 +295,7 @@ def uniform(shape: tuple[int, ...], half_width: float, key_name: str) -> Any:
 
 
 def _init_weights(config: dict[str, Any]) -> dict[str, Any]:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen2
+    from mlx_lm.models import qwen2  # deferred: mlx-lm (2 s) only to generate a builtin
 
     args = qwen2.ModelArgs.from_dict(config)
     # Only the names and shapes are used: mlx-lm's own init draws from the global
@@ -320,8 +320,6 @@ def _init_weights(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_weights(weights: dict[str, Any], out: Path) -> None:
-    import mlx.core as mx
-
     # One file for the embeddings/norm/head and one per layer, so a pipeline stage
     # reads only the files of its own layers.
     groups: dict[str, dict[str, Any]] = {"shared": {}}
@@ -350,6 +348,14 @@ def write_weights(weights: dict[str, Any], out: Path) -> None:
 
 
 def write_tokenizer(out: Path) -> None:
+    """tokenizer.json (a byte-level BPE trained on the corpus) and its two config files."""
+    _trained_tokenizer().save(str(out / "tokenizer.json"), pretty=True)
+    _write_tokenizer_configs(out)
+
+
+def _trained_tokenizer() -> Any:
+    """The builtins' tokenizer: byte-level BPE of VOCAB_SIZE tokens, specials first."""
+    # deferred: only generating a builtin needs tokenizers; its short names stay local
     from tokenizers import (
         AddedToken,
         Tokenizer,
@@ -390,8 +396,11 @@ def write_tokenizer(out: Path) -> None:
     for i, special in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(special) != i:
             raise RuntimeError(f"special token {special} is not id {i}")
-    tok.save(str(out / "tokenizer.json"), pretty=True)
+    return tok
 
+
+def _write_tokenizer_configs(out: Path) -> None:
+    """tokenizer_config.json and special_tokens_map.json, as transformers reads them."""
     special_entry = {
         "lstrip": False,
         "normalized": False,

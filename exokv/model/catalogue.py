@@ -7,13 +7,21 @@ fails on one odd model.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
+from mlx.utils import tree_flatten
+
 from exokv.config import exokv_home
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
-from exokv.model import builtin, zoo
+from exokv.model import builtin, ollama, zoo
+from exokv.model.families import describe
+from exokv.model.gguf_convert import FAMILIES
+from exokv.model.gguf_models import converted_models
+from exokv.model.gguf_read import gguf_header
 from exokv.model.hub import hf_cache_dir
 from exokv.model.packaged import MODELS as PACKAGED
 from exokv.model.resolve import BUILTIN_NAMES, BUILTIN_PREFIX, generated_marker
@@ -70,12 +78,11 @@ def _read_config(path: Path) -> dict[str, Any] | None:
 
 
 def _mlx_supported(config: dict[str, Any]) -> bool:
-    import importlib.util
-
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         return False
     try:
+        # deferred: mlx-lm (2 s) only to list models; every chat imports this module
         from mlx_lm.utils import MODEL_REMAPPING as remapping
     except Exception:
         remapping = {}
@@ -145,8 +152,6 @@ def _converted_gguf_entries() -> list[dict[str, Any]]:
     lists every such file known (the same bytes at several paths share one
     conversion).
     """
-    from exokv.model.gguf_models import converted_models
-
     found = []
     for folder, marker, files in converted_models():
         config = _read_config(folder)
@@ -172,10 +177,6 @@ def _converted_gguf_entries() -> list[dict[str, Any]]:
 
 def _ollama_entries() -> list[dict[str, Any]]:
     """Models pulled with ollama; family and quantization from the GGUF header."""
-    from exokv.model import ollama
-    from exokv.model.gguf_convert import FAMILIES
-    from exokv.model.gguf_read import gguf_header
-
     found = []
     for name, blob in ollama.list_ollama():
         try:
@@ -206,7 +207,7 @@ _UNKNOWN_FAMILY: dict[str, Any] = {"cache_kind": None, "pipeline": None, "tensor
 
 def _file_type_name(file_type: Any) -> str | None:
     """llama.cpp's name of a GGUF's general.file_type (e.g. Q4_K_M)."""
-    from gguf import LlamaFileType
+    from gguf import LlamaFileType  # deferred: gguf brings numpy (~0.2 s); few lists have one
 
     try:
         return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
@@ -216,8 +217,6 @@ def _file_type_name(file_type: Any) -> str | None:
 
 def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
     """family, cache_kind, pipeline, tensor (None where mlx-lm cannot build the model)."""
-    from exokv.model.families import describe
-
     try:
         return describe(config)
     except Exception:  # noqa: BLE001 - a listing never fails on one odd model
@@ -226,6 +225,7 @@ def _family_fields(config: dict[str, Any]) -> dict[str, Any]:
 
 def _hf_models() -> list[dict[str, Any]]:
     try:
+        # deferred: huggingface_hub's cache scan (~70 ms); every chat imports this module
         from huggingface_hub import scan_cache_dir
 
         info = scan_cache_dir(hf_cache_dir())
@@ -316,17 +316,14 @@ def _generated_entry(
 
 
 def _flat(params: Any) -> list[tuple[str, Any]]:
-    from mlx.utils import tree_flatten
-
     return tree_flatten(params)
 
 
 def models_table(found: list[dict[str, Any]]) -> Any:
     """`exokv models` as a rich table that fits 80 columns and never cuts a name."""
+    # deferred: rich (~0.1 s) only for `exokv models`; every chat imports this module
     from rich import box
     from rich.table import Table
-
-    from exokv.core.sizes import format_size
 
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
     table.add_column("name", no_wrap=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from exokv.errors import UsageError
+from exokv.model.zoo import build_model
 
 # Caches that hold one slice per token and can be cut at any token.
 _SLICE_CACHES = ("KVCache", "QuantizedKVCache")
@@ -19,10 +20,10 @@ def describe(config: dict[str, Any]) -> dict[str, Any]:
 
     The model is built from mlx-lm's classes with its lazy init: nothing is computed.
     """
+    # deferred: mlx-lm (2 s) only to describe a model; the front end imports this module
     from mlx_lm.models.cache import make_prompt_cache
 
-    from exokv.model import pipeline
-    from exokv.model.zoo import build_model
+    from exokv.model import pipeline  # deferred: it imports mlx-lm and mlx.nn
 
     model = build_model(config)
     kinds = [type(c).__name__ for c in make_prompt_cache(model)]
@@ -42,7 +43,7 @@ def describe(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def supports_tensor(config: dict[str, Any]) -> bool:
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import _get_classes  # deferred: mlx-lm (2 s); the front end asks this
 
     model_class, _ = _get_classes(config)
     return hasattr(model_class, "shard")

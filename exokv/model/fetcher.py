@@ -16,6 +16,9 @@ import json
 import sys
 from typing import Any
 
+from exokv.errors import ExokvError, one_line
+from exokv.model import hub
+
 
 def _args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="exokv.model.fetcher")
@@ -36,9 +39,6 @@ def _say(event: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exokv.errors import ExokvError, one_line
-    from exokv.model import hub
-
     args = _args(sys.argv[1:] if argv is None else argv)
     name = hub.parse_name(args.model)
     if name is None:

@@ -14,7 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from exokv.errors import ExokvError
+from exokv.model import builtin
 from exokv.model.gguf_read import GROUP_SIZE, gguf_header, read_gguf, text, value_of
 from exokv.model.gguf_tokenizer import quiet_transformers, write_tokenizer
 
@@ -62,8 +65,6 @@ def convert_gguf(
     ``progress(done, total)`` as its tensors are read (bytes of tensor data), the
     bulk of the time (exokv.model.progress shows it).
     """
-    from exokv.model import builtin
-
     arch = text(gguf_header(src, ("general.architecture",)).get("general.architecture"))
     if arch not in FAMILIES:
         raise ExokvError(
@@ -100,6 +101,7 @@ def convert_gguf(
 def gguf_config(arch: str, meta: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face style config.json for an mlx-lm model of this file."""
     quiet_transformers()
+    # deferred: transformers (1.5 s) only while converting; `exokv models` imports this
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     config: dict[str, Any] = {"model_type": FAMILIES[arch]}
@@ -167,7 +169,7 @@ def _llama3_rope(meta: dict[str, Any], config: dict[str, Any], stored: Any) -> d
     from. Llama 3.1-3.3 all use low 1, high 4 and 8,192 tokens, which leaves the
     factor (the largest one); the factors these give must be the file's.
     """
-    import numpy as np
+    import numpy as np  # deferred: numpy (~0.1 s) only while converting; every chat imports this
 
     factors = np.array(stored, dtype=np.float64)
     old = meta.get("llama.rope.scaling.original_context_length") or 8192
@@ -261,8 +263,6 @@ def _unpermute_rows(value: Any, heads: int) -> Any:
     Rows are output features and quantization groups run along the input, so
     the same row order applies to a quantized weight, its scales and its biases.
     """
-    import mlx.core as mx
-
     rows = value.shape[0]
     half = rows // heads // 2
     order = mx.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)

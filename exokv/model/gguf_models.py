@@ -30,6 +30,9 @@ from typing import Any
 from exokv.config import machine_models_dir
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
+from exokv.model import builtin
+from exokv.model.gguf_convert import convert_gguf
+from exokv.model.progress import StepProgress
 
 # Bump when the conversion changes, so cached directories are converted again.
 CONVERT_VERSION = 2
@@ -87,10 +90,6 @@ def converted_dir(gguf: Path) -> Path:
 
 def ensure_gguf_model(gguf: Path, label: str | None = None) -> Path:
     """The mlx-lm directory for GGUF file ``gguf``, converted on first use."""
-    from exokv.model import builtin
-    from exokv.model.gguf_convert import convert_gguf
-    from exokv.model.progress import StepProgress
-
     out_dir = converted_dir(gguf)
     name = label or str(gguf)
 
@@ -120,8 +119,6 @@ def converted_models() -> list[tuple[Path, dict[str, Any], list[Path]]]:
     The files are those known to hold its bytes now (the one converted and any
     other path seen since, unchanged), the one converted first.
     """
-    from exokv.model import builtin
-
     cache = cache_dir()
     if not cache.is_dir():
         return []

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from exokv.errors import ExokvError, one_line
 
 GGUF_MAGIC = b"GGUF"
@@ -60,35 +62,14 @@ def read_gguf(
     package (llama.cpp's own reference decoders) and quantized again with MLX at
     the closest bit width: mlx reads some of them only by casting, some not at all.
     """
-    import mlx.core as mx
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-        raise ExokvError(f"{path} is not a readable GGUF file: {one_line(e, named=False)}") from e
+    reader = _reader(path)
     metadata = {key: field.contents() for key, field in reader.fields.items()}
-    kinds = {t.name: t.tensor_type for t in reader.tensors}
-    unsupported = sorted({k.name for k in kinds.values() if _bits_for(k.name) is None})
-    if unsupported:
-        raise ExokvError(
-            f"{path}: GGUF tensor type {', '.join(unsupported)} is not supported; supported: "
-            f"{', '.join(NATIVE_TYPES)} (kept as they are) and "
-            f"{', '.join(REQUANTIZED)} (quantized again for MLX)"
-        )
+    _check_types(path, reader)
     total = sum(int(t.n_bytes) for t in reader.tensors)
     done = 0
     if on_tensor is not None:
         on_tensor(done, total)
-    loaded: dict[str, Any] = {}
-    # mx.load refuses a file holding a type it cannot read at all (Q5_0, ...): then
-    # every tensor is decoded, the kept types too.
-    if all(k.name in NATIVE_TYPES or k.name in MLX_CASTS for k in kinds.values()):
-        try:
-            with _gguf_named(path) as named:
-                loaded = mx.load(str(named))
-        except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
-            raise ExokvError(f"cannot read the GGUF file {path}: {one_line(e, named=False)}") from e
+    loaded = _loaded_natively(path, reader)
     tensors: dict[str, Any] = {}
 
     def step(nbytes: int) -> None:
@@ -113,6 +94,44 @@ def read_gguf(
     return tensors, metadata
 
 
+def _reader(path: Path) -> Any:
+    """The gguf package's reader of ``path`` (a GGUFReader)."""
+    # deferred: gguf brings numpy (~0.2 s); every chat imports this module for is_gguf
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise ExokvError(f"{path} is not a readable GGUF file: {one_line(e, named=False)}") from e
+
+
+def _check_types(path: Path, reader: Any) -> None:
+    """An error naming the tensor types of the file exokv cannot read, if any."""
+    kinds = {t.name: t.tensor_type for t in reader.tensors}
+    unsupported = sorted({k.name for k in kinds.values() if _bits_for(k.name) is None})
+    if unsupported:
+        raise ExokvError(
+            f"{path}: GGUF tensor type {', '.join(unsupported)} is not supported; supported: "
+            f"{', '.join(NATIVE_TYPES)} (kept as they are) and "
+            f"{', '.join(REQUANTIZED)} (quantized again for MLX)"
+        )
+
+
+def _loaded_natively(path: Path, reader: Any) -> dict[str, Any]:
+    """What ``mx.load`` reads of the file, exactly; nothing if it holds a type mx.load
+    cannot read at all (Q5_0, ...): mx.load refuses the whole file then, and every
+    tensor is decoded, the kept types too."""
+    kinds = [t.tensor_type.name for t in reader.tensors]
+    if not all(k in NATIVE_TYPES or k in MLX_CASTS for k in kinds):
+        return {}
+    try:
+        with _gguf_named(path) as named:
+            loaded: dict[str, Any] = mx.load(str(named))
+    except Exception as e:  # noqa: BLE001 - mlx raises plain exceptions for bad files
+        raise ExokvError(f"cannot read the GGUF file {path}: {one_line(e, named=False)}") from e
+    return loaded
+
+
 @contextlib.contextmanager
 def _gguf_named(path: Path) -> Iterator[Path]:
     """``path``, or a link to it ending in .gguf: mx.load picks the format by extension."""
@@ -133,7 +152,7 @@ def _decoded(tensor: Any, kind: str, step: Callable[[int], None]) -> dict[str, A
     one of the whole): the float copy stays small, and ``step(bytes)`` reports each
     piece, so a large embedding does not hold the progress still.
     """
-    import mlx.core as mx
+    # deferred: numpy and gguf (~0.2 s), as in _reader
     import numpy as np
     from gguf import quants
 

@@ -6,10 +6,14 @@ parts that need no torch. The chat template is the metadata's, as it is.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from tokenizers import pre_tokenizers, processors
+
 from exokv.errors import ExokvError
+from exokv.model import builtin
 from exokv.model.gguf_read import text, value_of
 
 # llama.cpp pre-tokenizers that isolate each digit before GPT-2's split (SmolLM's).
@@ -19,12 +23,11 @@ _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
 def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
     """tokenizer.json and tokenizer_config.json (with the chat template) from the metadata."""
     quiet_transformers()
+    # deferred: transformers (1.5 s) only while converting; `exokv models` imports this
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (
         GGUF_TOKENIZER_MAPPING,
         convert_gguf_tokenizer,
     )
-
-    from exokv.model import builtin
 
     fields = GGUF_TOKENIZER_MAPPING["tokenizer"]
     spec = {
@@ -39,8 +42,6 @@ def write_tokenizer(arch: str, meta: dict[str, Any], out: Path) -> None:
     except ValueError as e:
         raise ExokvError(f"cannot build the GGUF file's tokenizer: {e}") from e
     if spec.get("pre_tokenizer_type") in _DIGIT_SPLIT_PRE:
-        from tokenizers import pre_tokenizers
-
         # llama.cpp splits digits one by one for these; transformers' table has no entry.
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -94,7 +95,6 @@ def _add_specials(backend: Any, bos: tuple[str, int] | None, eos: tuple[str, int
     """
     if bos is None and eos is None:
         return  # the builder's post-processor as it is: such files tokenize as before
-    from tokenizers import processors
 
     def sequence(name: str, type_id: int) -> str:
         head = f"{bos[0]}:{type_id} " if bos else ""
@@ -114,6 +114,4 @@ def _add_specials(backend: Any, bos: tuple[str, int] | None, eos: tuple[str, int
 
 def quiet_transformers() -> None:
     """No advice about PyTorch on import: exokv uses only transformers' tokenizer parts."""
-    import os
-
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

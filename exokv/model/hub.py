@@ -23,12 +23,14 @@ import fnmatch
 import json
 import os
 import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError, one_line
+from exokv.hosts.placement import even_split, local_range  # no mlx: a host's fetch stays light
 
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -89,6 +91,7 @@ def storage_dir(repo: str) -> Path:
 
 
 def endpoint() -> str:
+    # deferred: huggingface_hub reads HF_* from the environment when first imported
     from huggingface_hub import constants
 
     return os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
@@ -143,8 +146,6 @@ def rank_layers(layers: int, split: list[int] | None, ranks: int, rank: int) -> 
     rank 0 the LAST ones; ``split`` lists layers per rank, rank 0 first (None: even,
     the low ranks taking the extra layers). exokv.model.pipeline's own rule, which
     the ranks load by."""
-    from exokv.hosts.placement import even_split, local_range  # no mlx: a host's fetch stays light
-
     start, end = local_range(split or even_split(layers, ranks), rank)
     return range(start, end)
 
@@ -389,7 +390,7 @@ def _write_ref(repo: str, revision: str, commit: str) -> None:
 
 def _ask_hub(repo: str, revision: str, commit: str | None) -> tuple[str, dict[str, int]]:
     """(commit, {file: size}) of ``revision`` from the hub; one line naming what failed."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # deferred: hf_api (~0.2 s) only to ask the hub
 
     try:
         info = HfApi(endpoint=endpoint()).model_info(
@@ -405,6 +406,7 @@ def _ask_hub(repo: str, revision: str, commit: str | None) -> tuple[str, dict[st
 
 def hub_error(err: BaseException, repo: str, revision: str | None, file: str = "") -> ExokvError:
     """One line for what huggingface_hub raised while reaching ``repo``."""
+    # deferred: httpx2 and huggingface_hub.errors (~0.2 s) only after the hub failed
     import httpx2
     from huggingface_hub import errors
 
@@ -451,6 +453,7 @@ def _download(
     progress: Progress | None,
     bars: bool,
 ) -> None:
+    # deferred: huggingface_hub's file_download (~0.1 s) only to download
     from huggingface_hub import hf_hub_download
 
     total = _size(listing, files)
@@ -475,9 +478,7 @@ def _download(
 
 def _reporting_bar(progress: Progress, before: int, total: int) -> type:
     """A tqdm class for huggingface_hub that reports bytes to ``progress`` instead of drawing."""
-    import time
-
-    from tqdm import tqdm
+    from tqdm import tqdm  # deferred: tqdm (~50 ms) only while downloading
 
     class Reporting(tqdm):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -22,6 +22,7 @@ from exokv.errors import ExokvError, one_line
 from exokv.hosts.placement import ModelSizes
 from exokv.model import hub
 from exokv.model.hub import layer_of
+from exokv.model.resolve import resolve_model
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own bound on a header
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -137,6 +138,7 @@ def _hub_headers(repo: str, revision: str | None) -> tuple[dict[str, int], dict[
             return {str(k): int(v) for k, v in kept["tensors"].items()}, dict(kept["config"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # not asked yet (or a torn file): the hub once more
+    # deferred: huggingface_hub's hub calls (~0.2 s) only when asking it; read at call time
     from huggingface_hub import get_safetensors_metadata, hf_hub_download
 
     where = repo if revision is None else f"{repo}@{revision}"
@@ -165,8 +167,6 @@ def model_sizes(name: str, kv: KvQuant = KvQuant()) -> ModelSizes:
     (a repo not downloaded yet, or only some of its shards on this machine)."""
     repo_id = hub.repo_of(name)
     if repo_id is None:
-        from exokv.model.resolve import resolve_model
-
         return local_sizes(resolve_model(name), kv)
     repo, revision = repo_id
     snapshot = hub.cached_snapshot(repo, revision)

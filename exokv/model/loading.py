@@ -21,11 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, load_model
+from mlx_lm.utils import load_tokenizer as mlx_lm_tokenizer
 
 from exokv.errors import ExokvError, UsageError, one_line
 from exokv.hosts.placement import even_split, local_range
 from exokv.model import pipeline
 from exokv.model.hub import layer_of
+
+try:
+    from transformers.utils import logging as hf_logging
+except ImportError:  # pragma: no cover - mlx-lm depends on transformers
+    hf_logging = None
 
 _GLOB_CHARS = "*?["
 
@@ -37,9 +45,6 @@ def load_checkpoint(
     split: list[int] | None = None,
 ) -> tuple[Any, Any]:
     """(model, tokenizer) for this rank: all of it on one rank, else its shard."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
     ranks = group.size() if group is not None else 1
     rank = group.rank() if group is not None else 0
     with glob_safe(path) as safe:
@@ -112,7 +117,6 @@ def glob_safe(path: Path) -> Iterator[Path]:
 
 def _recording(seen: dict[str, tuple[int, ...]]) -> Any:
     """mlx-lm's model classes, with the weights handed to load_weights recorded."""
-    from mlx_lm.utils import _get_classes
 
     def classes(config: dict[str, Any]) -> tuple[type, type]:
         model_class, args_class = _get_classes(config)
@@ -191,18 +195,12 @@ def load_tokenizer(path: Path) -> tuple[Any, dict[str, Any]]:
 
 
 def _load_tokenizer(path: Path, config: dict[str, Any]) -> Any:
-    from mlx_lm.utils import load_tokenizer
-
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - mlx-lm depends on transformers
-        hf_logging = None
     # transformers reads config.json too and warns about fields only mlx-lm uses.
     level = hf_logging.get_verbosity() if hf_logging else None
     if hf_logging:
         hf_logging.set_verbosity_error()
     try:
-        return load_tokenizer(
+        return mlx_lm_tokenizer(
             path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None)
         )
     finally:

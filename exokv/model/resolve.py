@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from exokv.errors import ExokvError, UsageError, one_line
-from exokv.model import builtin, hub, zoo
+from exokv.model import builtin, hub, ollama, zoo
+from exokv.model.gguf_models import converted_dir, ensure_gguf_model
+from exokv.model.gguf_read import is_gguf
 from exokv.model.packaged import MODELS as PACKAGED
 from exokv.model.wheel_gguf import ensure_model
 
@@ -75,9 +77,6 @@ def resolve_model(name: str) -> Path:
         packaged = PACKAGED[name]
         return _converted(name, lambda: ensure_model(packaged), packaged.converted())
     if name.startswith(OLLAMA_PREFIX):
-        from exokv.model import ollama
-        from exokv.model.gguf_models import converted_dir, ensure_gguf_model
-
         blob = ollama.blob_of(name[len(OLLAMA_PREFIX) :])
         return _converted(name, lambda: ensure_gguf_model(blob, label=name), converted_dir(blob))
     short = builtin_name(name)
@@ -99,9 +98,6 @@ def resolve_model(name: str) -> Path:
             )
         return local
     if local.exists():
-        from exokv.model.gguf_models import converted_dir, ensure_gguf_model
-        from exokv.model.gguf_read import is_gguf
-
         if is_gguf(local):
             return _converted(name, lambda: ensure_gguf_model(local), converted_dir(local))
         raise ExokvError(
@@ -151,7 +147,7 @@ def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
 
     ``lazy`` is accepted for compatibility: every weight is read (and checked) here.
     """
-    from exokv.model.loading import load_checkpoint
+    from exokv.model.loading import load_checkpoint  # deferred: mlx-lm (2 s); only ranks load
 
     path = resolve_model(name)
     try:

