@@ -27,6 +27,7 @@ from typing import IO, Any
 import mlx.core as mx
 
 from exokv.rank.boot import launcher_rank, release_stdin, report_error, start_beating
+from exokv.rank.main import load_shard
 
 PROGRESS_MARK = "exokv-bench-progress "
 DOC_MARK = "exokv-bench-doc "
@@ -69,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(settings: dict[str, Any], world: mx.distributed.Group, out: IO[str] | None) -> dict:
     """Load this rank's shard, run the bench, and merge every rank's per-rank figures."""
+    # deferred: both bring mlx-lm (2 s to import), imported once the heartbeat runs and
+    # stdin is released (see main); the module's top stays light for every rank's start
     from exokv.bench import runner
     from exokv.collectives import MlxGroup
-    from exokv.rank.main import load_shard
 
     known = {f.name for f in fields(runner.BenchConfig)}
     config = runner.BenchConfig(**{k: v for k, v in settings["config"].items() if k in known})
@@ -136,6 +138,8 @@ def merge_ranks(doc: dict[str, Any], by_rank: list[list[Any]], rank: int) -> dic
 
 def gather_json(world: mx.distributed.Group, obj: Any) -> list[Any]:
     """Every rank's JSON-serialisable `obj`, indexed by rank (one collective pair)."""
+    # deferred: mlx-lm takes 2 s to import; run() has loaded it by now, the module's top
+    # stays light so a rank starts its heartbeat first
     from mlx_lm.generate import generation_stream
 
     data = json.dumps(obj).encode()

@@ -28,6 +28,7 @@ from exokv.bench.rank_main import DOC_MARK, PROGRESS_MARK
 from exokv.errors import ExokvError
 from exokv.launch.command import LaunchPlan, plan_launch, rank_command
 from exokv.launch.supervise import Supervisor
+from exokv.model.resolve import resolve_model
 
 START_TIMEOUT = 90.0  # launcher start + distributed init, until every rank beats
 # Ranks beat every 2 s, from a thread, even while MLX computes. Twice the chat's 10 s:
@@ -51,8 +52,6 @@ def run_on_ranks(
     backend: str = "ring",
 ) -> dict[str, Any]:
     """Run the bench on `config.ranks` local ranks; rank 0's JSON document."""
-    from exokv.model.resolve import resolve_model
-
     settings = {"config": asdict(config), "backend": backend, "front_end_pid": os.getpid()}
     plan = plan_launch(
         bench_command(settings),

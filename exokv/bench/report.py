@@ -197,7 +197,7 @@ def _turns(turns: list[int], most: int = 8) -> str:
 
 def check_plot_available() -> None:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - deferred: optional, and only for --plot
     except ImportError:
         raise ExokvError(PLOT_HINT) from None
 
@@ -205,13 +205,14 @@ def check_plot_available() -> None:
 def write_plot(doc: dict[str, Any], path: str) -> None:
     """A PNG of TTFT per turn per strategy (and the limit), one panel per scenario."""
     try:
+        # deferred: matplotlib only for --plot, and an optional dependency (PLOT_HINT)
         import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        matplotlib.use("Agg")  # before pyplot: no display
+        import matplotlib.pyplot as plt  # deferred with matplotlib, after its backend is set
     except ImportError:
         raise ExokvError(PLOT_HINT) from None
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # deferred with matplotlib (--plot only)
 
     names = list(doc["scenarios"])
     cols = min(2, len(names))

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from exokv.bench import QUANTIZED, STRATEGIES, scenarios, targets
 from exokv.bench.strategies import (
@@ -34,6 +37,7 @@ from exokv.bench.strategies import (
     render,
     synchronize,
 )
+from exokv.cache import kinds
 from exokv.collectives import Group
 
 OTHERS = tuple(s for s in STRATEGIES if s != "exokv")
@@ -323,8 +327,6 @@ class _Tally:
 def _drop_disk_files(disk: Any) -> None:
     """exokv+disk's disk tier's files go with the run."""
     if disk.engine.coord.tier is not None:
-        import shutil
-
         disk.engine.coord.tier.store.flush()
         shutil.rmtree(disk.disk_dir, ignore_errors=True)
 
@@ -337,10 +339,6 @@ def _unquantized_kv(model: Any) -> dict[str, Any]:
     """What one token adds to the model's own, unquantized cache on this rank: bytes in
     the model's KV dtype, that dtype, and the same elements at 2 bytes each (fp16).
     Every rank calls it alike (a pipeline forward is itself collective)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from exokv.cache import kinds
-
     made: list[list[Any]] = []
 
     def make() -> list[Any]:
@@ -554,8 +552,6 @@ def _loadavg() -> list[float]:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for pkg in ("exokv", "mlx", "mlx-lm"):
         try:

@@ -36,6 +36,7 @@ is tokenized and the cache is looked up) to the first generated token.
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -373,8 +374,6 @@ def make(
     if name == "exokv":
         return Exokv(model, tokenizer, render_fn, budget, group, **exokv_options)
     if name == "exokv+disk":
-        import tempfile
-
         where = tempfile.mkdtemp(prefix="exokv-bench-disk-")
         return Exokv(model, tokenizer, render_fn, budget, group, where, **exokv_options)
     return {"cold": Cold, "carried": Carried, "mlx-lm-lru": MlxLmLru}[name](

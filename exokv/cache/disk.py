@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 from exokv.cache import durable
+from exokv.state.locks import hold
 
 MAGIC = b"EXKV"
 _HEADER = struct.Struct("<4sIQ")  # magic, crc32 of the body, body length
@@ -98,8 +99,6 @@ class DiskStore:
     def __init__(self, root: Path) -> None:
         """Raises exokv.state.locks.LockHeld when another chat uses `root` (one process
         per directory: two would write each other's ids), OSError when unusable."""
-        from exokv.state.locks import hold
-
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = hold(root / "lock", {"what": "disk tier"})

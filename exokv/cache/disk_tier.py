@@ -37,7 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from exokv.cache import kinds, spans
+from exokv.cache import kinds, persist, spans
 from exokv.cache.disk import DiskStore
 from exokv.cache.journal import Journal
 from exokv.cache.kinds import StorageClass
@@ -393,8 +393,6 @@ class DiskTier:
 
     def restore(self) -> str:
         """Start with the persisted tree, on disk. Returns why not ("" when it did)."""
-        from exokv.cache import persist
-
         nodes, why, seq = persist.restore(self.cache, self.store.root, self.group)
         self.copies = {}
         for node in nodes:

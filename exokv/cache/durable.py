@@ -20,7 +20,7 @@ _NO_DIRECTORY_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EBADF}
 def sync_file(fd: int) -> None:
     """The open file `fd`'s data on the disk (F_FULLFSYNC on macOS, else fsync)."""
     if sys.platform == "darwin":
-        import fcntl
+        import fcntl  # deferred: POSIX only, and F_FULLFSYNC is for macOS alone
 
         try:
             fcntl.fcntl(fd, fcntl.F_FULLFSYNC)

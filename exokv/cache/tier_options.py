@@ -17,8 +17,12 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from exokv.cache.disk import free_bytes
+from exokv.config import exokv_home
 from exokv.core.options import AUTO, ClusterOptions, KvQuant
-from exokv.errors import UsageError
+from exokv.errors import ExokvError, UsageError
+from exokv.model.resolve import model_id
+from exokv.state.store import caches_dir
 
 AUTO_SHARE = 0.25  # --disk-budget auto: this share of the free space under EXOKV_HOME
 KV_BITS = (4, 8)
@@ -59,15 +63,11 @@ def disk_bytes(budget: int | Literal["auto"], where: Path, ranks_here: int = 1) 
     """A disk budget in bytes: AUTO is a share of the free space at `where` (divided
     among the ranks sharing this machine's disk)."""
     if budget == AUTO:
-        from exokv.cache.disk import free_bytes
-
         return int(AUTO_SHARE * free_bytes(where) / max(ranks_here, 1))
     return budget
 
 
 def tier_dir(model: str, layout: str, rank: int) -> Path:
-    from exokv.state.store import caches_dir
-
     def safe(text: str) -> str:
         return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
 
@@ -94,8 +94,6 @@ def tier_options(
 
 def shown_disk_budget(opts: ClusterOptions) -> int | None:
     """The disk budget the banner shows (this host's figure for `auto`)."""
-    from exokv.config import exokv_home
-
     if opts.disk_budget is None:
         return None
     return disk_bytes(opts.disk_budget, exokv_home(), opts.ranks_here) or None
@@ -103,9 +101,6 @@ def shown_disk_budget(opts: ClusterOptions) -> int | None:
 
 def _identity(model: str) -> str:
     """The model's identity (name and files' digest), or its name where it has none here."""
-    from exokv.errors import ExokvError
-    from exokv.model.resolve import model_id
-
     try:
         return model_id(model)
     except (ExokvError, OSError):

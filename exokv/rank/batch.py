@@ -30,7 +30,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.cache import memory
+from exokv.cache import kinds, memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
@@ -528,8 +528,6 @@ class _Batch:
         cache = row.cache if row.cache is not None else []
         ran = len(row.tokens) + len(row.generated)
         if row.stopped_in_prefill:
-            from exokv.cache import kinds
-
             ran = kinds.offset(cache) or row.hit.length
         full, coord, session = row.tokens + row.generated, engine.coord, row.request.session
         if ran > 0 and cache:

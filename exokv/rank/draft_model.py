@@ -26,6 +26,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from exokv.errors import ExokvError, UsageError
+from exokv.model.loading import load_tokenizer
+from exokv.model.resolve import load_model, resolve_model
 
 CATCH_UP_STEP = 512  # tokens a catch-up (a new prompt) runs at a time
 WEIGHT = 0.3  # of a new measurement in the running cost
@@ -62,8 +64,6 @@ def check_draft(name: str, target_tokenizer: Any, draft_tokenizer: Any, cache: l
 
 def load_draft(name: str, target_tokenizer: Any) -> DraftModel:
     """--draft-model `name`, loaded whole (the same resolver as --model) and checked."""
-    from exokv.model.resolve import load_model
-
     try:
         model, tokenizer = load_model(name)
     except ExokvError as err:  # an unknown name as a bad --model's: one line, exit 2
@@ -76,9 +76,6 @@ def load_draft(name: str, target_tokenizer: Any) -> DraftModel:
 def check_names(model: str, draft: str) -> None:
     """Before the ranks start: `draft` is a model and spells text as `model` does (its
     tokenizer's files only, no weights; rank 0 loads the weights)."""
-    from exokv.model.loading import load_tokenizer
-    from exokv.model.resolve import resolve_model
-
     try:
         draft_path = resolve_model(draft)
         draft_tokenizer = load_tokenizer(draft_path)[0]
