@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -122,3 +125,124 @@ def gemma3_dir() -> Path:
     from exokv.model.gemma3_270m import ensure_gemma3
 
     return ensure_gemma3()
+
+
+# -- the slow marker, held by construction ------------------------------------------
+# `pytest -m "not slow"` is the suite's fast half. A test that starts ranks (mlx.launch,
+# `exokv chat -n 2`, any `exokv` in a subprocess), a server (`exokv serve`, uvicorn,
+# mlx_lm.server), a real model (SmolLM2, Gemma 3 270M) or the ssh hosts is marked slow
+# (`pytestmark = pytest.mark.slow` for a whole file). For a test that is not, starting
+# any of them fails at once, saying so: the fast half cannot quietly become slow again.
+# Only this process's own children are seen: a shell or a script that goes on to start
+# exokv is on the test's author.
+
+SLOW_FIXTURES = {
+    "smollm2_dir": "a real model (SmolLM2)",
+    "gemma3_dir": "a real model (Gemma 3 270M)",
+    "ssh_hosts": "the ssh hosts (an sshd)",
+}
+_SLOW_PROGRAMS = {"exokv", "mlx.launch", "mlx_lm.server", "sshd", "uvicorn"}
+_SLOW_MODULES = {"exokv", "exokv.rank.main", "mlx.launch", "mlx_lm.server", "uvicorn"}
+# in `python -c CODE`: the CLI, a rank's entry (exokv.launch.command.rank_command), turns
+# on a client of ours, a server. Importing modules to look at them is not among them.
+_SLOW_CODE = (
+    "from exokv.cli.app import main",
+    "from exokv.rank.main import",
+    "LocalClient(",
+    "ClusterClient(",
+    "mlx.launch",
+    "mlx_lm.server",
+)
+_running: dict[str, pytest.Item] = {}  # "item": the test being set up, run or torn down
+
+
+def what_it_starts(args: Any) -> str | None:
+    """What a subprocess of argv `args` starts that only a slow test may (None: nothing)."""
+    if isinstance(args, (str, bytes, os.PathLike)):
+        try:
+            argv = shlex.split(os.fsdecode(args))  # a shell command line, or one program
+        except ValueError:
+            argv = [os.fsdecode(args)]
+    else:
+        argv = [os.fsdecode(a) for a in args]
+    if not argv:
+        return None
+    program = Path(argv[0]).name
+    if program in _SLOW_PROGRAMS:
+        return program
+    if program == "ssh" and any("exokv" in a for a in argv[1:]):
+        return "exokv over ssh"
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag == "-m" and value in _SLOW_MODULES:
+            return f"python -m {value}"
+        if flag == "-c" and any(code in value for code in _SLOW_CODE):
+            return f"python -c {value[:60]!r}"
+    return None
+
+
+class StartsSlowThings(AssertionError):
+    pass
+
+
+def _refuse(what: str) -> None:
+    item = _running.get("item")
+    if item is not None and item.get_closest_marker("slow") is None:
+        raise StartsSlowThings(
+            f"this test starts {what}: mark it slow (@pytest.mark.slow, or "
+            "`pytestmark = pytest.mark.slow` for the file; tests/conftest.py says why)"
+        )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _running["item"] = item  # before its fixtures, module- and session-scoped ones too
+    if item.get_closest_marker("slow") is None:
+        used = [why for name, why in SLOW_FIXTURES.items() if name in item.fixturenames]
+        if used:
+            _refuse(used[0])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    _running["item"] = item
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    _running["item"] = item
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _slow_things_need_the_slow_marker() -> Iterator[None]:
+    """For the whole session: a test without the slow marker that starts ranks, a server
+    or a real model fails with StartsSlowThings (see what_it_starts)."""
+    import uvicorn
+
+    from exokv.model import gemma3_270m, smollm2, wheel_gguf  # noqa: F401 - patched below
+
+    execute_child = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    server_init = uvicorn.Server.__init__
+    ensure_model = wheel_gguf.ensure_model
+
+    def guarded_execute_child(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> Any:
+        what = what_it_starts(args)
+        if what is not None:
+            _refuse(what)
+        return execute_child(self, args, *rest, **kw)
+
+    def guarded_server_init(self: Any, *args: Any, **kw: Any) -> None:
+        _refuse("a uvicorn server")
+        server_init(self, *args, **kw)
+
+    def guarded_ensure_model(model: Any, *args: Any, **kw: Any) -> Any:
+        _refuse(f"a real model ({getattr(model, 'title', model)})")
+        return ensure_model(model, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "_execute_child", guarded_execute_child)
+        mp.setattr(uvicorn.Server, "__init__", guarded_server_init)
+        # every module that imported it by name (exokv.model.smollm2, gemma3_270m, ...)
+        for module in [m for name, m in sys.modules.items() if name.startswith("exokv")]:
+            if getattr(module, "ensure_model", None) is ensure_model:
+                mp.setattr(module, "ensure_model", guarded_ensure_model)
+        yield

@@ -48,6 +48,7 @@ def bench_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_json_has_every_field(bench_doc: dict) -> None:
     assert bench_doc["model"] == "builtin:tiny"
     assert bench_doc["strategies"] == list(STRATEGIES)
@@ -77,6 +78,7 @@ def test_json_has_every_field(bench_doc: dict) -> None:
     assert "shared_prefix_bytes" in names
 
 
+@pytest.mark.slow
 def test_the_four_strategies_give_the_same_replies(bench_doc: dict) -> None:
     assert bench_doc["replies_match"], bench_doc["mismatches"]
     for s in bench_doc["scenarios"].values():
@@ -85,6 +87,7 @@ def test_the_four_strategies_give_the_same_replies(bench_doc: dict) -> None:
             assert len(replies) == 1
 
 
+@pytest.mark.slow
 def test_the_caches_do_what_they_claim(bench_doc: dict) -> None:
     scen = bench_doc["scenarios"]
     linear = scen["linear"]
@@ -108,6 +111,7 @@ def test_the_caches_do_what_they_claim(bench_doc: dict) -> None:
     assert exo < shared["strategies"]["mlx-lm-lru"]["peak_cache_bytes"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -133,6 +137,7 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], words: 
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_under_a_cache_budget_exokv_keeps_the_shared_prefix(tmp_path: Path) -> None:
     # shared-prefix on tiny (1 KB a token): a ~220-token system prompt, 8 conversations
     # of 2 turns. 1.3 MB holds the prompt and most conversations' tails once (exokv),
@@ -166,6 +171,7 @@ def test_under_a_cache_budget_exokv_keeps_the_shared_prefix(tmp_path: Path) -> N
     assert st["exokv"]["cached_fraction"] >= st["mlx-lm-lru"]["cached_fraction"]
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
     blocked = "import sys; sys.modules['matplotlib'] = None; "
     args = ["--model", "builtin:tiny", "--turns", "1", "--context", "120", "--plot"]

@@ -17,6 +17,8 @@ from chat_helpers import home_with_models
 
 from exokv.bench import STRATEGIES
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 ARGS = ["--model", "builtin:tiny", "--turns", "2", "--context", "150", "--scenario", "linear"]
 
 

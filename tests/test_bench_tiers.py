@@ -18,6 +18,7 @@ from exokv.cache.tier_options import GROUP_SIZES, kv_group_misfit
 ARGS = ["--model", "builtin:tiny", "--turns", "2", "--context", "120", "--reply-tokens", "8"]
 
 
+@pytest.mark.slow
 def test_exokv_disk_under_a_budget_and_after_a_restart(tmp_path: Path) -> None:
     proc = _bench(
         [*ARGS, "--scenario", "switch,restart", "--cache-budget", "20KB", "--json"], tmp_path
@@ -60,6 +61,7 @@ def _tables(doc: dict) -> str:
     return console.export_text()
 
 
+@pytest.mark.slow
 def test_kv_bits_reports_bytes_per_token_and_drift(tmp_path: Path) -> None:
     # builtin:small: head dimension 32, the smallest mx.quantize group.
     args = [*ARGS[2:], "--model", "builtin:small", "--kv-group-size", "32"]
@@ -83,6 +85,7 @@ def test_kv_bits_reports_bytes_per_token_and_drift(tmp_path: Path) -> None:
     assert "KV 640 B/token at 8 bits (group 32): 0.31x float32 (2048 B), 0.62x fp16" in shown
 
 
+@pytest.mark.slow
 def test_kv_bits_must_be_4_or_8_and_fit_the_heads(tmp_path: Path) -> None:
     proc = _bench([*ARGS, "--kv-bits", "3"], tmp_path)
     assert proc.returncode == 2 and "--kv-bits 3: use 4 or 8" in proc.stderr

@@ -12,6 +12,8 @@ from chat_helpers import cache_json, home_with_models
 from test_cluster import rank_log, replies, run_script
 from zoo_helpers import LONG_MESSAGE, zoo_models
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 # Four conversations sharing their start: each new one splits the tree's edges.
 SCRIPT = [
     "Hello there, tell me about cats",

@@ -95,6 +95,7 @@ def test_server_refuses_strays_and_accepts_the_token() -> None:
 # -- strays during a real two-rank chat -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_strays_do_not_disturb_a_running_chat(tmp_path: Path, monkeypatch) -> None:
     home = tmp_path / "home"

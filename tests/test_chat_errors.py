@@ -7,7 +7,7 @@ import json
 import pytest
 from chat_helpers import run_exokv
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]  # slow: starts ranks (tests/conftest.py)
 
 
 def _one_line_error(proc) -> str:

@@ -15,7 +15,7 @@ TURNS = [
 ]
 LONG_SYSTEM = " ".join(f"Rule {i}: answer kindly and briefly about topic {i}." for i in range(14))
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: starts ranks (tests/conftest.py)
 
 
 def test_six_turns_same_replies_as_no_cache(tmp_path):

@@ -162,6 +162,7 @@ def test_unreachable_host_fails_before_launching(monkeypatch) -> None:
     sshd.close()
 
 
+@pytest.mark.slow
 def test_bad_hostfile_from_the_cli(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text("{oops")
@@ -203,6 +204,7 @@ def test_diagnose_names_the_rank_that_died_first() -> None:
 # -- chats on two ranks ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "two", models_dir)
@@ -228,6 +230,7 @@ def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path
     assert [t["events"] for t in rank_log(home, 0)] == [t["events"] for t in rank_log(home, 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monkeypatch) -> None:
     # In this process, so each turn runs cached and then without the cache on the same ranks.
@@ -258,6 +261,7 @@ def test_tensor_parallel_matches_no_cache(tmp_path: Path, models_dir: Path, monk
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_dir: Path) -> None:
     # --split 3,1: rank 0 holds 3 of the 4 layers, so 3x rank 1's bytes per cached
@@ -301,6 +305,7 @@ def test_uneven_budgets_evict_identically_on_every_rank(tmp_path: Path, models_d
     assert sum(t["evictions"] for t in two) == len(evictions[0])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
@@ -321,6 +326,7 @@ def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) 
     assert chat.leftovers() == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
@@ -334,6 +340,7 @@ def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) 
     assert any(e["kind"] == "load" for e in resumed[0]["events"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) -> None:
     # A stopped rank 1 (as a Mac gone to sleep) leaves rank 0 blocked in a collective
@@ -362,6 +369,7 @@ def test_hostfile_counts_ranks_for_per_rank_budgets(tmp_path: Path) -> None:
     assert validate(opts).rank_count == 2  # one budget per host: no "2 values for 1 ranks"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("when", ["starting", "in-the-ring", "idle"])
 def test_ranks_end_when_the_front_end_is_killed(

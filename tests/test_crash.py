@@ -19,6 +19,8 @@ from test_disk_tier_chat import switch_script
 from exokv.cache import journal
 from exokv.cache.journal import JOURNAL_FILE, TREE_FILE
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 MORE = [line for s in ("first", "s1", "s2", "s3") for line in (f"/switch {s}", "Go on?")]
 TWO = ("-n", "2", "--disk-budget", "50MB")
 

@@ -12,6 +12,8 @@ import pytest
 from chat_helpers import cache_json, chat_json, exokv_text, home_with_models, run_exokv
 from test_cluster import rank_log, run_script
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 QUESTIONS = ["Tell me about cats", "Tell me about the sea", "Tell me about winter", "Rivers?"]
 FOLLOW = ["And dogs?", "Why blue?", "Is it cold?", "How long?"]
 

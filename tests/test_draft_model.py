@@ -152,6 +152,7 @@ def _turn(proc: Any) -> dict[str, Any]:
     return json.loads(proc.stdout.decode().splitlines()[0])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_chat_drafts_with_the_draft_model_and_refuses_a_bad_one(
     tiny, models_dir: Path, tmp_path: Path
@@ -175,6 +176,7 @@ def test_chat_drafts_with_the_draft_model_and_refuses_a_bad_one(
         assert says in err and len(err.splitlines()) == 1 and not proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_pipeline_ranks_check_rank_0s_model_drafts(
     tiny, models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

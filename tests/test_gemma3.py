@@ -16,6 +16,8 @@ from chat_helpers import run_exokv
 
 from exokv.model import gemma3_270m
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 NAME = gemma3_270m.NAME
 
 

@@ -185,6 +185,7 @@ def test_quantized_gguf_keeps_the_files_values(
     assert config["quantization"]["bits"] == {"Q8_0": 8, "Q4_0": 4}[qtype]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_float32_gguf_on_two_ranks_gives_the_sources_replies(env: dict[str, Any]) -> None:
     source = str(env["home"] / "models" / SOURCES["llama"])
@@ -197,6 +198,7 @@ def test_float32_gguf_on_two_ranks_gives_the_sources_replies(env: dict[str, Any]
 
 # Two ranks on quantized embeddings (a float16 embedding before float32 norms) once
 # received the hidden state in the wrong dtype (issue 18); a Q4_0 llama-tiny shows it.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quantized_gguf_on_two_ranks_equals_one(env: dict[str, Any]) -> None:
     q4 = str(_gguf(env, "llama", "Q4_0"))
@@ -230,6 +232,7 @@ def test_a_type_mlx_reads_only_by_casting_is_quantized_again(env: dict[str, Any]
     assert all(len(tokens) == 12 for tokens in _greedy(str(path)))
 
 
+@pytest.mark.slow
 def test_unsupported_type_bad_file_and_architecture_are_one_line(env: dict[str, Any]) -> None:
     import gguf
 
@@ -286,6 +289,7 @@ def _pull(env: dict[str, Any], gguf_file: Path, name: str, tag: str) -> Path:
     return blob
 
 
+@pytest.mark.slow
 def test_ollama_models_run_and_are_listed(env: dict[str, Any]) -> None:
     path = _gguf(env, "qwen2", "Q8_0")
     blob = _pull(env, path, "tiny", "latest")

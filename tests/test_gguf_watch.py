@@ -55,6 +55,7 @@ def _conversions(env: dict[str, Any]) -> list[Path]:
     return sorted(p for p in (env["models"] / "gguf").iterdir() if not p.name.startswith("."))
 
 
+@pytest.mark.slow
 def test_a_conversion_shows_progress_in_a_few_lines_then_is_found_by_content(
     env: dict[str, Any],
 ) -> None:
@@ -89,6 +90,7 @@ def test_a_conversion_shows_progress_in_a_few_lines_then_is_found_by_content(
     assert len(_conversions(env)) == 2
 
 
+@pytest.mark.slow
 def test_models_lists_each_converted_gguf_with_its_source_files(env: dict[str, Any]) -> None:
     original, renamed = env["gguf"], env["root"] / "copies" / "renamed.gguf"
     if not renamed.exists():  # the test above makes it; this one may run alone

@@ -33,6 +33,7 @@ def restarts(turn: dict) -> list[dict]:
     return [e for e in turn["events"] if e["kind"] == "restart"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_1_then_rank_0_killed_between_turns(uninterrupted, tmp_path, models_dir):
     home = home_with_models(tmp_path / "h", models_dir, True)
@@ -55,6 +56,7 @@ def test_rank_1_then_rank_0_killed_between_turns(uninterrupted, tmp_path, models
         assert any(e["kind"] == "load" for e in t["events"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_1_killed_during_a_turn_runs_it_again(tmp_path, models_dir):
     # A long message: its prefill and reply take seconds, so the kill lands inside.

@@ -54,6 +54,7 @@ def _cached_repo(home: Path, repo: str) -> None:
     (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_good_hostfile_from_mlx_distributed_config_passes_with_a_link_figure(
     ssh_hosts: SshHosts, tmp_path: Path
@@ -93,6 +94,7 @@ def test_a_good_hostfile_from_mlx_distributed_config_passes_with_a_link_figure(
     assert lines[-1] == "all hosts ready"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_unreachable_host_a_version_mismatch_and_a_missing_model_one_line_each(
     ssh_hosts: SshHosts, tmp_path: Path
@@ -134,6 +136,7 @@ def test_an_unreachable_host_a_version_mismatch_and_a_missing_model_one_line_eac
     assert not nowhere["reachable"] and nowhere["error"]
 
 
+@pytest.mark.slow
 def test_the_table_says_the_same_problems_as_lines(ssh_hosts: SshHosts, tmp_path: Path) -> None:
     """Without --json: the table, then the problem lines; no rank starts for one host."""
     proc = _check(ssh_hosts, tmp_path, "--hosts", "exokv-b,exokv-nowhere", "--no-link")
@@ -146,6 +149,7 @@ def test_the_table_says_the_same_problems_as_lines(ssh_hosts: SshHosts, tmp_path
     assert not proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [
@@ -265,6 +269,7 @@ def test_a_malformed_hostfile_is_one_usage_error(
         read_hostfile(_write(tmp_path, {**ETHERNET, **change}))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_rank_port_taken_on_a_host_fails_the_link_test_in_one_line(
     ssh_hosts: SshHosts, tmp_path: Path
@@ -283,6 +288,7 @@ def test_a_rank_port_taken_on_a_host_fails_the_link_test_in_one_line(
     assert all(" failed" in x for x in proc.stdout.splitlines() if x.startswith("exokv-"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_host_that_never_answers_cannot_hang_the_check(
     ssh_hosts: SshHosts, tmp_path: Path

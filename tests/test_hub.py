@@ -123,6 +123,7 @@ def _held(hf_home: Path) -> list[str]:
     return sorted(p.name for p in _snapshot(hf_home).iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_chat_downloads_the_model_then_answers_from_the_cache(tmp_path: Path) -> None:
     served = standin(tmp_path / "hub").start()
@@ -153,6 +154,7 @@ def test_a_chat_downloads_the_model_then_answers_from_the_cache(tmp_path: Path) 
     assert "downloading" not in gone.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_revision_is_fetched_and_a_missing_one_is_named(
     tmp_path: Path, standin_hub: StandinHub
@@ -166,12 +168,14 @@ def test_a_revision_is_fetched_and_a_missing_one_is_named(
     assert "'v9'" in line and REPO in line and standin_hub.url in line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_missing_repo_is_one_line_naming_it(tmp_path: Path, standin_hub: StandinHub) -> None:
     line = _one_line(_chat(tmp_path / "h", _env(tmp_path / "hf", standin_hub.url), "acme/nope"))
     assert "acme/nope" in line and "not found" in line and standin_hub.url in line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_missing_draft_repo_is_one_line_naming_the_flag(
     tmp_path: Path, standin_hub: StandinHub
@@ -182,6 +186,7 @@ def test_a_missing_draft_repo_is_one_line_naming_the_flag(
     assert "not found" in line and standin_hub.url in line
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_no_hub_and_nothing_cached_is_one_line(tmp_path: Path) -> None:
     unreachable = "http://127.0.0.1:9"  # discard: nothing listens
@@ -255,6 +260,7 @@ def test_the_standin_answers_get_safetensors_metadata(
     assert meta.weight_map["model.layers.3.mlp.up_proj.weight"] == layer_shard(3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_server_fetches_the_model_before_it_serves(
     tmp_path: Path, standin_hub: StandinHub
@@ -270,6 +276,7 @@ def test_the_server_fetches_the_model_before_it_serves(
     assert _held(tmp_path / "hf") == sorted(standin_hub.files)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_dry_run_says_what_a_host_would_fetch(hf_env: Path, standin_hub: StandinHub) -> None:
     """`python -m exokv.model.fetcher --dry-run`, as `hosts check` can run it on a host."""
@@ -292,6 +299,7 @@ def test_a_dry_run_says_what_a_host_would_fetch(hf_env: Path, standin_hub: Stand
     assert fetcher.main(["--model", "not a repo"]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_plan_for_a_repo_not_downloaded_reads_only_headers(
     tmp_path: Path, standin_hub: StandinHub

@@ -26,6 +26,8 @@ from hub_standin import (
 )
 from ssh_hosts import HOSTS, SshHosts
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 SCRIPT = ["Hello there", "Tell me about the sea"]
 META = {
     "config.json",

@@ -18,6 +18,8 @@ from exokv.cli import cache as cache_cli
 from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnResult
 from exokv.state import Store, caches_dir, db_path, register_chat
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 MODEL = "builtin:tiny"
 COMMANDS = ["stats", "entries", "pressure", "evictions"]
 

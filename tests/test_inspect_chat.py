@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from chat_helpers import cache_json, exokv_text
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 BUDGET = 200_000
 CHAT = ["chat", "--model", "builtin:tiny", "--json", "--cache-budget", "200KB", "--max-tokens", "8"]
 CHAT += ["--disk-budget", "0"]  # evictions, not spills: what the tables are checked on

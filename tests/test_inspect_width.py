@@ -81,6 +81,7 @@ def _json(home: Path, *args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("command", CACHE_COMMANDS)
 def test_cache_tables_fit(home: Path, command: str, width: int) -> None:
@@ -103,6 +104,7 @@ def test_cache_tables_fit(home: Path, command: str, width: int) -> None:
     _assert_fits(proc.stdout, width, must)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", WIDTHS)
 def test_sessions_list_fits(home: Path, width: int) -> None:
     proc = _run(home, width, "sessions", "list")
@@ -116,6 +118,7 @@ def _render(width: int, outcome: Outcome) -> str:
     return out.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", WIDTHS)
 def test_chat_tables_fit(home: Path, width: int) -> None:
     from exokv.chat.conversation import ChatController, TurnSettings
@@ -156,6 +159,7 @@ def test_compact_sizes_and_times() -> None:
     assert len(tables.when("2020-01-01T20:53:07+00:00")) == 10  # another year: the date
 
 
+@pytest.mark.slow
 def test_script_mode_prints_human_tables(home: Path, tmp_path: Path) -> None:
     home = Path(shutil.copytree(home, tmp_path / "copy", symlinks=True))  # a run of its own
     proc = run_exokv(["chat", "--model", "builtin:tiny", "--session", "paris"], home,

@@ -16,6 +16,8 @@ from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
 from tests.test_cache_budget import tokenizer  # noqa: F401 (the fixture)
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 
 @pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
 def test_stored_and_fetched_equals_mlx_lms_carried_quantized_cache(bits, group, tokenizer):  # noqa: F811

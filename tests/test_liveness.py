@@ -240,6 +240,7 @@ def test_a_watcher_ends_its_rank_when_the_front_end_is_gone(tmp_path: Path) -> N
         rank.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_wedged_limit_that_is_no_number_is_one_line(tmp_path, models_dir) -> None:
     from chat_helpers import home_with_models, run_exokv

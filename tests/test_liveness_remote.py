@@ -21,6 +21,8 @@ from chat_helpers import home_with_models
 from ssh_hosts import SshHosts
 from test_multihost import SCRIPT, _hostfile, _ranks_left
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 HOLD_S = 30
 
 

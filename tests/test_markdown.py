@@ -237,6 +237,7 @@ def _reply_on_screen(term: Terminal, line: str) -> list[list[tuple[str, str]]]:
     return screen(raw[start:end])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("plain", [False, True])
 def test_the_repl_renders_a_fence_and_plain_prints_it_raw(

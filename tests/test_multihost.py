@@ -20,6 +20,8 @@ import pytest
 from chat_helpers import home_with_models
 from ssh_hosts import HOSTS, SshHosts
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 SCRIPT = ["Hello there", "Tell me about the sea", "Why is the sky blue"]
 
 

@@ -10,6 +10,8 @@ import pytest
 from chat_helpers import home_with_models
 from test_cluster import rank_log, run_script
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 A = "Tell me a long story about the sea and the ships that sail on it at night"
 B = "Why is the sky blue and what makes the clouds white in summer"
 C = "What do bees do all day in the garden when the sun is out"

@@ -36,6 +36,7 @@ def test_the_checkpoint_has_the_property(gguf_like: Path) -> None:
     assert hidden_dtypes(model) == [mx.float16] + [mx.float32] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_pipeline_ranks_equal_one(gguf_like: Path, tmp_path: Path) -> None:
     family = "qwen2" if "qwen2" in gguf_like.name else "llama"

@@ -107,6 +107,7 @@ def test_a_rotating_cache_that_keeps_tokens_is_not_cut() -> None:
     assert model.calls == [PREFILL_STEP, 9]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_three_pipeline_ranks_in_pieces_give_one_ranks_replies(
     tmp_path: Path, models_dir: Path

@@ -25,6 +25,7 @@ def run_script(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_two_ranks_report_each_piece_size_beside_one_rank(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)

@@ -22,6 +22,7 @@ def _plan_event(turns: list[dict]) -> dict:
     return plans[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_auto_split_on_uneven_hosts_caches_and_answers_as_one_rank(tmp_path, models_dir):
     one = run_script(home_with_models(tmp_path / "one", models_dir, True), LINES)
@@ -45,6 +46,7 @@ def test_auto_split_on_uneven_hosts_caches_and_answers_as_one_rank(tmp_path, mod
     assert replies(turns) == replies(one)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_given_split_stands_and_the_plan_is_shown_on_a_terminal(tmp_path, models_dir):
     """--split 3,1 where auto would choose 1,3: the ranks run 3,1 and answer as one rank;
@@ -64,6 +66,7 @@ def test_a_given_split_stands_and_the_plan_is_shown_on_a_terminal(tmp_path, mode
     assert term.proc.stdout.read().decode().strip() == one[0]["reply"].strip()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plan_prints_and_exits_without_loading(tmp_path, models_dir):
     home = home_with_models(tmp_path / "h", models_dir, True)
@@ -112,6 +115,7 @@ def test_plan_prints_and_exits_without_loading(tmp_path, models_dir):
     assert json.loads(single.stdout)["ranks"][0]["layers"] == [0, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_model_too_big_for_the_hosts_is_refused_before_loading(tmp_path, models_dir):
     home = home_with_models(tmp_path / "h", models_dir, True)
@@ -130,6 +134,7 @@ def test_a_model_too_big_for_the_hosts_is_refused_before_loading(tmp_path, model
     assert not (home / "exokv.db").exists()  # refused before the store, the ranks, the weights
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bad_split_and_memory_settings_are_one_line(tmp_path, models_dir):
     home = home_with_models(tmp_path / "h", models_dir, True)
@@ -147,6 +152,7 @@ def test_bad_split_and_memory_settings_are_one_line(tmp_path, models_dir):
             assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_serve_plans_the_same_way(tmp_path, models_dir):
     home = home_with_models(tmp_path / "h", models_dir, True)
@@ -162,6 +168,7 @@ def test_serve_plans_the_same_way(tmp_path, models_dir):
     assert too_big.returncode == 2 and b"does not fit" in too_big.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plan_over_ssh_hosts_gathers_each_hosts_memory(tmp_path, models_dir, ssh_hosts):
     home = home_with_models(tmp_path / "h", models_dir, True)

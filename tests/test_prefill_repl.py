@@ -15,6 +15,8 @@ import pytest
 from chat_helpers import ANSI, Terminal, home_with_models
 from test_repl import STATUS, _num, exokv_env, prompt
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 SLOW = 0.004  # seconds per prefilled token at the least: 250 tokens/s at the most
 STEP_IN_FLIGHT_S = 1.0  # the TTFT test's prefill step: 4 tokens (pace.FEWEST_TOKENS)
 WORDS = "river stone light window garden paper music winter orange signal harbor".split()

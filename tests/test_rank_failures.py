@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from chat_helpers import home_with_models, run_exokv
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 PORTS = {"1:insert": "25650", "1:decode": "25660", "0:prefill": "25670"}
 
 

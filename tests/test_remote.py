@@ -35,6 +35,7 @@ def test_a_run_past_its_time_limit_is_ended(tmp_path: Path, monkeypatch: pytest.
     assert run.stdout == "up\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_each_host_answers_in_order_over_ssh(ssh_hosts, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", ssh_hosts.env()["PATH"])
@@ -59,6 +60,7 @@ def test_this_machine_probes_itself() -> None:
     assert HostFacts.from_json(facts.to_json()) == facts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_each_host_gives_its_facts(ssh_hosts, monkeypatch: pytest.MonkeyPatch) -> None:
     from exokv.hosts.facts import gather_facts

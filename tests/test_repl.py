@@ -108,6 +108,7 @@ def _db_messages(home: Path, session: str) -> list[dict[str, str]]:
 # -- the Must-show REPL test ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> None:
     home = home_with_models(tmp_path / "home", models, link=True)
     lines = ["Hello, who are you?", "Tell me about the sea."]
@@ -180,6 +181,7 @@ def test_repl_turns_retry_switch_and_resume(tmp_path: Path, models: Path) -> Non
     assert _num(st6.group(2)) == _num(loaded.group(1))  # the first turn prefills only new text
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_long_reply(tmp_path: Path, models: Path) -> None:
     home = home_with_models(tmp_path / "home", models, link=True)
     max_tokens = "250"
@@ -378,6 +380,7 @@ def test_status_line_and_control_characters() -> None:
 # -- the chat as people use it: resume, Ctrl-C, typed-ahead keys, redirected output ---------
 
 
+@pytest.mark.slow
 def test_resume_without_model_keeps_the_sessions_model(tmp_path: Path, models: Path) -> None:
     home = home_with_models(tmp_path / "home", models, link=True)
     made = subprocess.run(
@@ -406,6 +409,7 @@ def test_resume_without_model_keeps_the_sessions_model(tmp_path: Path, models: P
     assert _num(status.group(2)) > 0  # the saved KV cache of the same model served the turn
 
 
+@pytest.mark.slow
 def test_repeated_ctrl_c_stops_the_reply_and_never_exits(tmp_path: Path, models: Path) -> None:
     home = home_with_models(tmp_path / "home", models, link=True)
     term = chat_terminal(home, "--max-tokens", "2000", "--session", "c")
@@ -438,6 +442,7 @@ def test_repeated_ctrl_c_stops_the_reply_and_never_exits(tmp_path: Path, models:
     assert [m["role"] for m in _db_messages(home, "c")] == ["user", "assistant"] * 2
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_reply_streams_ends_the_repl(tmp_path: Path, models: Path) -> None:
     """The REPL shows a failed turn's error and goes on; a SIGTERM is not such an error:
     it ends the chat (one line, exit 143) with the KV cache kept on disk."""
@@ -457,6 +462,7 @@ def test_sigterm_while_a_reply_streams_ends_the_repl(tmp_path: Path, models: Pat
     assert list(home.glob("kv/*/*/rank0/tree.json"))
 
 
+@pytest.mark.slow
 def test_redirected_stdout_gets_a_transcript(tmp_path: Path, models: Path) -> None:
     home = home_with_models(tmp_path / "home", models, link=True)
     log = tmp_path / "log.txt"

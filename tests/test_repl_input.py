@@ -15,6 +15,8 @@ from chat_helpers import home_with_models
 from test_repl import STATUS, _db_messages, _num, chat_terminal, prompt
 from test_typeahead_repl import _rank_process
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 
 def _users(home: Path, session: str) -> list[str]:
     return [m["content"] for m in _db_messages(home, session) if m["role"] == "user"]

@@ -31,6 +31,7 @@ def _script(home: Path, lines: list[str], *args: str) -> list[dict]:
     return [json.loads(x) for x in proc.stdout.decode().splitlines() if x.strip()]
 
 
+@pytest.mark.slow
 def test_disk_bytes_count_the_copies_save_wrote(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     docs = _script(home, ["Hello there, tell me a story.", "/save", "/stats"], "--session", "d")
@@ -44,6 +45,7 @@ def test_disk_bytes_count_the_copies_save_wrote(tmp_path: Path, models_dir: Path
     assert "Disk" in table and " 0 B" not in table, table
 
 
+@pytest.mark.slow
 def test_sessions_tokens_follow_undo(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     lines = ["Hello there.", "Tell me about the sea.", "/sessions", "/undo", "/sessions"]
@@ -82,6 +84,7 @@ def test_a_status_line_breaks_at_its_separators(width: int) -> None:
         assert all(line.endswith(" ·") for line in lines[:-1]), lines
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_banner_and_save_say_who_holds_the_disk_tier(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)

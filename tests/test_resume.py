@@ -87,6 +87,7 @@ def copy_home(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_resume_with_the_saved_cache(three_turns: Path, reference, tmp_path: Path) -> None:
     home = copy_home(three_turns, tmp_path / "home")
     (turn,), err = chat(home, [NEXT], "--session", "demo")
@@ -130,6 +131,7 @@ def _tier(home: Path) -> Path:
     return tree.parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("damage", "what", "why"),
     [
@@ -176,6 +178,7 @@ def _demo_chat(home: Path) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference) -> None:
     """/save is the crash-safe point: a chat killed after it resumes from the disk tier."""
     home = home_with_models(tmp_path / "home", models, link=True)
@@ -198,6 +201,7 @@ def test_save_then_sigkill_resumes_warm(models: Path, tmp_path: Path, reference)
     assert turn["reply"] == reference["cold"][3]["reply"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["term", "hup"])
 def test_sigterm_or_sighup_end_the_chat_like_quit(
     models: Path, tmp_path: Path, reference, sig: int
@@ -227,6 +231,7 @@ def test_sigterm_or_sighup_end_the_chat_like_quit(
     assert turn["reply"] == reference["cold"][3]["reply"]
 
 
+@pytest.mark.slow
 def test_sigkill_after_turn_two_keeps_turns_one_and_two(
     models: Path, tmp_path: Path, reference
 ) -> None:
@@ -323,6 +328,7 @@ def test_stop_during_prefill_keeps_the_cache_consistent(engine) -> None:
     assert again.reply == base.reply
 
 
+@pytest.mark.slow
 def test_controller_drops_an_exchange_stopped_before_its_first_token(engine) -> None:
     from exokv.chat.conversation import ChatController, TurnSettings
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from chat_helpers import exokv_text, home_with_models, run_exokv
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 
 def _mount(args: list[str]) -> str:
     """'' when mounted, else why not."""

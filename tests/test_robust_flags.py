@@ -19,6 +19,8 @@ from rich.console import Console
 
 from exokv.chat.render import BannerInfo, Renderer
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Path:

@@ -22,6 +22,8 @@ import psutil
 import pytest
 from chat_helpers import Chat, Terminal, home_with_models
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 EXOKV = str(Path(sys.executable).with_name("exokv"))
 IDLE_WINDOW_S = 10.0
 IDLE_BOUND = 0.05  # of one core, per process: a spinning rank uses ~1.0

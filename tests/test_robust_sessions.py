@@ -25,6 +25,7 @@ def _turn_rows(home: Path, session: str) -> int:
         ).fetchone()[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_session_is_open_in_one_chat_at_a_time(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)

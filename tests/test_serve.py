@@ -14,6 +14,8 @@ import pytest
 from tests.chat_helpers import cache_json, chat_json, home_with_models, run_exokv
 from tests.serve_helpers import MODEL, conversation_replies, raw, server_and_chat_homes, serving
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 SYSTEM = "be brief"
 TURNS = ["hello there", "tell me more about gardens"]
 

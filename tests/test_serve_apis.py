@@ -44,6 +44,7 @@ def metrics(server) -> dict[str, float]:
 # -- /v1/completions ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_completions_stream_and_not_give_the_same_text(server) -> None:
     client = server.client()
     done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
@@ -67,6 +68,7 @@ def test_completions_stream_and_not_give_the_same_text(server) -> None:
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_a_completion_is_not_a_chat(server) -> None:
     """The chat template's text is in the chat's prompt, not in the completion's."""
     client = server.client()
@@ -77,6 +79,7 @@ def test_a_completion_is_not_a_chat(server) -> None:
     assert done.usage.prompt_tokens < chat.usage.prompt_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "body, says",
     [
@@ -94,6 +97,7 @@ def test_bad_completions_are_400(server, body: dict, says: str) -> None:
 # -- /v1/messages ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_messages_equal_the_chat_and_the_second_call_reads_the_cache(server) -> None:
     first = [{"role": "user", "content": "hello there"}]
     chat = server.client().chat.completions.create(
@@ -129,6 +133,7 @@ def test_messages_equal_the_chat_and_the_second_call_reads_the_cache(server) -> 
     )
 
 
+@pytest.mark.slow
 def test_count_tokens_is_the_prompt_a_message_call_renders(server) -> None:
     def prompt(used: anthropic.types.Usage) -> int:
         read, created = used.cache_read_input_tokens, used.cache_creation_input_tokens
@@ -172,6 +177,7 @@ def test_without_the_cache_the_prefill_is_input_not_created() -> None:
     assert on["cache_creation_input_tokens"] == 10
 
 
+@pytest.mark.slow
 def test_a_messages_stream_has_anthropics_events_and_the_same_text(server) -> None:
     messages = [{"role": "user", "content": "a stream please"}]
     done = claude(server).messages.create(model=MODEL, max_tokens=10, messages=messages)
@@ -191,6 +197,7 @@ def test_a_messages_stream_has_anthropics_events_and_the_same_text(server) -> No
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
 
 
+@pytest.mark.slow
 def test_stop_sequences_end_the_message(server) -> None:
     messages = [{"role": "user", "content": "stop somewhere"}]
     whole = claude(server).messages.create(model=MODEL, max_tokens=12, messages=messages)
@@ -203,6 +210,7 @@ def test_stop_sequences_end_the_message(server) -> None:
     assert done.content[0].text == text[: text.index(cut)]
 
 
+@pytest.mark.slow
 def test_bad_messages_are_anthropics_errors(server) -> None:
     with pytest.raises(anthropic.BadRequestError) as caught:
         claude(server).messages.create(
@@ -221,6 +229,7 @@ def test_bad_messages_are_anthropics_errors(server) -> None:
 # -- /metrics -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_metrics_count_requests_and_tokens_and_show_each_ranks_cache(server) -> None:
     before = metrics(server)
     done = server.client().chat.completions.create(
@@ -246,11 +255,13 @@ def test_metrics_count_requests_and_tokens_and_show_each_ranks_cache(server) -> 
     )
 
 
+@pytest.mark.slow
 def test_health_is_ok_on_one_rank(server) -> None:
     status, _, doc = raw(server.url + "/health")
     assert (status, doc["status"]) == (200, "ok")
 
 
+@pytest.mark.slow
 def test_an_unknown_route_is_still_404(server) -> None:
     with pytest.raises(openai.NotFoundError):
         server.client().embeddings.create(model=MODEL, input="x")

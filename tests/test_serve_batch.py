@@ -29,6 +29,8 @@ from exokv.state.connection import db_path
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import MODEL, raw, serving
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 SYSTEM = "You are the shared assistant of the batch test; answer every client briefly."
 MAX_TOKENS = [6, 12, 3, 9, 16, 5, 10, 8]
 LEAVER = 3  # this client streams a long reply and leaves after a few pieces

@@ -17,6 +17,8 @@ from exokv.serve import app as app_module
 from tests.serve_helpers import InProcess
 from tests.stub_client import StubClient
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 STEP_S = 0.05
 
 

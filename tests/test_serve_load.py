@@ -17,6 +17,8 @@ from exokv.state.connection import db_path
 from tests.chat_helpers import cache_json, home_with_models
 from tests.serve_helpers import MODEL, raw, serving
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 CLIENTS = 64  # the load: 64 clients x 4 turns, all at once
 TURNS = 4
 MAX_TOKENS = 8

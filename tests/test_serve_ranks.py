@@ -12,6 +12,8 @@ import pytest
 from tests.chat_helpers import chat_json, home_with_models
 from tests.serve_helpers import MODEL, raw, server_and_chat_homes, serving
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 SYSTEM = "be brief"
 TURNS = ["hello there", "tell me more about gardens"]
 KEY = "two-ranks"

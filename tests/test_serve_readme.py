@@ -49,6 +49,7 @@ def reference(server, text: str, **kw) -> str:
     return done.choices[0].message.content
 
 
+@pytest.mark.slow
 def test_the_curl_example(server) -> None:
     proc = subprocess.run(
         ["bash", "-c", on_port(block("sh", "curl"), server)], capture_output=True, timeout=60
@@ -58,6 +59,7 @@ def test_the_curl_example(server) -> None:
     assert doc["choices"][0]["message"]["content"] == reference(server, "hello", max_tokens=12)
 
 
+@pytest.mark.slow
 def test_the_python_example(server) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", on_port(block("python", "OpenAI"), server)],
@@ -70,6 +72,7 @@ def test_the_python_example(server) -> None:
     assert 0 < int(cached) < int(prompt)
 
 
+@pytest.mark.slow
 def test_the_llm_example(server, tmp_path: Path) -> None:
     llm_dir = tmp_path / "llm"
     llm_dir.mkdir()
@@ -88,6 +91,7 @@ def test_the_llm_example(server, tmp_path: Path) -> None:
     assert proc.stdout.rstrip("\n") == reference(server, "hello")
 
 
+@pytest.mark.slow
 def test_the_anthropic_example(server) -> None:
     setup = on_port(block("sh", "export ANTHROPIC_BASE_URL"), server)
     code = block("python", "anthropic.Anthropic()")

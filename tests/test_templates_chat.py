@@ -18,6 +18,8 @@ import pytest
 from chat_helpers import run_exokv
 from gguf_helpers import write_gguf
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 TURNS = ["hello there", "what is a cache", "and a tree?"]
 FILE_TEMPLATE = (
     "### a conversation\n{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"

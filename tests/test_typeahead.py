@@ -197,6 +197,7 @@ def _the_toolbar_learns_the_drafts_cost(client: Any) -> None:
     assert client.draft_cost("another") is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_through_two_ranks_with_identical_events(
     models_dir: Path, tmp_path: Path, monkeypatch
@@ -280,6 +281,7 @@ print("closed")
 """
 
 
+@pytest.mark.slow
 def test_a_process_whose_drafts_ran_the_model_exits_cleanly(
     models_dir: Path, tmp_path: Path
 ) -> None:

@@ -16,6 +16,8 @@ import pytest
 from chat_helpers import exokv_text, home_with_models
 from test_repl import STATUS, _db_messages, _num, chat_terminal, prompt
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 PASTE = " ".join(f"line {i}: the river carries stones to the sea." for i in range(40))
 
 

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 BIN = Path(sys.executable).parent
 
 
+@pytest.mark.slow
 def test_version_and_bare_exokv(tmp_path: Path) -> None:
     for args in (["--version"], ["-V"]):
         proc = run_exokv(args, tmp_path)
@@ -30,6 +31,7 @@ def test_version_and_bare_exokv(tmp_path: Path) -> None:
     assert "Usage: exokv" in out and "chat" in out and "sessions" in out
 
 
+@pytest.mark.slow
 def test_help_shows_no_type_on_plain_flags(tmp_path: Path) -> None:
     proc = exokv_text(tmp_path, "chat", "--help")
     assert proc.returncode == 0, proc.stderr
@@ -38,6 +40,7 @@ def test_help_shows_no_type_on_plain_flags(tmp_path: Path) -> None:
     assert "<int>" in proc.stdout  # options that take a value still say which
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
 def test_completions_command_prints_the_shipped_script(tmp_path: Path, shell: str) -> None:
     proc = exokv_text(tmp_path, "completions", shell)
@@ -46,6 +49,7 @@ def test_completions_command_prints_the_shipped_script(tmp_path: Path, shell: st
     assert proc.stdout == (root / "completions" / f"exokv.{shell}").read_text()
 
 
+@pytest.mark.slow
 def test_completions_of_an_unknown_shell_is_a_usage_error(tmp_path: Path) -> None:
     proc = exokv_text(tmp_path, "completions", "ksh")
     assert proc.returncode == 2
@@ -75,6 +79,7 @@ def _bash_complete(script: Path, words: list[str], home: Path) -> list[str]:
     return [w for w in proc.stdout.splitlines() if w]
 
 
+@pytest.mark.slow
 def test_bash_completes_models_sessions_and_scenarios(tmp_path: Path, models_dir: Path) -> None:
     from exokv.model import BUILTIN_NAMES
 
@@ -100,6 +105,7 @@ def test_bash_completes_models_sessions_and_scenarios(tmp_path: Path, models_dir
     assert "--version" in _bash_complete(script, ["exokv", "--"], home)
 
 
+@pytest.mark.slow
 def test_one_shot_prompt_answers_and_exits(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     args = ["chat", "--model", "builtin:tiny", "--max-tokens", "8", "--session", "q"]
@@ -119,6 +125,7 @@ def test_one_shot_prompt_answers_and_exits(tmp_path: Path, models_dir: Path) -> 
     assert transcript[1]["content"] == reply.rstrip("\n")
 
 
+@pytest.mark.slow
 def test_resume_keeps_model_system_and_max_kv_size(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     env = {"EXOKV_MODEL": ""}  # no default from the environment: the session decides
@@ -152,6 +159,7 @@ def test_naming_another_model_says_so(tmp_path: Path, monkeypatch: pytest.Monkey
     assert resolve("pasta", "builtin:tiny", None).notes == []
 
 
+@pytest.mark.slow
 def test_sessions_are_made_by_their_first_turn_with_unique_names(
     tmp_path: Path, models_dir: Path
 ) -> None:
@@ -182,6 +190,7 @@ def test_fresh_names_do_not_collide() -> None:
     assert len(names) == 500
 
 
+@pytest.mark.slow
 def test_sessions_list_show_rename_rm(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     for text in ("first question", "second question"):
@@ -227,6 +236,7 @@ def test_sessions_list_show_rename_rm(tmp_path: Path, models_dir: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_pressure_of_a_rank_the_run_does_not_have_is_a_usage_error(tmp_path: Path) -> None:
     from exokv.core.records import RankStats
     from exokv.state import Store

@@ -13,7 +13,7 @@ import pytest
 from chat_helpers import Terminal, home_with_models
 from test_repl import exokv_env, prompt
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # slow: starts ranks (tests/conftest.py)
 
 SIZE = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 

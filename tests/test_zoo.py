@@ -78,6 +78,7 @@ def test_generation_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert config["model_type"] == "gemma3_text" and config["sliding_window"] <= 64
 
 
+@pytest.mark.slow
 def test_models_json_gives_family_cache_kind_pipeline_tensor(models: Path, tmp_path: Path) -> None:
     proc = run_exokv(["models", "--json"], home_with_models(tmp_path, models, link=True))
     assert proc.returncode == 0, proc.stderr.decode()

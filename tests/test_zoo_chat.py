@@ -24,6 +24,8 @@ from zoo_helpers import CACHED_TURNS, FAMILIES, RETRIED, replies, zoo_chat, zoo_
 from exokv.model import zoo
 from exokv.model.families import supports_tensor
 
+pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
+
 # None: the even split of `-n 2 --parallel pipeline` (llama's is the README's own
 # example). Otherwise an uneven one that leaves a rank without one layer kind:
 # gemma3 3,1 puts its global layer (2) in the middle of rank 0's slice; gpt-oss 3,1
