@@ -38,10 +38,12 @@ from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
 from prompt_toolkit.key_binding import KeyBindings, KeyPressEvent
-from prompt_toolkit.output import Output
+from prompt_toolkit.output import Output, create_output
 from prompt_toolkit.patch_stdout import patch_stdout
 from prompt_toolkit.styles import Style
+from rich.console import Console
 
+from exokv.cache.tier_options import shown_disk_budget
 from exokv.chat.conversation import COMMANDS, TAKES_ARGUMENT, ChatController, Outcome
 from exokv.chat.render import BannerInfo, Renderer
 from exokv.chat.typeahead import DraftWatcher, PrefillSpeed, toolbar_text
@@ -190,7 +192,7 @@ def _quiet_terminal() -> Iterator[None]:
     prompt-toolkit's raw mode saves and restores this mode around every prompt.
     """
     try:
-        import termios
+        import termios  # POSIX only: on Windows, keys are left as they are
     except ImportError:
         yield
         return
@@ -267,8 +269,6 @@ def _disk_off(client: Client, chat: ChatController) -> str | None:
 
 
 def _disk_budget(opts: ClusterOptions) -> int | None:
-    from exokv.cache.tier_options import shown_disk_budget
-
     try:
         return shown_disk_budget(opts)
     except Exception:  # noqa: BLE001 - the banner never fails a chat
@@ -299,9 +299,6 @@ def run_repl(
     if output is None and not sys.stdout.isatty() and sys.stderr.isatty():
         # Everything for the eyes stays on the terminal; the redirected stdout gets a
         # transcript.
-        from prompt_toolkit.output import create_output
-        from rich.console import Console
-
         output = create_output(stdout=sys.stderr)
         transcript = Transcript(sys.stdout)
         if renderer is None:
@@ -309,19 +306,7 @@ def run_repl(
     renderer = renderer or Renderer(plain=plain)
     renderer.banner(banner_info(chat, client, opts))
     chat.hooks.attach(warn=renderer.warning, note=renderer.note)
-    session: PromptSession[str] = PromptSession(
-        history=_history() if input is None else InMemoryHistory(),
-        completer=ChatCompleter(chat),
-        complete_while_typing=True,
-        auto_suggest=AutoSuggestFromHistory(),
-        key_bindings=key_bindings(),
-        multiline=True,
-        prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ",
-        style=STYLE,
-        input=input,
-        output=output,
-        enable_open_in_editor=False,
-    )
+    session = _prompt_session(chat, input, output)
     interrupts = _Interrupts(client, renderer)
     watcher = _draft_watcher(chat, client, typeahead, session)
     speed = PrefillSpeed()
@@ -344,6 +329,25 @@ def run_repl(
         chat.hooks.finish(chat)
     renderer.note("bye")
     return 0
+
+
+def _prompt_session(
+    chat: ChatController, input: Input | None, output: Output | None
+) -> PromptSession[str]:
+    """The line editor: history (in memory for a test's own input), completion, keys."""
+    return PromptSession(
+        history=_history() if input is None else InMemoryHistory(),
+        completer=ChatCompleter(chat),
+        complete_while_typing=True,
+        auto_suggest=AutoSuggestFromHistory(),
+        key_bindings=key_bindings(),
+        multiline=True,
+        prompt_continuation=lambda width, line, wrap: "." * (width - 1) + " ",
+        style=STYLE,
+        input=input,
+        output=output,
+        enable_open_in_editor=False,
+    )
 
 
 def _draft_watcher(

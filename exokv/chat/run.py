@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 
 from exokv.chat.conversation import ChatController, ChatHooks, TurnSettings
+from exokv.chat.script import run_one, run_script
 from exokv.core.options import ClusterOptions
+from exokv.frontend.hooks import StoreHooks, stderr_warning
+from exokv.frontend.signals import ended_by_signals
 from exokv.frontend.start import ChatOptions, prepare, started, store_hooks
 from exokv.hosts.placement import Plan
+from exokv.hosts.plan import plan_event, print_plan
 
 
 def interactive(opts: ChatOptions) -> bool:
@@ -28,11 +32,7 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
     """
     cluster, plan = prepare(opts)
     if opts.plan:
-        from exokv.hosts.plan import print_plan
-
         return print_plan(plan, opts.json)
-    from exokv.frontend.signals import ended_by_signals
-
     with ended_by_signals():
         return _run_chat(opts, cluster, hooks, plan)
 
@@ -40,8 +40,6 @@ def run_chat(opts: ChatOptions, hooks: ChatHooks | None = None) -> int:
 def _run_chat(
     opts: ChatOptions, cluster: ClusterOptions, hooks: ChatHooks | None, plan: Plan | None = None
 ) -> int:
-    from exokv.frontend.hooks import StoreHooks, stderr_warning
-
     with started(opts, cluster) as run:
         client = run.client
         if hooks is None:
@@ -55,18 +53,15 @@ def _run_chat(
         )
         chat = ChatController(client, settings, opts.session, opts.system, hooks)
         if interactive(opts):
+            # deferred: prompt-toolkit (0.2 s) only for the REPL, not for script mode
             from exokv.chat.repl import run_repl
 
             # it saves when the user leaves
             return run_repl(
                 chat, client, cluster, typeahead=not opts.no_typeahead, plain=opts.plain
             )
-        from exokv.chat.script import run_one, run_script
-
         if isinstance(hooks, StoreHooks):
             hooks.attach(warn=stderr_warning)
-        from exokv.hosts.plan import plan_event
-
         first = [plan_event(plan)] if plan is not None else []  # the first turn's events
         if opts.prompt is not None:
             code = run_one(chat, opts.prompt, opts.json, first)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import click
 import typer
@@ -11,9 +13,15 @@ import typer.core
 
 from exokv import __version__
 from exokv.cli import flags
+from exokv.cli.completion import script, values
 from exokv.config import API_KEY, debug_enabled
+from exokv.core.sizes import parse_size
 from exokv.errors import ExokvError, UsageError
 from exokv.frontend.signals import Terminated
+from exokv.hosts.hostfile import parse_hosts, read_hostfile
+
+if TYPE_CHECKING:
+    from exokv.frontend.resume import Resolved
 
 app = typer.Typer(
     name="exokv",
@@ -77,6 +85,7 @@ def _check_layout(backend: str, parallel: str, restarts: int) -> None:
         raise UsageError(f"--restarts {restarts}: use 0 or more")
 
 
+# Long for its 29 option declarations: the body is short (issue 42).
 @app.command()
 def chat(
     prompt: list[str] = typer.Argument(
@@ -121,27 +130,22 @@ def chat(
     restarts: int = flags.RESTARTS,
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
+    # deferred: the chat's start (client, store, exokv.model: ~0.1 s) only for `exokv chat`,
+    # not for `--version`, `cache stats` or `_complete`
     from exokv.chat.run import run_chat
-    from exokv.frontend.resume import resolve
     from exokv.frontend.start import ChatOptions
 
     _check_layout(backend, parallel, restarts)
-    one_shot = " ".join(prompt or []).strip() or None
-    if prompt and one_shot is None:
-        raise UsageError("the PROMPT argument is empty: give a message, or no argument")
-    settled = resolve(session, model, max_kv_size, chat_template)
-    model, max_kv_size = settled.model, settled.max_kv_size
-    for note in settled.notes:
-        print(f"exokv: {note}", file=sys.stderr)
-    defaults = settled.defaults
+    one_shot = _one_shot(prompt)
+    settled = _settled(session, model, max_kv_size, chat_template)
     if system is None and not settled.stored_system:
-        system = defaults.system  # an ollama model's SYSTEM, for a new session
+        system = settled.defaults.system  # an ollama model's SYSTEM, for a new session
     opts = ChatOptions(
-        model=model,
+        model=settled.model,
         system=system,
         max_tokens=max_tokens,
-        temp=_temperature(temp, defaults.temperature),
-        max_kv_size=max_kv_size,
+        temp=_temperature(temp, settled.defaults.temperature),
+        max_kv_size=settled.max_kv_size,
         chat_template=settled.chat_template,
         prompt_format=settled.prompt_format,
         no_typeahead=no_typeahead,
@@ -154,6 +158,29 @@ def chat(
     raise typer.Exit(run_chat(opts))
 
 
+def _one_shot(prompt: list[str] | None) -> str | None:
+    """`exokv chat PROMPT`'s message (its words joined), or None: no PROMPT."""
+    one_shot = " ".join(prompt or []).strip() or None
+    if prompt and one_shot is None:
+        raise UsageError("the PROMPT argument is empty: give a message, or no argument")
+    return one_shot
+
+
+def _settled(
+    session: str | None, model: str | None, max_kv_size: int | None, chat_template: str | None
+) -> Resolved:
+    """The model, --max-kv-size and template to run with (exokv.frontend.resume), its
+    notes said on stderr."""
+    # deferred: exokv.frontend.resume imports exokv.model (~0.1 s): only chat and serve
+    from exokv.frontend.resume import resolve
+
+    settled = resolve(session, model, max_kv_size, chat_template)
+    for note in settled.notes:
+        print(f"exokv: {note}", file=sys.stderr)
+    return settled
+
+
+# Long for its 31 option declarations: the body is short (issue 42).
 @app.command()
 def serve(
     model: str = flags.MODEL,
@@ -204,15 +231,13 @@ def serve(
     max_body: str = typer.Option("1MB", "--max-body", help="largest request body (413 above)"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
-    from exokv.core.sizes import parse_size
-    from exokv.frontend.resume import resolve
+    # deferred: the server's start (client, store, exokv.model: ~0.1 s) only for
+    # `exokv serve`, not for `--version`, `cache stats` or `_complete`
     from exokv.frontend.start import ChatOptions
     from exokv.serve.run import ServeOptions, run_serve
 
     _check_layout(backend, parallel, restarts)
-    settled = resolve(None, model, max_kv_size, chat_template)
-    for note in settled.notes:
-        print(f"exokv: {note}", file=sys.stderr)
+    settled = _settled(None, model, max_kv_size, chat_template)
     front = ChatOptions(
         model=settled.model,
         max_tokens=max_tokens,
@@ -245,10 +270,10 @@ def models(
 ) -> None:
     """List the default model, the builtins and the models found locally (HF cache, ollama);
     with --hosts/--hostfile, what each host holds, read on that host."""
-    import json
-
+    # deferred: rich (0.02 s) only for `exokv models`, not for `exokv _complete` (every Tab)
     from rich.console import Console
 
+    # deferred: exokv.model (~0.1 s) likewise
     from exokv.model.catalogue import list_models, models_table
 
     if hosts or hostfile:
@@ -263,12 +288,10 @@ def models(
 
 
 def _models_per_host(hosts: str | None, hostfile: str | None, json_out: bool) -> None:
-    import json
-
+    # deferred: rich (0.02 s) only for `exokv models`, not for `exokv _complete` (every Tab)
     from rich.console import Console
 
-    from exokv.errors import UsageError
-    from exokv.hosts.hostfile import parse_hosts, read_hostfile
+    # deferred: the ssh listing and exokv.model (~0.1 s) likewise
     from exokv.hosts.listing import models_on_hosts
     from exokv.model.catalogue import models_table
 
@@ -296,16 +319,12 @@ def completions(
     shell: str = typer.Argument(..., metavar="SHELL", help="bash|zsh|fish"),
 ) -> None:
     """Print the shell completion script for bash, zsh or fish (install lines in the README)."""
-    from exokv.cli.completion import script
-
     print(script(shell), end="")
 
 
 @app.command("_complete", hidden=True)
 def _complete(kind: str = typer.Argument(..., metavar="KIND")) -> None:
     # What the completion scripts call for values known only at run time.
-    from exokv.cli.completion import values
-
     for value in values(kind):
         print(value)
 
@@ -319,16 +338,16 @@ def _mount_subcommands() -> None:
     if _mounted:
         return
     _mounted = True
+    # deferred: the subcommands' modules (rich, psutil, the store, the host probes: ~0.1 s)
+    # are mounted by main() after the `_complete` shortcut, run on every Tab, has returned
     from exokv.cli import cache as cache_cli
+    from exokv.cli.bench import bench
+    from exokv.cli.hosts import hosts_app
     from exokv.cli.sessions import sessions_app
 
     app.add_typer(cache_cli.cache_app, name="cache")
     app.add_typer(sessions_app, name="sessions")
-    from exokv.cli.hosts import hosts_app
-
     app.add_typer(hosts_app, name="hosts")
-    from exokv.cli.bench import bench
-
     app.command()(bench)
 
 
@@ -336,8 +355,6 @@ def main() -> None:
     """Console entry point: one-line errors with exit codes, tracebacks only with EXOKV_DEBUG=1."""
     if len(sys.argv) == 3 and sys.argv[1] == "_complete":
         # Every Tab after --model or --session runs this: skip loading the whole app.
-        from exokv.cli.completion import values
-
         for value in values(sys.argv[2]):
             print(value)
         return

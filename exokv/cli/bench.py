@@ -8,12 +8,18 @@ from typing import Any
 
 import typer
 
+from exokv.bench import SCENARIOS
+from exokv.bench.scenarios import min_turn_tokens
 from exokv.cli import flags
+from exokv.config import default_model
+from exokv.core.options import KvQuant
+from exokv.core.sizes import parse_size
 from exokv.errors import ExokvError, UsageError
 
 BENCH_DEFAULT_MODEL = "builtin:base"
 
 
+# Long for its 15 option declarations: the body is short (issue 42).
 def bench(
     model: str = typer.Option(
         None,
@@ -52,55 +58,20 @@ def bench(
     kv_group_size: int = flags.KV_GROUP_SIZE,
 ) -> None:
     """Compare cold, carried, mlx-lm-lru and exokv on the same conversations."""
-    from exokv.bench import SCENARIOS
-    from exokv.bench.scenarios import min_turn_tokens
-
     names = _scenarios(scenario, SCENARIOS)
-    if turns < 1:
-        raise UsageError(f"--turns must be at least 1 (got {turns})")
-    if reply_tokens < 1:
-        raise UsageError(f"--reply-tokens must be at least 1 (got {reply_tokens})")
-    if repeat < 1:
-        raise UsageError(f"--repeat must be at least 1 (got {repeat})")
-    if ranks < 1:
-        raise UsageError(f"--ranks must be at least 1 (got {ranks})")
-    budget = None
-    if cache_budget is not None:
-        from exokv.core.sizes import parse_size
-
-        try:
-            budget = parse_size(cache_budget)
-        except UsageError as err:
-            raise UsageError(f"--cache-budget: {err}") from None
-        if budget <= 0:
-            raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
-    from exokv.cache.tier_options import check_kv_quantization
-    from exokv.core.options import KvQuant
-
-    check_kv_quantization(KvQuant(kv_bits, kv_group_size))
-    if parallel not in ("pipeline", "tensor"):
-        raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
-    # shared-prefix gives its conversations' turns the half of --context that its
-    # shared system prompt leaves.
-    share = 2 if "shared-prefix" in names else 1
-    need = share * turns * min_turn_tokens(reply_tokens)
-    if context < need:
-        where = " (shared-prefix: in the half its system prompt leaves)" if share > 1 else ""
-        raise UsageError(
-            f"--context {context} is smaller than {turns} turn(s) of at least "
-            f"{min_turn_tokens(reply_tokens)} tokens{where} (a short message and a "
-            f"{reply_tokens}-token reply): use --context {need} or more, or fewer --turns or "
-            "--reply-tokens"
-        )
+    _check_counts(turns, reply_tokens, repeat, ranks)
+    budget = _cache_budget(cache_budget)
+    _check_layout(KvQuant(kv_bits, kv_group_size), parallel)
+    _check_context(names, turns, context, reply_tokens)
     if plot:
+        # deferred: exokv.bench.report imports mlx-lm (2 s); `exokv --help` never needs it
         from exokv.bench.report import check_plot_available
 
         check_plot_available()
-    from exokv.config import default_model
-
     model = model or default_model(BENCH_DEFAULT_MODEL)
 
-    from exokv.bench import report, runner
+    # deferred: the runner loads mlx-lm (2 s); `exokv --help` never needs it
+    from exokv.bench import runner
 
     config = runner.BenchConfig(
         model=model,
@@ -116,18 +87,86 @@ def bench(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
     )
-    if ranks > 1:
+    _report(_run(config, starting_port), json_out, plot)
+
+
+def _check_counts(turns: int, reply_tokens: int, repeat: int, ranks: int) -> None:
+    if turns < 1:
+        raise UsageError(f"--turns must be at least 1 (got {turns})")
+    if reply_tokens < 1:
+        raise UsageError(f"--reply-tokens must be at least 1 (got {reply_tokens})")
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1 (got {repeat})")
+    if ranks < 1:
+        raise UsageError(f"--ranks must be at least 1 (got {ranks})")
+
+
+def _cache_budget(cache_budget: str | None) -> int | None:
+    """--cache-budget in bytes (None: not given)."""
+    if cache_budget is None:
+        return None
+    try:
+        budget = parse_size(cache_budget)
+    except UsageError as err:
+        raise UsageError(f"--cache-budget: {err}") from None
+    if budget <= 0:
+        raise UsageError(f"--cache-budget must be more than 0 bytes (got {cache_budget!r})")
+    return budget
+
+
+def _check_layout(kv: KvQuant, parallel: str) -> None:
+    # deferred: exokv.cache.tier_options imports mlx.core and exokv.model (~0.2 s); this is
+    # imported by every command (cli/app.py mounts it)
+    from exokv.cache.tier_options import check_kv_quantization
+
+    check_kv_quantization(kv)
+    if parallel not in ("pipeline", "tensor"):
+        raise UsageError(f"--parallel must be pipeline or tensor (got {parallel!r})")
+
+
+def _check_context(names: list[str], turns: int, context: int, reply_tokens: int) -> None:
+    """--context holds --turns turns of a short message and a --reply-tokens reply."""
+    # shared-prefix gives its conversations' turns the half of --context that its
+    # shared system prompt leaves.
+    share = 2 if "shared-prefix" in names else 1
+    need = share * turns * min_turn_tokens(reply_tokens)
+    if context < need:
+        where = " (shared-prefix: in the half its system prompt leaves)" if share > 1 else ""
+        raise UsageError(
+            f"--context {context} is smaller than {turns} turn(s) of at least "
+            f"{min_turn_tokens(reply_tokens)} tokens{where} (a short message and a "
+            f"{reply_tokens}-token reply): use --context {need} or more, or fewer --turns or "
+            "--reply-tokens"
+        )
+
+
+def _run(config: Any, starting_port: int | None) -> dict[str, Any]:
+    """The benchmark's document, the command line first: on one rank here, or on
+    --ranks ranks."""
+    # deferred: the report and the runner load mlx-lm (2 s); `exokv --help` never needs it
+    from exokv.bench import report, runner
+
+    if config.ranks > 1:
         # Every rank runs the same runner loop on its shard; rank 0 sends the document.
+        # deferred: exokv.bench.ranks imports mlx.core and the launcher, only for --ranks > 1
         from exokv.bench.ranks import run_on_ranks
 
         with report.RichProgress() as progress:
             doc = run_on_ranks(config, progress, starting_port=starting_port)
     else:
-        loaded, tokenizer = load(model)
+        loaded, tokenizer = load(config.model)
         with report.RichProgress() as progress:
             doc = runner.run(config, loaded, tokenizer, progress)
     argv = sys.argv[sys.argv.index("bench") :] if "bench" in sys.argv else []
-    doc = {"command": " ".join(["exokv", *map(shlex.quote, argv)]), **doc}
+    return {"command": " ".join(["exokv", *map(shlex.quote, argv)]), **doc}
+
+
+def _report(doc: dict[str, Any], json_out: bool, plot: str | None) -> None:
+    """The document as JSON or tables, the plot; an error when the strategies' replies
+    differ."""
+    # deferred: exokv.bench.report imports mlx-lm (2 s); `exokv --help` never needs it
+    from exokv.bench import report
+
     if json_out:
         sys.stdout.write(report.to_json(doc) + "\n")
     else:
@@ -161,6 +200,7 @@ def _scenarios(text: str, known: tuple[str, ...]) -> list[str]:
 def load(name: str) -> tuple[Any, Any]:
     """The model and tokenizer, through exokv's resolver (a one-line error if missing)."""
     try:
+        # deferred: exokv.model (~0.1 s) only when a benchmark runs, not for `exokv --help`
         from exokv.model.resolve import load_model
     except ImportError:  # the resolver is not there yet: builtins and local/HF via mlx-lm
         load_model = _load_fallback
@@ -168,9 +208,11 @@ def load(name: str) -> tuple[Any, Any]:
 
 
 def _load_fallback(name: str) -> tuple[Any, Any]:
+    # deferred: mlx-lm (2 s) and exokv.model only when a benchmark runs
     from mlx_lm.utils import load as mlx_load
 
     if name.startswith("builtin:"):
+        # deferred: exokv.model (~0.1 s) only when a benchmark runs
         from exokv.model.builtin import SPECS, ensure_builtin
 
         which = name.split(":", 1)[1]

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from exokv.config import default_model
+from exokv.model.ollama import run_defaults
 from exokv.model.templates import Format, read_choice
+from exokv.state import Store
 
 
 @dataclass
@@ -33,8 +35,6 @@ class Resolved:
 
 def stored_session(name: str) -> dict | None:
     """The stored session's row (model, system, max_kv_size, ...), or None; creates nothing."""
-    from exokv.state import Store
-
     store = Store.open_existing()
     if store is None:
         return None
@@ -73,8 +73,6 @@ def resolve(
         template = stored["chat_template"]
     defaults = Format()
     if model.strip().startswith("ollama:"):
-        from exokv.model.ollama import run_defaults
-
         defaults = run_defaults(model.strip()[len("ollama:") :])
         if template is None:
             notes += defaults.notes

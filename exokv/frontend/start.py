@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
+from exokv.cache.tier_options import check_kv_quantization
 from exokv.client import Client, make_client
 from exokv.core.options import (
     AUTO,
@@ -21,10 +24,14 @@ from exokv.core.options import (
     parse_split,
 )
 from exokv.errors import UsageError
+from exokv.frontend.hooks import StoreHooks
 from exokv.hosts.fetch import fetch_onto_hosts
 from exokv.hosts.hostfile import HostList, parse_hosts, read_hostfile
 from exokv.hosts.placement import Plan
+from exokv.hosts.plan import place, show_plan
 from exokv.model.templates import Format
+from exokv.state import Store, register_chat
+from exokv.state.locks import SessionLocks
 
 
 @dataclass
@@ -89,22 +96,7 @@ RANK_MEMORY_FLOOR = 256 * 1024 * 1024
 def validate(opts: ChatOptions) -> ClusterOptions:
     """Every option's bounds, before anything is started: one line and exit 2 each; the
     ranks' layout and cache options parsed, once."""
-    if not 1 <= opts.max_tokens <= SQLITE_MAX_INT:
-        raise UsageError(f"--max-tokens must be between 1 and {SQLITE_MAX_INT}")
-    if not math.isfinite(opts.temp) or opts.temp < 0:
-        raise UsageError(f"--temp {opts.temp}: must be a number, 0 or more")
-    if opts.seed is not None and not 0 <= opts.seed < SEED_RANGE:
-        raise UsageError(f"--seed {opts.seed}: must be between 0 and 2**64-1")
-    if not 0 < opts.memory_threshold <= 1:
-        raise UsageError("--memory-threshold must be a fraction in (0, 1]")
-    if opts.ranks < 1:
-        raise UsageError("--ranks must be at least 1")
-    if opts.max_kv_size is not None and not 1 <= opts.max_kv_size <= SQLITE_MAX_INT:
-        raise UsageError(f"--max-kv-size must be between 1 and {SQLITE_MAX_INT}")
-    if opts.draft_model is not None and not opts.draft_model.strip():
-        raise UsageError("--draft-model is empty: give a model name, as --model takes")
-    if opts.draft_model is not None and opts.no_speculate:
-        raise UsageError("--draft-model drafts for speculative decoding: not with --no-speculate")
+    _check_bounds(opts)
     hosts = opts.host_list()
     ranks = opts.ranks if hosts is None else len(hosts.hosts)
     budgets = parse_budgets(opts.cache_budget, ranks)
@@ -114,16 +106,7 @@ def validate(opts: ChatOptions) -> ClusterOptions:
     if split is not None and ranks == 1:
         raise UsageError("--split spreads layers over ranks: it needs -n 2 or more, or --hosts")
     if hosts is None and opts.ranks > 1:
-        import psutil
-
-        room = psutil.virtual_memory().available // RANK_MEMORY_FLOOR
-        if opts.ranks > room:
-            raise UsageError(
-                f"-n {opts.ranks}: this machine has memory to start about {room} ranks "
-                f"({RANK_MEMORY_FLOOR // 2**20} MB each at least)"
-            )
-    from exokv.cache.tier_options import check_kv_quantization
-
+        _check_room(opts.ranks)
     given = None if opts.disk_budget is None else parse_disk_budget(opts.disk_budget)
     kv = KvQuant(opts.kv_bits, opts.kv_group_size)
     check_kv_quantization(kv)
@@ -153,6 +136,36 @@ def validate(opts: ChatOptions) -> ClusterOptions:
     )
 
 
+def _check_bounds(opts: ChatOptions) -> None:
+    """The bounds of the options read as numbers and names, each on its own."""
+    if not 1 <= opts.max_tokens <= SQLITE_MAX_INT:
+        raise UsageError(f"--max-tokens must be between 1 and {SQLITE_MAX_INT}")
+    if not math.isfinite(opts.temp) or opts.temp < 0:
+        raise UsageError(f"--temp {opts.temp}: must be a number, 0 or more")
+    if opts.seed is not None and not 0 <= opts.seed < SEED_RANGE:
+        raise UsageError(f"--seed {opts.seed}: must be between 0 and 2**64-1")
+    if not 0 < opts.memory_threshold <= 1:
+        raise UsageError("--memory-threshold must be a fraction in (0, 1]")
+    if opts.ranks < 1:
+        raise UsageError("--ranks must be at least 1")
+    if opts.max_kv_size is not None and not 1 <= opts.max_kv_size <= SQLITE_MAX_INT:
+        raise UsageError(f"--max-kv-size must be between 1 and {SQLITE_MAX_INT}")
+    if opts.draft_model is not None and not opts.draft_model.strip():
+        raise UsageError("--draft-model is empty: give a model name, as --model takes")
+    if opts.draft_model is not None and opts.no_speculate:
+        raise UsageError("--draft-model drafts for speculative decoding: not with --no-speculate")
+
+
+def _check_room(ranks: int) -> None:
+    """-n `ranks` on this machine: refused when its free memory cannot hold them."""
+    room = psutil.virtual_memory().available // RANK_MEMORY_FLOOR
+    if ranks > room:
+        raise UsageError(
+            f"-n {ranks}: this machine has memory to start about {room} ranks "
+            f"({RANK_MEMORY_FLOOR // 2**20} MB each at least)"
+        )
+
+
 def _startup_progress():  # noqa: ANN202 - a line printer, or None
     """Ranks take seconds to start: on a terminal, say what happens (on stderr)."""
     if not sys.stderr.isatty():
@@ -168,8 +181,6 @@ def prepare(opts: ChatOptions) -> tuple[ClusterOptions, Plan | None]:
     """The options checked, then the layout placed from the hosts' memory (and shown on
     a terminal), before anything starts: the ClusterOptions the ranks are launched
     with, and the plan (None on one rank)."""
-    from exokv.hosts.plan import place, show_plan
-
     cluster, plan = place(validate(opts), show=opts.plan)
     # On a terminal, as the start-up lines: script mode's stderr keeps to one line a
     # problem (--json has the plan as the first turn's `plan` event).
@@ -196,9 +207,6 @@ def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> I
     The wiring both front ends (the chat and `exokv serve`) share: the ranks shut down
     like /quit when the block ends (their disk tier keeps the cache), whatever ended it.
     """
-    from exokv.state import Store, register_chat
-    from exokv.state.locks import SessionLocks
-
     store = Store.open()  # before loading the model: a bad database fails fast
     locks = SessionLocks(store.home)
     try:
@@ -233,8 +241,6 @@ def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> I
 
 def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:
     """The store's hooks for this run's turns (StoreHooks); `locks`: one chat per session."""
-    from exokv.frontend.hooks import StoreHooks
-
     return StoreHooks(
         run.store,
         run.run_id,

@@ -11,13 +11,24 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exokv.chat.conversation import Conversation
+from exokv.client.heal import HealingClient
 from exokv.errors import ExokvError, UsageError
-from exokv.frontend.start import ChatOptions, prepare, started, store_hooks
+from exokv.frontend.signals import ended_by_signals
+from exokv.frontend.start import ChatOptions, Started, prepare, started, store_hooks
+from exokv.hosts.plan import print_plan
 from exokv.prompt.markers import PREFIX
 from exokv.serve import api
+from exokv.serve.app import Service, build_app
+from exokv.serve.prompts import FrontRender
+from exokv.serve.replies import RepliesFromStore
+from exokv.serve.tools import model_tools
+from exokv.serve.work import TurnQueue
+
+if TYPE_CHECKING:
+    from exokv.serve.drain import DrainingServer
 
 DEFAULT_PORT = 8000
 # Exact at temperature 0 and faster than one at a time, on one rank and several
@@ -111,104 +122,121 @@ class _Recorder:
 
 
 def run_serve(opts: ServeOptions) -> int:
-    import uvicorn
-
-    from exokv.client.heal import HealingClient
-    from exokv.frontend.signals import ended_by_signals
-    from exokv.serve.app import Service, build_app
-    from exokv.serve.drain import AFTER_STOP_S, DrainingServer
-    from exokv.serve.prompts import FrontRender
-    from exokv.serve.replies import RepliesFromStore
-    from exokv.serve.tools import model_tools
-    from exokv.serve.work import TurnQueue
-
+    """Start the ranks, serve until SIGTERM, Ctrl-C or the ranks' end, drain; exit code."""
     front = opts.front
     cluster, plan = prepare(front)
     if front.plan:
-        from exokv.hosts.plan import print_plan
-
         return print_plan(plan, False)
     for warning in check(opts):
         _say(f"warning: {warning}")
     with ended_by_signals(), started(front, cluster, kind="serve") as run:
-        # Replies' tokens a restart forgot come back from the store (exokv.serve.replies).
-        client = RepliesFromStore(run.client, run.store.load_reply_tokens)
-        if isinstance(run.client, HealingClient):
-            run.client.heal_when_idle = True  # /health says so; no request waits for it
-        # No session locks: an API conversation is not opened like a chat's session.
-        hooks = store_hooks(run, front, locks=False)
-        failed: list[str] = []
-        server: DrainingServer | None = None
+        return _serve(opts, run)
 
-        def on_failure(why: str) -> None:
-            failed.append(why)
-            if server is not None:
-                server.should_exit = True
 
-        queue = TurnQueue(
-            client,
-            opts.queue,
-            record=_Recorder(hooks),
-            on_failure=on_failure,
-            batch=opts.batch,
-            gather_s=opts.batch_wait_ms / 1000,
-        )
-        shown, names = model_names(front.model)
-        service = Service(
-            model=shown,
-            names=names,
-            queue=queue,
-            ranks=client.ranks,
-            api_key=opts.api_key,
-            limits=api.Limits(body_bytes=opts.max_body),
-            defaults=api.Defaults(
-                max_tokens=front.max_tokens, temperature=front.temp, system=front.system
-            ),
-            use_cache=cluster.keep_cache,
-            speculate=not front.no_speculate,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
-            failure=lambda: client.failure or (failed[0] if failed else None),
-            health=run.client.health,
-            tools=functools.cache(lambda: model_tools(front.model, cluster.chat_template)),
-            count=FrontRender(front.model, cluster.chat_template, client.known).count,
-        )
+def _serve(opts: ServeOptions, run: Started) -> int:
+    """The turn queue on the started ranks, the app under uvicorn, until it stops."""
+    # Replies' tokens a restart forgot come back from the store (exokv.serve.replies).
+    client = RepliesFromStore(run.client, run.store.load_reply_tokens)
+    if isinstance(run.client, HealingClient):
+        run.client.heal_when_idle = True  # /health says so; no request waits for it
+    # No session locks: an API conversation is not opened like a chat's session.
+    hooks = store_hooks(run, opts.front, locks=False)
+    failed: list[str] = []
+    server: DrainingServer | None = None
 
-        def halt() -> None:
-            # The drain limit passed (or nothing runs): what is left is stopped on every
-            # rank and each stream then ends with its own last chunk.
-            service.halted = service.in_flight() > 0
-            queue.close(timeout=0.0)
+    def on_failure(why: str) -> None:
+        failed.append(why)
+        if server is not None:
+            server.should_exit = True
 
-        config = uvicorn.Config(
-            build_app(service),
-            host=opts.host,
-            port=opts.port,
-            log_level="warning",
-            access_log=False,  # ours has the tokens, the cached share and the TTFT
-            timeout_graceful_shutdown=AFTER_STOP_S,  # after exokv's own drain
-            lifespan="off",
-        )
-        server = DrainingServer(
-            config,
-            drain_s=opts.drain_s,
-            busy=service.in_flight,
-            halt=halt,
-            say=lambda text: _say(text),
-        )
-        _watch_ranks(service, server)
-        try:
-            server.run()
-        finally:
-            # Normally done by the drain; after a failure, what is left is stopped here.
-            queue.close(timeout=0.0 if service.failure() else 2.0)
-        why = service.failure()
-        if why:  # the ranks are gone: one line, exit 1, as the chat
-            raise ExokvError(why)
-        if server.stopped:
-            _say(f"stopped {server.stopped} request(s) at the drain limit")
-        if server.signal == signal.SIGINT:
-            _say("interrupted")
-        return server.exit_code
+    queue = TurnQueue(
+        client,
+        opts.queue,
+        record=_Recorder(hooks),
+        on_failure=on_failure,
+        batch=opts.batch,
+        gather_s=opts.batch_wait_ms / 1000,
+    )
+    service = _service(opts, run, client, queue, failed)
+    server = _server(opts, service, queue)
+    _watch_ranks(service, server)
+    try:
+        server.run()
+    finally:
+        # Normally done by the drain; after a failure, what is left is stopped here.
+        queue.close(timeout=0.0 if service.failure() else 2.0)
+    return _ended(service, server)
+
+
+def _service(
+    opts: ServeOptions, run: Started, client: Any, queue: TurnQueue, failed: list[str]
+) -> Service:
+    """What the app's handlers serve: the model's names, the queue, the limits, the
+    defaults, and where a failure is read (`failed`: the queue's)."""
+    front, cluster = opts.front, run.cluster
+    shown, names = model_names(front.model)
+    return Service(
+        model=shown,
+        names=names,
+        queue=queue,
+        ranks=client.ranks,
+        api_key=opts.api_key,
+        limits=api.Limits(body_bytes=opts.max_body),
+        defaults=api.Defaults(
+            max_tokens=front.max_tokens, temperature=front.temp, system=front.system
+        ),
+        use_cache=cluster.keep_cache,
+        speculate=not front.no_speculate,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+        failure=lambda: client.failure or (failed[0] if failed else None),
+        health=run.client.health,
+        tools=functools.cache(lambda: model_tools(front.model, cluster.chat_template)),
+        count=FrontRender(front.model, cluster.chat_template, client.known).count,
+    )
+
+
+def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingServer:
+    """uvicorn serving the app, draining in-flight requests on SIGTERM/Ctrl-C."""
+    # deferred: uvicorn (0.13 s) only once the ranks are up, not for `serve --plan` nor
+    # for what imports this module (the front end's check in tests/test_layers.py)
+    import uvicorn
+
+    from exokv.serve.drain import AFTER_STOP_S, DrainingServer  # deferred: it imports uvicorn
+
+    def halt() -> None:
+        # The drain limit passed (or nothing runs): what is left is stopped on every
+        # rank and each stream then ends with its own last chunk.
+        service.halted = service.in_flight() > 0
+        queue.close(timeout=0.0)
+
+    config = uvicorn.Config(
+        build_app(service),
+        host=opts.host,
+        port=opts.port,
+        log_level="warning",
+        access_log=False,  # ours has the tokens, the cached share and the TTFT
+        timeout_graceful_shutdown=AFTER_STOP_S,  # after exokv's own drain
+        lifespan="off",
+    )
+    return DrainingServer(
+        config,
+        drain_s=opts.drain_s,
+        busy=service.in_flight,
+        halt=halt,
+        say=lambda text: _say(text),
+    )
+
+
+def _ended(service: Service, server: DrainingServer) -> int:
+    """The exit code, and what the server's end says on stderr; the ranks' failure raises."""
+    why = service.failure()
+    if why:  # the ranks are gone: one line, exit 1, as the chat
+        raise ExokvError(why)
+    if server.stopped:
+        _say(f"stopped {server.stopped} request(s) at the drain limit")
+    if server.signal == signal.SIGINT:
+        _say("interrupted")
+    return server.exit_code
 
 
 def _watch_ranks(service: Any, server: Any) -> None:

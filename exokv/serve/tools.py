@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exokv.model import hub, templates
+from exokv.model.resolve import resolve_model
 from exokv.prompt.markers import has_tools_support
 from exokv.serve.errors import ApiError
 
@@ -55,7 +57,8 @@ def model_tools(name: str, spec: str | None = None) -> ModelTools:
     --chat-template `spec`, from its tokenizer's files on this machine (none found:
     no tools)."""
     try:
-        from exokv.model import templates
+        # deferred: exokv.model.loading imports mlx-lm and transformers (4 s); the first
+        # request with tools pays it, not the server's start
         from exokv.model.loading import load_tokenizer
 
         tokenizer, config = load_tokenizer(model_files(name))  # as the ranks load it
@@ -138,9 +141,6 @@ def _call_text(tokenizer: Any, start: str, template: str | None) -> tuple[str | 
 
 def model_files(name: str) -> Path:
     """The directory of model `name`'s files on this machine, as its ranks resolve it."""
-    from exokv.model import hub
-    from exokv.model.resolve import resolve_model
-
     repo = hub.parse_name(name) if not Path(name).expanduser().exists() else None
     if repo is not None:  # a repo: only what is here already (the ranks loaded it)
         snapshot = hub.cached_snapshot(*repo)
