@@ -1,9 +1,13 @@
 """Imports run down the layers declared in exokv/layers.py: a module imports from its own
-layer and the layers below, never up; and every module is placed in a layer."""
+layer and the layers below, never up; every module is placed in a layer; and no two
+modules import each other, however many steps apart and wherever the import sits (in a
+function, under TYPE_CHECKING), inside a layer as across layers."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import exokv
@@ -64,6 +68,116 @@ def violations(root: Path) -> list[str]:
                     f"from {names[layer]}, a layer below"
                 )
     return problems
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module's exokv imports, as modules (a package's __init__ is not counted from
+    inside that package: importing a submodule runs it, which is no cycle of the code)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        graph[name] = {
+            target
+            for _, target in imported(path, root)
+            if target != name and not name.startswith(target + ".")
+        }
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_no_import_cycle_counting_imports_inside_functions() -> None:
+    assert cycles(import_graph(PACKAGE)) == []
+
+
+def test_a_cycle_inside_one_layer_is_found(tmp_path: Path) -> None:
+    root = fake_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "serve/__init__.py": "",
+            "serve/api.py": "from exokv.serve.tools import read\n",
+            "serve/tools.py": "def read():\n    from exokv.serve import api\n",
+            "serve/app.py": "from exokv.serve import api, tools\n",
+        },
+    )
+    assert cycles(import_graph(root)) == [["exokv.serve.api", "exokv.serve.tools"]]
+
+
+def unexplained_inner_imports(root: Path) -> list[str]:
+    """Imports inside a function that say nothing of why: each must have a comment on its
+    line or on the line above it (one comment covers a run of imports one after another).
+    The top of the module is where a reader looks for what a module needs; an import is
+    put off only where start-up needs it (mlx-lm and transformers take seconds to import,
+    and the front end, which never runs the model, must not pay for them) or to keep a
+    layer's own start light, and the comment says which."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines), str(path))):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Import | ast.ImportFrom):
+                    continue
+                line = node.lineno - 1
+                above = line - 1
+                while above >= 0 and lines[above].strip().startswith(("import ", "from ")):
+                    above -= 1  # the run of imports this one belongs to
+                said = "#" in lines[line] or (above >= 0 and lines[above].strip().startswith("#"))
+                if not said:
+                    problems.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return sorted(set(problems))
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    assert unexplained_inner_imports(PACKAGE) == []
+
+
+def test_an_inner_import_without_a_reason_is_named(tmp_path: Path) -> None:
+    root = fake_package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "a.py": (
+                "def f():\n    import json\n\n"
+                "def g():\n    # mlx-lm takes seconds to import: only the ranks need it\n"
+                "    import mlx_lm\n    import mlx.core as mx\n\n"
+                "def h():\n    import psutil  # only on this path\n"
+            ),
+        },
+    )
+    assert unexplained_inner_imports(root) == ["exokv/a.py:2"]
 
 
 def test_no_module_imports_from_a_higher_layer_and_every_module_has_one() -> None:
@@ -127,3 +241,28 @@ def test_a_module_in_no_layer_fails(tmp_path: Path) -> None:
     assert violations(root) == [
         "exokv/nowhere/app.py: exokv.nowhere.app is in no layer (exokv/layers.py)"
     ]
+
+
+FRONT_END_MODULES = (
+    "exokv.cli.app",
+    "exokv.frontend.start",
+    "exokv.chat.run",
+    "exokv.serve.run",
+    "exokv.client.cluster",
+    "exokv.client.heal",
+)
+
+
+def test_the_front_end_starts_without_the_model_libraries() -> None:
+    """What the deferred imports are for: the front end of a chat on ranks, and every
+    command that never runs the model (`--help`, `cache stats`), start without mlx-lm and
+    transformers, seconds of import each; the ranks load them."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {FRONT_END_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in ('mlx_lm', 'transformers', 'mlx.nn') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
