@@ -51,12 +51,6 @@ class StubClient:
     def draft_cost(self, session: str) -> DraftCost | None:
         return None
 
-    def reply_tokens(self, reply: str) -> list[int] | None:
-        return None
-
-    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        pass
-
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         return CacheFileReport(session=session, skipped="nothing cached")
 

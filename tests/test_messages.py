@@ -10,10 +10,15 @@ import pytest
 from exokv.core.records import CacheEvent, CacheFileReport, RowOutcome, TurnRequest, TurnResult
 from exokv.wire import messages as m
 
-REQUEST = TurnRequest("s", [{"role": "user", "content": "hi"}], max_tokens=8, seed=3)
+# A reply's message carries its exact tokens, and a result the reply's: both travel.
+REPLY = {"role": "assistant", "content": "yo", "tokens": [5, 6]}
+REQUEST = TurnRequest(
+    "s", [{"role": "user", "content": "hi"}, REPLY, {"role": "user", "content": "and?"}],
+    max_tokens=8, seed=3,
+)  # fmt: skip
 RESULT = TurnResult(
     "s", "hello", 10, 4, 6, 2, 0.1, 20.0, 0.01, 2,
-    events=[CacheEvent("add", 1, 2, 6, [100, 120], session="s")],
+    events=[CacheEvent("add", 1, 2, 6, [100, 120], session="s")], reply_tokens=[7, 8],
 )  # fmt: skip
 
 EXAMPLES: list[m.Message] = [
@@ -26,7 +31,6 @@ EXAMPLES: list[m.Message] = [
     m.Stop(3),
     m.Seen(12),
     m.Draft("draft-1", "s", [{"role": "user", "content": "hi"}], "and then"),
-    m.Remember([("hello", [1, 2, 3])]),
     m.Save(5, "s", [{"role": "user", "content": "hi"}]),
     m.Held(6, "s", []),
     m.Shutdown(),
@@ -35,7 +39,7 @@ EXAMPLES: list[m.Message] = [
     m.Heartbeat(),
     m.Progress(1, 30, 40),
     m.Texts(12, [[3, "he"], [4, "llo"]]),
-    m.Result(1, RESULT, tokens=[5, 6]),
+    m.Result(1, RESULT),
     m.TurnRefused(1, "the prompt is over the context", tokens=9000, context=8192),
     m.Row(3, RowOutcome(result=RESULT, batch=2), tokens=None),
     m.Row(4, RowOutcome(refused="too long", tokens=9000, context=8192)),

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from chat_helpers import ANSI
 
+from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.client.stopwatch import FirstText
 from exokv.core.records import TurnRequest, TurnResult
 from exokv.rank import pace as pace_module
@@ -154,8 +155,10 @@ def test_a_local_turn_counts_the_draft_step_in_flight(
             if piece and not first:
                 first.append(time.perf_counter())
 
-        request = TurnRequest("s", [*history, {"role": "user", "content": "hi"}], max_tokens=4)
-        result = client.turn(request, on_text=on_text)
+        # Timed where the front end hands the turn over (exokv.client.stopwatch).
+        chat = ChatController(client, TurnSettings(max_tokens=4), "s")
+        chat.current.messages = list(history)
+        result = chat.handle("hi", on_text=on_text).result
         assert first, "no text"
         outside = first[0] - start
         # The status line's TTFT is what was measured outside, the wait for the step

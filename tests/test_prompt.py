@@ -1,6 +1,7 @@
 """PromptRenderer: continuing from an earlier render gives exactly the tokens of a
 render from scratch (the engine's former algorithm, kept here as the reference),
-through /undo, /retry, edits, system prompt changes and replies remembered late."""
+through /undo, /retry, edits, system prompt changes and replies given their tokens late.
+A reply's exact tokens are its message's `tokens`: the renderer remembers none."""
 
 from __future__ import annotations
 
@@ -21,43 +22,67 @@ def tokenizer(models_dir):
     return load_tokenizer(models_dir / "tiny")
 
 
-def reference_render(tokenizer, replies: dict[str, list[int]], messages) -> list[int]:
+def reference_render(tokenizer, messages) -> list[int]:
     """The render from scratch (the engine's former algorithm, which the bookkeeping
-    benchmark times as its "before")."""
-    from benchmarks.bookkeeping import old_render
+    benchmark times as its "before"): the history templated before every reply, each
+    reply's tokens those its message carries."""
+    shown = [{k: v for k, v in m.items() if k != "tokens"} for m in messages]
 
-    return old_render(tokenizer, replies, list(messages))
+    def template(ms):
+        if not ms:
+            return ""  # a reply first in the history has nothing before it
+        return tokenizer.apply_chat_template(ms, add_generation_prompt=True, tokenize=False)
+
+    def encode(text):
+        return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    text = template(shown)
+    tokens: list[int] = []
+    pos = 0
+    for i, message in enumerate(messages):
+        reply = message.get("tokens") if message["role"] == "assistant" else None
+        if not reply:
+            continue
+        head = template(shown[:i])
+        end = len(head) + len(message["content"])
+        if (
+            len(head) < pos
+            or not text.startswith(head)
+            or text[len(head) : end] != message["content"]
+        ):
+            continue
+        tokens += encode(text[pos : len(head)]) + list(reply)
+        pos = end
+    return tokens + encode(text[pos:])
 
 
 class Chat:
-    """A conversation whose replies are random token ids, remembered as generated."""
+    """A conversation whose replies are random token ids, carried by their messages."""
 
     def __init__(self, tokenizer, renderer: PromptRenderer, seed: int = 0) -> None:
         self.tokenizer = tokenizer
         self.renderer = renderer
         self.rng = random.Random(seed)
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": "Be brief."}]
+        self.messages: list[dict] = [{"role": "system", "content": "Be brief."}]
 
     def words(self, n: int) -> str:
         return " ".join(
             self.rng.choice(["cache", "token", "mac", "rank", "the", "a", "é"]) for _ in range(n)
         )
 
-    def reply(self, remember: bool = True) -> dict[str, str]:
+    def reply(self, tokens: bool = True) -> dict:
         ids = [self.rng.randrange(3, 400) for _ in range(self.rng.randint(3, 12))]
-        text = self.tokenizer.decode(ids)
-        if remember:
-            self.renderer.remember_reply(text, ids)
-        return {"role": "assistant", "content": text}
+        message = {"role": "assistant", "content": self.tokenizer.decode(ids)}
+        return {**message, "tokens": ids} if tokens else message
 
-    def turn(self, remember: bool = True) -> None:
+    def turn(self, tokens: bool = True) -> None:
         self.messages.append({"role": "user", "content": self.words(self.rng.randint(1, 9))})
         self.check()
-        self.messages.append(self.reply(remember))
+        self.messages.append(self.reply(tokens))
 
     def check(self) -> list[int]:
         got = self.renderer.render(self.messages)
-        assert got == reference_render(self.tokenizer, self.renderer._replies, self.messages)
+        assert got == reference_render(self.tokenizer, self.messages)
         return got
 
 
@@ -77,7 +102,7 @@ def test_long_conversation_same_tokens_and_each_render_costs_what_is_new(tokeniz
     assert len(tokens) > 600  # replies are really in there, as their exact tokens
     for message in chat.messages:
         if message["role"] == "assistant":
-            assert _has_run(tokens, renderer._replies[message["content"]])
+            assert _has_run(tokens, message["tokens"])
 
 
 def test_undo_retry_edit_and_system_prompt_change(tokenizer):
@@ -106,21 +131,46 @@ def test_undo_retry_edit_and_system_prompt_change(tokenizer):
     chat.check()
 
 
-def test_a_reply_remembered_or_forgotten_later_changes_the_tokens_as_from_scratch(tokenizer):
+def test_a_reply_given_or_losing_its_tokens_later_changes_the_tokens_as_from_scratch(tokenizer):
     renderer = PromptRenderer(tokenizer)
     chat = Chat(tokenizer, renderer, seed=2)
     chat.turn()
-    chat.turn(remember=False)  # e.g. a resumed session whose tokens arrive later
+    chat.turn(tokens=False)  # e.g. an API client's echoed reply, its tokens found later
     chat.turn()
     before = chat.check()
     late = chat.messages[4]
-    ids = [7, 8, 9, 10]
-    renderer.remember_reply(late["content"], ids)
+    chat.messages[4] = {**late, "tokens": [7, 8, 9, 10]}
     after = chat.check()
     assert after != before
-    # Forgotten (pushed out of the remembered replies): from scratch again.
-    renderer._replies.pop(late["content"])
+    # Without them again: from its text again.
+    chat.messages[4] = late
     assert chat.check() == before
+
+
+def test_tokens_changed_in_place_are_not_taken_for_the_earlier_render(tokenizer):
+    renderer = PromptRenderer(tokenizer)
+    chat = Chat(tokenizer, renderer, seed=4)
+    for _ in range(3):
+        chat.turn()
+    chat.check()
+    chat.messages[2]["tokens"][0] += 1  # the caller's own list, edited after the render
+    chat.check()
+
+
+def test_the_template_never_sees_a_messages_tokens(tokenizer):
+    class NoTokens:
+        def apply_chat_template(self, messages, **kwargs):
+            assert all("tokens" not in m for m in messages)
+            return tokenizer.apply_chat_template(messages, **kwargs)
+
+        def encode(self, text, add_special_tokens=False):
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    renderer = PromptRenderer(NoTokens())
+    chat = Chat(tokenizer, renderer, seed=5)
+    for _ in range(3):
+        chat.turn()
+    assert _has_run(chat.check(), chat.messages[-1]["tokens"])
 
 
 def test_interleaved_conversations_each_continue_from_their_own_render(tokenizer):
@@ -173,7 +223,7 @@ def test_a_template_that_rewrites_earlier_text_renders_from_scratch(tokenizer):
     for _ in range(5):
         chat.turn()
         # The last reply is found (its head ends with the marked user line) ...
-        last = renderer._replies[chat.messages[-1]["content"]]
+        last = chat.messages[-1]["tokens"]
         assert _has_run(chat.check(), last)
     # ... and after the next user line it is not, because its head changed.
     chat.messages.append({"role": "user", "content": "more"})
@@ -187,7 +237,7 @@ def _has_run(tokens, run) -> bool:
 def test_unhashable_messages_are_rendered_but_not_remembered(tokenizer):
     renderer = PromptRenderer(tokenizer)
     messages = [{"role": "user", "content": "hi", "extra": ["x"]}]
-    assert renderer.render(messages) == reference_render(tokenizer, {}, messages)
+    assert renderer.render(messages) == reference_render(tokenizer, messages)
     assert not renderer._rendered
 
 
@@ -209,7 +259,7 @@ def test_any_history_renders_as_from_scratch(tokenizer, actions, seed):
         if action == "turn":
             chat.turn()
         elif action == "forget":
-            chat.turn(remember=False)
+            chat.turn(tokens=False)
         elif action == "undo" and n >= 3:
             del chat.messages[-2:]
         elif action == "retry" and n >= 3:
@@ -220,3 +270,23 @@ def test_any_history_renders_as_from_scratch(tokenizer, actions, seed):
         elif action == "system":
             chat.messages[0] = {"role": "system", "content": chat.words(2)}
         chat.check()
+
+
+def test_replies_kept_by_text_fill_only_messages_without_tokens(tokenizer):
+    """A text-only caller (exokv.bench) keeps replies by their text; a message's own
+    tokens win, and without the memory nothing is filled."""
+    from exokv.prompt.render import RepliesByText
+
+    chat = Chat(tokenizer, PromptRenderer(tokenizer), seed=6)
+    for _ in range(3):
+        chat.turn()
+    want = chat.check()
+    bare = [{k: v for k, v in m.items() if k != "tokens"} for m in chat.messages]
+    renderer = PromptRenderer(tokenizer)
+    assert renderer.render(bare) != want and renderer.remembered() == []
+    renderer.by_text = RepliesByText()
+    for message in chat.messages:
+        if "tokens" in message:
+            renderer.by_text.remember(message["content"], message["tokens"])
+    assert renderer.render(bare) == want
+    assert renderer.render(chat.messages) == want

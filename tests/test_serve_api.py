@@ -108,19 +108,16 @@ def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> 
     from exokv.serve.run import _Recorder
     from exokv.state import Store
 
-    class Client(StubClient):
-        def reply_tokens(self, reply: str) -> list[int]:
-            return [len(reply), 1]
-
     with Store.open(tmp_path) as store:
-        hooks = StoreHooks(store, store.start_run("m", 1, [None]), "m", client=Client())
+        hooks = StoreHooks(store, store.start_run("m", 1, [None]), "m", client=StubClient())
         record = _Recorder(hooks)
         history = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
         for reply in ("one", "two"):
             request = TurnRequest(api.conversation_name(history), list(history))
             result = TurnResult(request.session, reply, 5, 0, 5, 2, 0.1, 1.0, 0.0, 1)
+            result.reply_tokens = [len(reply), 1]  # the result carries the reply's tokens
             record(SimpleNamespace(request=request, result=result, reply=reply))
-            assert not hooks._reply_tokens and not hooks._system  # nothing kept per session
+            assert not hooks._system  # nothing kept per session
             history += [
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": "more"},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnResult
+from exokv.core.records import CacheEvent, EntryInfo, RankStats, TurnRequest, TurnResult
 from exokv.errors import ExokvError
 from exokv.state import Store, caches_dir, db_path, register_chat, running_chats
 from exokv.state.schema import LATEST
@@ -463,28 +463,21 @@ def test_set_messages_keeps_a_replys_tokens_unless_told(store: Store) -> None:
 
 
 class TokenClient(StubClient):
-    """A client that keeps replies' token ids as the engine does (by reply text)."""
+    """A client whose results carry the reply's token ids, as the engine's do; it keeps
+    the requests it was sent (their replies carry the tokens, or nothing does)."""
 
     def __init__(self) -> None:
-        self.replies: dict[str, list[int]] = {}
-        self.remembered: list[tuple[str, list[int]]] = []
+        self.requests: list[TurnRequest] = []
         self.count = 0
 
     def turn(self, request, on_text=None, on_progress=None) -> TurnResult:
+        self.requests.append(request)
         self.count += 1
-        reply = f"reply {self.count}"
-        self.replies[reply] = [100 + self.count, self.count]
         return TurnResult(
-            session=request.session, reply=reply, prompt_tokens=10, cached_tokens=0,
-            prefilled_tokens=10, generated_tokens=2, ttft_s=0.01, decode_tps=10.0, overhead_s=0.0,
-            ranks=1,
+            session=request.session, reply=f"reply {self.count}", prompt_tokens=10,
+            cached_tokens=0, prefilled_tokens=10, generated_tokens=2, ttft_s=0.01,
+            decode_tps=10.0, overhead_s=0.0, ranks=1, reply_tokens=[100 + self.count, self.count],
         )  # fmt: skip
-
-    def reply_tokens(self, reply: str) -> list[int] | None:
-        return self.replies.get(reply)
-
-    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        self.remembered += pairs
 
 
 def test_chat_keeps_reply_tokens_in_the_store_and_gives_them_back_on_resume(
@@ -507,8 +500,17 @@ def test_chat_keeps_reply_tokens_in_the_store_and_gives_them_back_on_resume(
         client = TokenClient()
         hooks = StoreHooks(store, store.start_run(MODEL, 1, [None]), MODEL, client)
         chat = ChatController(client, TurnSettings(), "c", hooks=hooks)
-        assert client.remembered == expected
         assert [m["content"] for m in chat.current.messages] == ["one", "reply 1", "two", "reply 4"]
-        assert all("tokens" not in m for m in chat.current.messages)  # not sent to the model
+        # Each reply's message holds its tokens, and the next request carries them.
+        tokens = [m.get("tokens") for m in chat.current.messages]
+        assert tokens == [None, [101, 1], None, [104, 4]]
+        chat.handle("four")
+        sent = client.requests[-1].messages
+        assert [m.get("tokens") for m in sent if m["role"] == "assistant"] == [[101, 1], [104, 4]]
+        assert chat.current.messages[-1] == {
+            "role": "assistant",
+            "content": "reply 1",
+            "tokens": [101, 1],
+        }
         chat.handle("/undo")
-        assert store.load_reply_tokens("c") == expected[:1]
+        assert store.load_reply_tokens("c") == expected

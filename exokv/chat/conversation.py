@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from exokv.client import Client
+from exokv.client.stopwatch import FirstText
 from exokv.core.records import TurnRequest, TurnResult
+from exokv.prompt.render import with_reply_tokens
 
 COMMANDS = {
     "/help": "list the commands and keys",
@@ -67,11 +69,14 @@ def fresh_name(taken: Iterable[str]) -> str:
 
 @dataclass
 class Conversation:
+    """A session's messages. A reply's message keeps the exact tokens generated for it
+    (`tokens`, from its turn's result or the store) for every later request."""
+
     name: str
     system: str | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
-    def prompt(self) -> list[dict[str, str]]:
+    def prompt(self) -> list[dict[str, Any]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages
 
@@ -292,7 +297,7 @@ class ChatController:
         on_text: Callable[[str], None] | None,
         on_progress: Callable[[int, int], None] | None,
         command: str | None = None,
-        previous: dict[str, str] | None = None,
+        previous: dict[str, Any] | None = None,
         temp: float | None = None,
     ) -> Outcome:
         """Run a turn on the current conversation, which ends with the user's message.
@@ -311,22 +316,24 @@ class ChatController:
             pins=sorted(self.hooks.pins()),
             speculate=self.settings.speculate,
         )
+        shown = FirstText(on_text)  # the TTFT, from Enter (exokv.client.stopwatch)
         try:
-            result = self.client.turn(request, on_text=on_text, on_progress=on_progress)
+            result = shown.stamp(self.client.turn(request, on_text=shown, on_progress=on_progress))
         except BaseException:
             self._undo_attempt(conv, command, previous)
             raise
         if result.finish_reason == "interrupted" and not result.reply:
             self._undo_attempt(conv, command, previous)
             return Outcome(command, "stopped before the reply began; nothing kept")
-        conv.messages.append({"role": "assistant", "content": result.reply})
+        reply = {"role": "assistant", "content": result.reply}
+        conv.messages.append(with_reply_tokens(reply, result.reply_tokens))
         self.last_result = result
         self.hooks.turn_done(conv, result)
         return Outcome(command, result=result, turn=conv.turns)
 
     @staticmethod
     def _undo_attempt(
-        conv: Conversation, command: str | None, previous: dict[str, str] | None
+        conv: Conversation, command: str | None, previous: dict[str, Any] | None
     ) -> None:
         # The user line stays only when a reply was produced; /retry gets its old reply back.
         if previous is not None:

@@ -4,6 +4,11 @@
 starts ranks with mlx.launch and speaks to rank 0 over the channel. The REPL, script
 mode and one-shot prompts (through `ChatController`) and any other front end hold a
 `Client` from `make_client` and never need to know which one it is.
+
+A client remembers nothing about replies: each reply's exact tokens travel with its
+message (a request's assistant messages carry `tokens`; a result carries the reply's,
+`TurnResult.reply_tokens`), so ranks started again need nothing given back. Nor does
+it time the turn: the front end does, from Enter (exokv.client.stopwatch).
 """
 
 from __future__ import annotations
@@ -86,14 +91,6 @@ class Client(Protocol):
         """Each rank's cache budget in bytes (None: no budget)."""
         ...
 
-    def reply_tokens(self, reply: str) -> list[int] | None:
-        """The exact tokens generated for `reply`, if this client still knows them."""
-        ...
-
-    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        """Restore a resumed session's reply tokens (on every rank)."""
-        ...
-
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """Write the conversation's cached path to the disk tier (of every rank)."""
         ...
@@ -116,6 +113,7 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
     # One rank runs here unless a hostfile names its machine (a --hosts of one name
     # runs here too, as it always has).
     if opts.rank_count == 1 and (opts.hosts is None or opts.hosts.hostfile is None):
+        # The engine's modules import mlx-lm (seconds): only a chat that runs it here does.
         from exokv.client.local import LocalClient
         from exokv.rank.options import engine_options
 
@@ -124,10 +122,12 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
             draft_model=opts.draft_model,
             options=engine_options(RankOptions(opts), rank=0, layout="pipeline:1:even"),
         )
+    # Here, not at the top: these modules import `Client` from this one.
     from exokv.client.cluster import ClusterClient
     from exokv.client.heal import HealingClient
 
     if opts.draft_model is not None:  # before the ranks start: rank 0 loads it
+        # It imports mlx-lm (seconds): only with --draft-model.
         from exokv.rank.draft_model import check_names
 
         check_names(opts.model, opts.draft_model)

@@ -97,8 +97,8 @@ def _collect(
         i = row_of[message.id]
         outcomes[i] = message.outcome
         result = message.outcome.result
-        if result is not None and message.tokens:
-            client._keep_reply(result.reply, message.tokens)
+        if result is not None and message.tokens:  # the reply's exact tokens, as a turn's
+            result.reply_tokens = [int(t) for t in message.tokens]
         if on_row is not None:
             on_row(i, message.outcome)
     return [o for o in outcomes if o is not None]

@@ -21,7 +21,6 @@ database.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -39,8 +38,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from exokv.client import Client
-from exokv.client.stopwatch import FirstText
+from exokv.client.batch import cluster_turns
 from exokv.config import slow_texts_hook
 from exokv.core.options import ClusterOptions, KvQuant, RankOptions
 from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
@@ -48,13 +49,13 @@ from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.launch.command import (
     SCRATCH_PREFIX,
     LaunchPlan,
+    channel_addresses,
     check_reachable,
     make_scratch,
     plan_launch,
     rank_command,
 )
 from exokv.launch.supervise import Cause, Supervisor
-from exokv.prompt.render import MAX_REMEMBERED_REPLIES
 from exokv.wire import channel
 from exokv.wire.messages import (
     Draft,
@@ -66,7 +67,6 @@ from exokv.wire.messages import (
     Progress,
     RankFailed,
     Ready,
-    Remember,
     Report,
     Result,
     Save,
@@ -96,6 +96,21 @@ class ClusterClient(Client):
     ) -> None:
         self.opts = opts
         self._progress = progress  # start-up progress for the user (stderr on a terminal)
+        self._init_state()
+        _check_split(opts.split, opts.parallel, ranks=None)
+        seed = opts.seed if opts.seed is not None else random.randrange(2**31)
+        self.plan = self._plan(opts)
+        self.ranks = self.plan.ranks
+        self._supervisor = Supervisor(self.plan, HEARTBEAT_TIMEOUT, on_beat=self._startup_beat)
+        _check_split(opts.split, opts.parallel, ranks=self.ranks)
+        try:
+            self._launch(opts, seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_state(self) -> None:
+        """What the client keeps, before the ranks start: start-up, link, requests, drafts."""
         self._started = time.monotonic()
         self._up: set[int] = set()  # ranks whose first beat came
         self._loaded: set[int] = set()  # ranks that said their shard is loaded
@@ -118,21 +133,19 @@ class ClusterClient(Client):
         self._turn: int | None = None  # the number of the latest turn request
         self._rows: Any = None  # the batch in flight (exokv.client.batch.BatchRows)
         self._slow_texts = slow_texts_hook()  # tests only: a front end that lags
-        self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
         self._drafts_over = threading.Condition()
         self._draft_over = 0  # the latest draft rank 0 said gets no more steps
         self._draft_cost: DraftCost | None = None  # rank 0's word on the last draft step
-        split = opts.split
-        if split is not None and opts.parallel == "tensor":
-            raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
-        seed = opts.seed if opts.seed is not None else random.randrange(2**31)
+
+    def _plan(self, opts: ClusterOptions) -> LaunchPlan:
+        """The launch (exokv.launch.command), with its scratch folder made."""
         # The launcher's temporary files (a pid file and a hostfile per rank, made with
         # mktemp) go to a folder of ours, removed on close: nothing is left in /tmp.
         _sweep_scratch()
         self._scratch = make_scratch()
         try:
-            self.plan = plan_launch(
+            return plan_launch(
                 rank_command(),
                 ranks=opts.ranks,
                 hosts=opts.hosts,
@@ -143,22 +156,17 @@ class ClusterClient(Client):
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             raise
-        self.ranks = self.plan.ranks
-        self._supervisor = Supervisor(self.plan, HEARTBEAT_TIMEOUT, on_beat=self._startup_beat)
-        if split is not None and len(split) != self.ranks:
-            raise UsageError(f"--split has {len(split)} values for {self.ranks} ranks")
-        try:
-            if self.plan.local:
-                self._prepare_model(opts.model, split)
-            else:
-                check_reachable(self.plan)
-            self.plan.argv.append(self._rank_options(opts, seed).to_arg())
-            self._started = time.monotonic()
-            self._say(f"starting {self.ranks} ranks…")
-            self._start()
-        except BaseException:
-            self.close()
-            raise
+
+    def _launch(self, opts: ClusterOptions, seed: int) -> None:
+        """Check the model (here) or the hosts (elsewhere), then start the ranks."""
+        if self.plan.local:
+            self._prepare_model(opts.model, opts.split)
+        else:
+            check_reachable(self.plan)
+        self.plan.argv.append(self._rank_options(opts, seed).to_arg())
+        self._started = time.monotonic()
+        self._say(f"starting {self.ranks} ranks…")
+        self._start()
 
     # -- the client interface ---------------------------------------------------
 
@@ -172,9 +180,8 @@ class ClusterClient(Client):
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        shown = FirstText(on_text)  # from here: rank 0's draft step in flight counts
         with self._in_flight():
-            return shown.stamp(self._run_turn(request, shown, on_progress))
+            return self._run_turn(request, on_text, on_progress)
 
     def _run_turn(
         self,
@@ -200,12 +207,9 @@ class ClusterClient(Client):
                         message.message, tokens=message.tokens, context=message.context
                     )
                 elif isinstance(message, Result):
-                    result = message.result
-                    if message.tokens:
-                        self._keep_reply(result.reply, message.tokens)
                     if interrupted:
                         raise KeyboardInterrupt
-                    return result
+                    return message.result
             except KeyboardInterrupt:
                 if interrupted:
                     self.close(graceful=False)  # a second Ctrl-C: give up on the ranks
@@ -223,8 +227,6 @@ class ClusterClient(Client):
         on_row: Callable[[int, RowOutcome], None] | None = None,
         joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
-        from exokv.client.batch import cluster_turns
-
         return cluster_turns(self, requests, on_text, should_stop, on_row, joins)
 
     def stop_row(self, row: int) -> None:
@@ -286,21 +288,6 @@ class ClusterClient(Client):
             self._draft_over = max(self._draft_over, int(number) if number.isdigit() else 0)
             self._drafts_over.notify_all()
 
-    # -- replies' exact tokens (the engine renders earlier replies as generated) --------
-
-    def reply_tokens(self, reply: str) -> list[int] | None:
-        tokens = self._replies.get(reply)
-        return list(tokens) if tokens else None
-
-    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        """Restore a resumed session's reply tokens on every rank (rank 0 broadcasts them)."""
-        pairs = [(r, list(t)) for r, t in pairs]
-        if not pairs:
-            return
-        self._send(Remember(pairs))
-        for reply, tokens in pairs:
-            self._keep_reply(reply, tokens)
-
     # -- /save and resuming (exokv.rank.kvsave): every rank's disk tier --------------
 
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
@@ -331,12 +318,6 @@ class ClusterClient(Client):
         finally:
             with self._state:
                 self._busy -= 1
-
-    def _keep_reply(self, reply: str, tokens: list[int]) -> None:
-        self._replies[reply] = [int(t) for t in tokens]
-        self._replies.move_to_end(reply)
-        while len(self._replies) > MAX_REMEMBERED_REPLIES:
-            self._replies.popitem(last=False)
 
     def health(self) -> str | None:
         return self.failure  # no restarts: a failure ends the server
@@ -395,6 +376,7 @@ class ClusterClient(Client):
 
     def _prepare_model(self, name: str, split: list[int] | None) -> None:
         """Resolve (and for builtins, generate) the model once, before the ranks race to."""
+        # These import mlx (a builtin is generated with it): only for ranks on this machine.
         from exokv.model.families import check_parallel
         from exokv.model.resolve import resolve_model
 
@@ -440,8 +422,6 @@ class ClusterClient(Client):
     def _start(self) -> None:
         plan: LaunchPlan = self.plan
         self._server = channel.ChannelServer(plan.bind_host)
-        from exokv.launch.command import channel_addresses
-
         boot = {
             "addresses": channel_addresses(plan, self._server.port),
             "token": self._server.token,
@@ -630,11 +610,19 @@ def _about(message: Message) -> Any:
     return getattr(message, "id", None)
 
 
+def _check_split(split: list[int] | None, parallel: str, ranks: int | None) -> None:
+    """--split is for pipelines, one value per rank (`ranks`, once the launch is planned)."""
+    if split is None:
+        return
+    if parallel == "tensor":
+        raise UsageError("--split is for --parallel pipeline (tensor splits every layer)")
+    if ranks is not None and len(split) != ranks:
+        raise UsageError(f"--split has {len(split)} values for {ranks} ranks")
+
+
 def _sweep_scratch() -> None:
     """Remove the launcher folders of chats that were killed (the pid in the name is gone);
     their ranks remove them too when they can, but a killed front end cannot."""
-    import psutil
-
     for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
         pid = path.name[len(SCRATCH_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit():

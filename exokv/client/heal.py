@@ -3,8 +3,9 @@
 It runs turns on a ClusterClient; when the ranks fail (a rank exits, is killed or
 stops answering, which the ClusterClient finds out and ends what is left of them),
 it says so in one line, starts the ranks again with the same layout — at most
-`restarts` tries in a row, waiting 1, 2, 4 ... seconds between them — hands the new
-ranks every reply's exact tokens it knows, and runs the request in flight again.
+`restarts` tries in a row, waiting 1, 2, 4 ... seconds between them — and runs the
+request in flight again. The new ranks need nothing handed to them: each reply's
+exact tokens travel with its message in every request (exokv.prompt.render).
 The new ranks start warm from their disk tiers and journals (exokv.cache.journal),
 so the retried turn prefills only what the last finished turn had not cached. A
 start that fails every try (a host that cannot be reached) ends the chat as before.
@@ -17,7 +18,6 @@ ours and healed by the next request, instead of ending the chat.
 
 from __future__ import annotations
 
-import collections
 import signal
 import sys
 import threading
@@ -27,7 +27,6 @@ from functools import partial
 from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
-from exokv.client.stopwatch import FirstText
 from exokv.core.records import (
     CacheEvent,
     CacheFileReport,
@@ -38,7 +37,6 @@ from exokv.core.records import (
 )
 from exokv.errors import ExokvError
 from exokv.launch.supervise import Cause
-from exokv.prompt.render import MAX_REMEMBERED_REPLIES
 
 T = TypeVar("T")
 BACKOFF_S = 1.0  # the wait before the first restart; doubled for each next one
@@ -58,7 +56,6 @@ class HealingClient:
         self._say = say or (lambda text: print(f"exokv: {text}", file=sys.stderr, flush=True))
         self._inner = start()
         self.ranks = self._inner.ranks
-        self._replies: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._said: Cause | None = None  # the failure already said, once
         self._lock = threading.Lock()  # _said and _busy, between the notifier and main
         self._busy = False  # a request is in flight: it says and heals a failure itself
@@ -82,15 +79,13 @@ class HealingClient:
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        timed = FirstText(on_text)  # a restart before the first text counts in the TTFT
-        shown = ShownOnce(timed)
+        shown = ShownOnce(on_text)
 
         def run(inner: ClusterClient) -> TurnResult:
             shown.rerun()
             return inner.turn(request, shown, on_progress)
 
-        result = timed.stamp(self._healing(run))
-        self._keep_reply_of(result)
+        result = self._healing(run)
         for why in self._restarted:  # shown with the turn and kept with its events
             result.events.insert(0, _restart_event(why, result.decision, result.ranks))
         self._restarted = []
@@ -132,16 +127,7 @@ class HealingClient:
                 list(requests), relay, should_stop, answer, joined if joins else None
             )
 
-        outcomes = self._healing(run)
-        for outcome in outcomes:
-            self._keep_reply_of(outcome.result)
-        return outcomes
-
-    def _keep_reply_of(self, result: TurnResult | None) -> None:
-        # The ranks a later restart starts know nothing of this reply's exact tokens.
-        tokens = self._inner.reply_tokens(result.reply) if result else None
-        if result and tokens:
-            self._keep(result.reply, tokens)
+        return self._healing(run)
 
     def stop(self) -> None:
         self._inner.stop()
@@ -166,14 +152,6 @@ class HealingClient:
 
     def draft_cost(self, session: str) -> DraftCost | None:
         return self._inner.draft_cost(session)
-
-    def reply_tokens(self, reply: str) -> list[int] | None:
-        return self._inner.reply_tokens(reply) or self._replies.get(reply)
-
-    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        for reply, tokens in pairs:
-            self._keep(reply, list(tokens))
-        self._healing(lambda c: c.remember_replies(pairs))
 
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         return self._healing(lambda c: c.save_cache(session, messages))
@@ -242,8 +220,6 @@ class HealingClient:
                 continue
             self._inner, self._said = inner, None
             self._quiet_watcher()
-            if self._replies:
-                inner.remember_replies(list(self._replies.items()))
             self._restarted.append(f"{cause.text}; ranks started again (try {attempt + 1})")
             return
         tries = f"{self.restarts} tr{'y' if self.restarts == 1 else 'ies'}"
@@ -274,12 +250,6 @@ class HealingClient:
                     self._say(str(err))
                 return
             time.sleep(0.25)
-
-    def _keep(self, reply: str, tokens: list[int]) -> None:
-        self._replies[reply] = [int(t) for t in tokens]
-        self._replies.move_to_end(reply)
-        while len(self._replies) > MAX_REMEMBERED_REPLIES:
-            self._replies.popitem(last=False)
 
 
 class ShownOnce:

@@ -1,4 +1,8 @@
-"""LocalClient: the engine in this process, one rank."""
+"""LocalClient: the engine in this process, one rank.
+
+Its module imports the engine (mlx, mlx-lm) at the top: `make_client` imports it only
+for a chat that runs the model here.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,21 @@ import sys
 import threading
 from collections.abc import Callable
 
+import mlx.core as mx
+
 from exokv.client import Client
-from exokv.client.stopwatch import FirstText
 from exokv.client.typeahead import DraftRunner
 from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.model.resolve import load_model
 from exokv.rank import kvsave
+from exokv.rank.batch import run_batch
+from exokv.rank.draft_model import load_draft
 from exokv.rank.engine import Engine, EngineOptions
 
 
 def forget_thread() -> None:
     """Free what MLX keeps for the calling thread (its streams and compile cache): a
     thread that ran the model calls this before it ends (exokv.client.typeahead)."""
-    import mlx.core as mx
-
     clear = getattr(mx, "clear_streams", None)  # mlx 0.32 and later
     if clear is not None:
         clear()
@@ -30,15 +36,12 @@ class LocalClient(Client):
     def __init__(
         self, model_name: str, options: EngineOptions, draft_model: str | None = None
     ) -> None:
-        from exokv.model.resolve import load_model
-
         model, tokenizer = load_model(model_name)
         draft = None
         if draft_model is not None:
-            from exokv.rank.draft_model import load_draft
-
             draft = load_draft(draft_model, tokenizer)
-        self.engine = Engine(model, tokenizer, options=options, draft=draft)
+        # The messages carry replies' tokens (exokv.prompt.render): nothing kept by text.
+        self.engine = Engine(model, tokenizer, options=options, draft=draft, replies_by_text=False)
         if self.engine.template.note:  # a fallback template: said once, as the ranks' is
             print(f"exokv: {self.engine.template.note}", file=sys.stderr, flush=True)
         self.ranks = 1
@@ -52,12 +55,10 @@ class LocalClient(Client):
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        shown = FirstText(on_text)  # from here: the wait for the draft step in flight counts
         self._stop.clear()
         self._drafts.cancel()  # the step in flight finishes (and is used), no more after it
         with self._engine_lock:
-            result = self.engine.turn(request, shown, on_progress, should_stop=self._stop.is_set)
-        return shown.stamp(result)
+            return self.engine.turn(request, on_text, on_progress, should_stop=self._stop.is_set)
 
     def draft(
         self, session: str, messages: list[dict[str, str]], text: str, wait: bool = False
@@ -79,10 +80,19 @@ class LocalClient(Client):
         on_row: Callable[[int, RowOutcome], None] | None = None,
         joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
-        from exokv.rank.batch import run_batch
+        engine = self.engine
+
+        def ended(row: int, outcome: RowOutcome) -> None:
+            # A batched row's result comes without the reply's tokens: the engine has
+            # them as the reply generated last, until the next row ends (as on a rank).
+            result = outcome.result
+            if result is not None and not result.reply_tokens:
+                result.reply_tokens = engine.reply_tokens(result.reply) or []
+            if on_row is not None:
+                on_row(row, outcome)
 
         return run_batch(
-            self.engine, requests, on_text, should_stop=should_stop, on_row=on_row, joins=joins
+            engine, requests, on_text, should_stop=should_stop, on_row=ended, joins=joins
         )
 
     def stop(self) -> None:
@@ -98,15 +108,6 @@ class LocalClient(Client):
     @property
     def budgets(self) -> list[int | None]:
         return [self.engine.budget]
-
-    # -- replies' exact tokens (Engine.render shows the model what it generated) ------
-
-    def reply_tokens(self, reply: str) -> list[int] | None:
-        return self.engine.reply_tokens(reply)
-
-    def remember_replies(self, pairs: list[tuple[str, list[int]]]) -> None:
-        with self._engine_lock:
-            self.engine.remember_replies(pairs)
 
     # -- /save and resuming (exokv.rank.kvsave): the disk tier ----------------------
 

@@ -3,8 +3,10 @@ first text handed to the front end.
 
 The engine's own clock starts when the turn reaches it, after whatever ran before: the
 typeahead step in flight (which Enter waits for), the trip to rank 0, the ranks started
-again after a failure. A user waits for all of it, so the client that takes the request
-times it, and the outermost client's stopwatch is the one the result keeps.
+again after a failure. A user waits for all of it, so the turn is timed once, where the
+front end hands it to its client: `ChatController` for the chat (the REPL, scripts, a
+one-shot prompt), `RepliesFromStore` for the server (exokv.serve.replies). No client
+times it (a HealingClient's restart is inside the front end's stopwatch).
 """
 
 from __future__ import annotations

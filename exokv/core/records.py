@@ -17,10 +17,12 @@ def _from_dict(cls: type, data: dict[str, Any]) -> Any:
 
 @dataclass
 class TurnRequest:
-    """One user turn: the whole conversation so far, rendered by every rank alike."""
+    """One user turn: the whole conversation so far, rendered by every rank alike. An
+    assistant message may carry `tokens`, the exact token ids generated for it
+    (exokv.prompt.render): the ranks render it as those, and remember nothing."""
 
     session: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     max_tokens: int = 256
     temp: float = 0.0
     seed: int | None = None
@@ -152,6 +154,9 @@ class TurnResult:
     accepted_tokens: int = 0  # of those, the reply's (each saved a forward pass)
     model_draft_tokens: int = 0  # of draft_tokens, those --draft-model proposed
     speculation: str = ""  # why the turn decoded without drafts ("off", or its cache's kind)
+    # The reply's exact token ids (no end of turn): what its message carries from now on
+    # (exokv.prompt.render). Not shown: the front ends' JSON names the fields it shows.
+    reply_tokens: list[int] = field(default_factory=list)
 
     @property
     def evictions(self) -> int:

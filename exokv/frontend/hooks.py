@@ -3,10 +3,11 @@
 Every finished turn is one `Store.record_turn` transaction (the messages after the
 turn with the replies' exact token ids, the turn's numbers, its cache events, entries
 and memory samples), so a crash loses at most the turn in progress. Sessions are
-loaded from the store when opened, with their replies' tokens given back to the
-client. KV is kept on disk by the disk tier alone (`exokv.rank.kvsave`): `/save` and
-quitting write the current session's cached path to every rank's tier, and a resumed
-session's next turn loads what the restored tree holds of it.
+loaded from the store when opened, each reply's message with its tokens, which every
+later request carries to the ranks (exokv.prompt.render). KV is kept on disk by the
+disk tier alone (`exokv.rank.kvsave`): `/save` and quitting write the current
+session's cached path to every rank's tier, and a resumed session's next turn loads
+what the restored tree holds of it.
 
 Messages for the user go through `attach(warn, note)`: until a front end attaches,
 they are buffered, so a warning raised while the first session is opened is shown
@@ -23,6 +24,7 @@ from exokv.chat.conversation import ChatController, ChatHooks, Conversation, plu
 from exokv.client import Client
 from exokv.core.records import CacheEvent, CacheFileReport, RankStats, TurnResult
 from exokv.core.sizes import format_size
+from exokv.prompt.render import with_reply_tokens
 from exokv.state import queries
 from exokv.state.locks import SessionLocks
 from exokv.state.store import Store
@@ -61,7 +63,6 @@ class StoreHooks(ChatHooks):
         self._buffer: list[tuple[str, str]] = []
         self._warn: Callable[[str], None] | None = None
         self._note: Callable[[str], None] | None = None
-        self._reply_tokens: dict[str, dict[str, list[int]]] = {}  # session -> reply -> tokens
         # session -> the context (prompt + reply tokens) after each exchange of this run,
         # so /sessions is right after /undo; None where not known (before a resume)
         self._context: dict[str, list[int | None]] = {}
@@ -97,10 +98,10 @@ class StoreHooks(ChatHooks):
         if name not in self.store.session_names():
             return None
         system = self.store.get_system(name) or None
-        conv = Conversation(name=name, system=system, messages=self.store.load_messages(name))
+        # Each reply with the exact tokens generated for it, as the next turn renders it.
+        messages = self.store.load_messages(name, with_tokens=True)
         self._system[name] = system
-        self._restore_replies(conv)
-        return conv
+        return Conversation(name=name, system=system, messages=messages)
 
     def opened(self, conv: Conversation, announce: bool = True) -> str | None:
         if conv.name not in self._system:
@@ -156,18 +157,18 @@ class StoreHooks(ChatHooks):
         if conv.name not in self._system and conv.name not in self._options_written:
             return  # not stored yet: its first turn writes it, system prompt included
         self._sync_system(conv)
-        self.store.set_messages(conv.name, self._with_tokens(conv))
+        # A reply without tokens keeps those stored for it (Store.set_messages).
+        self.store.set_messages(conv.name, conv.messages)
         self._dirty.add(conv.name)
 
     def turn_done(self, conv: Conversation, result: TurnResult) -> None:
-        self._keep_reply_tokens(conv, result.reply)
+        _carry_reply_tokens(conv, result)
         context = self._context.setdefault(conv.name, [])
         del context[max(conv.turns - 1, 0) :]  # a /retry replaces the last exchange's
         context.extend([None] * (max(conv.turns - 1, 0) - len(context)))
         context.append(result.prompt_tokens + result.generated_tokens)
         self._sync_system(conv)
-        messages = self._with_tokens(conv)
-        self.store.record_turn(self.run_id, conv.name, messages, result, self.model)
+        self.store.record_turn(self.run_id, conv.name, conv.messages, result, self.model)
         if conv.name not in self._options_written:
             # The session's first turn created it: it remembers this run's settings.
             self.store.set_session_options(conv.name, self.max_kv_size, self.chat_template)
@@ -181,44 +182,8 @@ class StoreHooks(ChatHooks):
         sees each API conversation once per call and would otherwise keep them all."""
         self._system.pop(name, None)
         self._dirty.discard(name)
-        self._reply_tokens.pop(name, None)
         self._context.pop(name, None)
         self._options_written.discard(name)
-
-    # -- replies' exact tokens ----------------------------------------------------------
-    #
-    # The engine shows the model each earlier reply as the tokens it generated (decoding
-    # and encoding again may give others), in memory. They are stored with the assistant
-    # messages, in the same transaction as the turn, so a resumed session renders exactly
-    # as it did: same replies, same cache hits.
-
-    def _restore_replies(self, conv: Conversation) -> None:
-        pairs = self.store.load_reply_tokens(conv.name)
-        self._reply_tokens[conv.name] = dict(pairs)
-        if self.client is not None and pairs:
-            self.client.remember_replies(pairs)
-
-    def _keep_reply_tokens(self, conv: Conversation, reply: str) -> None:
-        tokens = self.client.reply_tokens(reply) if self.client is not None else None
-        if tokens:
-            self._reply_tokens.setdefault(conv.name, {})[reply] = list(tokens)
-
-    def _with_tokens(self, conv: Conversation) -> list[dict[str, Any]]:
-        """The messages to store: assistant replies with their token ids where known.
-
-        A reply whose tokens are not known here goes without the key, and the store
-        keeps what it had for that reply. Only the conversation's replies stay known.
-        """
-        known = self._reply_tokens.get(conv.name, {})
-        replies = {m["content"] for m in conv.messages if m["role"] == "assistant"}
-        known = {r: t for r, t in known.items() if r in replies}
-        self._reply_tokens[conv.name] = known
-        return [
-            {**m, "tokens": known[m["content"]]}
-            if m["role"] == "assistant" and m["content"] in known
-            else m
-            for m in conv.messages
-        ]
 
     # -- the tables of /sessions, /stats, /evictions ---------------------------------------
 
@@ -323,6 +288,15 @@ class StoreHooks(ChatHooks):
             self.warn(describe_save(conv.name, report))
         elif report.tokens:
             self.note(describe_save(conv.name, report))
+
+
+def _carry_reply_tokens(conv: Conversation, result: TurnResult) -> None:
+    """The turn's reply, the conversation's last message, with its exact tokens: the
+    chat's has them already; a server's conversation is rebuilt from the request."""
+    last = conv.messages[-1] if conv.messages else None
+    if last is not None and last["role"] == "assistant" and last["content"] == result.reply:
+        if "tokens" not in last:
+            conv.messages[-1] = with_reply_tokens(last, result.reply_tokens)
 
 
 def describe_save(session: str, report: CacheFileReport) -> str:

@@ -20,17 +20,23 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from transformers.utils import logging as hf_logging
 
 from exokv.cache import kinds, memory
 from exokv.cache.coordinate import Coordinator, agree_classes
+from exokv.cache.disk import DiskStore
+from exokv.cache.disk_tier import DiskTier
 from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
+from exokv.cache.tier_options import kv_group_misfit
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD, drafts_hook, slow_prefill_hook
 from exokv.core.records import (
@@ -41,16 +47,16 @@ from exokv.core.records import (
     TurnRequest,
     TurnResult,
 )
-from exokv.errors import PromptTooLong
+from exokv.errors import PromptTooLong, UsageError
 from exokv.model import pipeline, templates
 from exokv.prompt.markers import Marked
-from exokv.prompt.render import MAX_REMEMBERED_REPLIES as MAX_REMEMBERED_REPLIES  # re-exported
-from exokv.prompt.render import PromptRenderer
+from exokv.prompt.render import PromptRenderer, RepliesByText
 from exokv.rank import speculate, typeahead
 from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
 from exokv.rank.pace import Pace
 from exokv.rank.speculate import STOP_CHECK_EVERY, Decoded, ReplyText, StepAgreement
 from exokv.rank.stops import TextStops
+from exokv.state.locks import LockHeld
 
 PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the largest
 
@@ -58,10 +64,6 @@ PREFILL_STEP = 512  # a prefill step when nothing sizes it (the bench), and the 
 def _quiet_tokenizer_warnings() -> None:
     # transformers warns on stderr about a prompt over its maximum length; exokv
     # refuses such a prompt itself (PromptTooLong), in one line.
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
     hf_logging.set_verbosity_error()
 
 
@@ -92,8 +94,11 @@ class Engine:
         group: Group | None = None,
         options: EngineOptions | None = None,
         draft: Any = None,
+        replies_by_text: bool = True,
     ) -> None:
-        """`draft`: rank 0's draft model (exokv.rank.draft_model.DraftModel), or None."""
+        """`draft`: rank 0's draft model (exokv.rank.draft_model.DraftModel), or None.
+        `replies_by_text`: keep replies' exact tokens by their text for messages that
+        carry none (see `reply_tokens`); False on a rank, whose messages carry them."""
         self.model = model
         self.draft = draft
         self.tokenizer = tokenizer
@@ -103,6 +108,8 @@ class Engine:
         # exokv.prompt.markers: raw prompts and tools ride in the messages
         self.prompt = PromptRenderer(Marked(tokenizer), self.template.text)
         self._eos = set(tokenizer.eos_token_ids)
+        self.prompt.by_text = RepliesByText() if replies_by_text else None
+        self._last_reply: tuple[str, list[int]] = ("", [])  # the reply generated last
         # Stop sequences: the template's (a base model's next "User:") and the model's own.
         self.stops = tuple(dict.fromkeys(self.template.stops + tuple(self.options.stops)))
         self.decision = 0
@@ -143,9 +150,6 @@ class Engine:
         except ValueError as err:
             if not self.options.kv_bits:
                 raise
-            from exokv.cache.tier_options import kv_group_misfit
-            from exokv.errors import UsageError
-
             o = self.options
             why = kv_group_misfit(self.model, o.kv_bits, o.kv_group_size, str(err))
             raise UsageError(why) from None
@@ -171,12 +175,6 @@ class Engine:
 
     def _start_tier(self) -> None:
         """Open this rank's disk tier; every rank has one or none (one gather agrees)."""
-        from pathlib import Path
-
-        from exokv.cache.disk import DiskStore
-        from exokv.cache.disk_tier import DiskTier
-        from exokv.state.locks import LockHeld
-
         store, why = None, ""
         try:
             store = DiskStore(Path(self.options.disk_dir))
@@ -214,13 +212,18 @@ class Engine:
 
     # -- the turn ---------------------------------------------------------------
 
-    def render(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The prompt's tokens, with each earlier reply as the exact tokens generated
-        (exokv.prompt.render). Used with and without the cache alike, so replies stay the same."""
+    def render(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The prompt's tokens, with each earlier reply as the exact tokens its message
+        carries (exokv.prompt.render). Used with and without the cache alike, so replies
+        stay the same."""
         return self.prompt.render(messages)
 
     def _remember_reply(self, reply: str, generated: list[int]) -> None:
-        self.prompt.remember_reply(reply, [t for t in generated if t not in self._eos])
+        """The reply just generated, for `reply_tokens` (its result carries it too)."""
+        tokens = [int(t) for t in generated if t not in self._eos]
+        self._last_reply = (reply, tokens)
+        if self.prompt.by_text is not None:
+            self.prompt.by_text.remember(reply, tokens)
 
     def turn(
         self,
@@ -397,6 +400,7 @@ class Engine:
             accepted_tokens=out.accepted,
             model_draft_tokens=out.model_drafted,
             speculation=self.speculation,
+            reply_tokens=[int(t) for t in out.spelled if t not in self._eos],
         )
 
     def draft_step_tokens(self) -> int:
@@ -478,14 +482,23 @@ class Engine:
     ) -> tuple[list[Node], list[Node]]:
         return self.coord.store(tokens, cache, length, session, self.decision, events)
 
-    # -- replies' exact tokens (a resumed session renders as before) -----------
+    # -- replies' exact tokens by their text, for callers whose messages carry none ----
+    #
+    # The front ends' messages carry each reply's tokens (TurnRequest), so a rank and a
+    # LocalClient keep none of this (replies_by_text=False). An Engine used directly,
+    # with text-only conversations (exokv.bench, tests), still has replies found by
+    # their text. exokv.rank.batch reads a row's tokens back with `reply_tokens` right
+    # after `_remember_reply`: the reply generated last, kept on a rank too.
 
     def reply_tokens(self, reply: str) -> list[int] | None:
-        """The exact tokens `render` uses for an earlier reply, if remembered."""
-        return self.prompt.reply_tokens(reply)
+        """The exact tokens generated for `reply`: the last reply's, or one kept by text."""
+        last, tokens = self._last_reply
+        if reply == last and tokens:
+            return list(tokens)
+        return self.prompt.by_text.get(reply) if self.prompt.by_text is not None else None
 
     def remember_replies(self, pairs: Sequence[tuple[str, Sequence[int]]]) -> None:
-        """Restore replies' exact tokens (a resumed session), so `render` is as before."""
+        """Keep replies' exact tokens by their text (a text-only conversation resumed)."""
         for reply, tokens in pairs:
             self._remember_reply(reply, list(tokens))
 
@@ -753,6 +766,4 @@ def decode(
 
 
 def _flat_params(model: Any) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
-
     return tree_flatten(model.parameters())

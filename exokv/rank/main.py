@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from exokv.config import TEST_FAIL_AT, fail_at_hook, rank_log_enabled
+from exokv.config import TEST_FAIL_AT, exokv_home, fail_at_hook, rank_log_enabled
 from exokv.core.options import RankOptions
 from exokv.core.records import CacheFileReport
 from exokv.errors import ExokvError, PromptTooLong
 from exokv.launch.command import remove_scratch
 from exokv.launch.watcher import alive
+from exokv.rank import kvsave
 from exokv.rank.boot import (
     HEARTBEAT_S,
     beat_loaded,
@@ -62,7 +63,6 @@ from exokv.wire.messages import (
     Message,
     Progress,
     Ready,
-    Remember,
     Report,
     RequestId,
     Result,
@@ -172,6 +172,7 @@ def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: lis
     Pipeline: mlx-lm's own pipeline where the family has one, else exokv's generic
     one (exokv/model/pipeline.py). Tensor: mlx-lm's ``shard()``.
     """
+    # mlx-lm and the model's files: after the heartbeat has started (see `Rank.run`).
     from exokv.model.loading import load_checkpoint
     from exokv.model.resolve import resolve_model
 
@@ -254,8 +255,6 @@ class Rank:
         self.flow = TextFlow(link.send) if link is not None else None
         self.log_path: Path | None = None
         if rank_log_enabled():
-            from exokv.config import exokv_home
-
             self.log_path = exokv_home() / "ranks" / f"rank-{self.rank}.jsonl"
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # What each message rank 0 broadcasts does on every rank; False ends the loop.
@@ -263,7 +262,6 @@ class Rank:
             Turn: self._on_turn,
             Batch: self._on_batch,
             Draft: self._on_draft,
-            Remember: self._on_remember,
             Save: self._on_save,
             Held: self._on_held,
             Shutdown: self._on_shutdown,
@@ -282,6 +280,7 @@ class Rank:
             threading.Thread(target=self._heartbeat, daemon=True).start()
             threading.Thread(target=self._read_channel, daemon=True).start()
             self.link.send(Status("loading the model"))
+        # The engine imports mlx-lm: only now, with the heartbeat and the channel running.
         from exokv.rank.engine import Engine
         from exokv.rank.options import engine_options
 
@@ -293,7 +292,7 @@ class Rank:
         group = CountingGroup(MlxGroup(self.world))
         draft = None
         if cluster.draft_model is not None and self.rank == 0:  # its drafts go with each step
-            from exokv.rank.draft_model import load_draft
+            from exokv.rank.draft_model import load_draft  # mlx-lm, as the engine above
 
             draft = load_draft(cluster.draft_model, tokenizer)
         engine = Engine(
@@ -302,6 +301,7 @@ class Rank:
             group=group,
             draft=draft,
             options=engine_options(self.options, self.rank, self._layout()),
+            replies_by_text=False,  # the messages carry replies' tokens: nothing to keep
         )
         inject_failure(engine, self.rank, fail_at_hook())
         self.engine, self.group = engine, group
@@ -327,12 +327,6 @@ class Rank:
 
     # -- the messages every rank runs --------------------------------------------
 
-    def _on_remember(self, message: Remember) -> bool:
-        # A resumed session's replies as the exact tokens once generated: every rank
-        # must render them alike, so this travels like a turn.
-        self.engine.remember_replies(message.pairs)
-        return True
-
     def _on_draft(self, message: Draft) -> bool:
         """A step of prefill ahead of Enter (exokv.rank.typeahead)."""
         left = self.engine.typeahead_step(
@@ -357,7 +351,7 @@ class Rank:
 
     def _on_batch(self, message: Batch) -> bool:
         """Several requests decoded together (exokv.rank.batch)."""
-        from exokv.rank.batch import answer_batch
+        from exokv.rank.batch import answer_batch  # mlx-lm: not before the heartbeat (`run`)
 
         box = self.joins if self.rank == 0 else None
         answer_batch(self.engine, message, self.link, self.stopped_rows, self.flow, box)
@@ -391,7 +385,7 @@ class Rank:
         if self.flow is not None:
             self.flow.flush()  # the reply's last text comes before its result
         if self.link is not None:
-            self.link.send(Result(self.current, result, engine.reply_tokens(result.reply)))
+            self.link.send(Result(self.current, result))
         if self.log_path is not None:
             # The broadcast's time is mostly waiting for the user's next line: left out.
             gather_s = group.seconds["gather"] - self._before_s["gather"]
@@ -418,7 +412,6 @@ class Rank:
     def _save(self, engine: Any, group: Any, message: Save) -> CacheFileReport:
         """Every rank writes its shard of the conversation's path; a write that failed on
         any rank (a full disk) makes the save fail on all of them."""
-        from exokv.rank import kvsave
 
         report = kvsave.save_session(engine, message.session, message.messages)
         tier = engine.coord.tier
@@ -435,7 +428,6 @@ class Rank:
     def _held(self, engine: Any, group: Any, message: Held) -> CacheFileReport:
         """A resumed session: how much of it the restored tree holds (the same on every
         rank: the tree is); its next turn loads that from disk."""
-        from exokv.rank import kvsave
 
         return kvsave.on_disk(engine, message.session, message.messages)
 

@@ -5,39 +5,41 @@ while a batch decodes, so the front end renders the request itself: the same
 tokenizer files the ranks load (exokv.model.loading), the same template they settle
 on (exokv.model.templates, from the same --chat-template spec), the same renderer
 (exokv.prompt.render over exokv.prompt.markers's marker messages, which say tools and raw
-prompts), and each echoed reply as the tokens generated where the client or the
-store knows them (exokv.serve.replies), as the turn would render it.
+prompts), and each echoed reply as the tokens the store keeps for it, given to the
+request's messages as the turn's are (exokv.serve.replies).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from exokv.core.records import TurnRequest
+from exokv.model import templates
+from exokv.prompt.markers import Marked
+from exokv.prompt.render import PromptRenderer
 from exokv.serve.errors import ApiError
+from exokv.serve.tools import model_files
 
-Pairs = Callable[[TurnRequest], list[tuple[str, list[int]]]]
+Messages = Callable[[TurnRequest], list[dict[str, Any]]]
 
 
 class FrontRender:
     """The renderer of model `name`'s prompts under template `spec`, loaded on first use;
-    `replies(request)`: the exact tokens of the request's replies known (reply, tokens)."""
+    `replies(request)`: the request's messages, each reply with the tokens known for it."""
 
-    def __init__(self, name: str, spec: str | None, replies: Pairs) -> None:
+    def __init__(self, name: str, spec: str | None, replies: Messages) -> None:
         self.name = name
         self.spec = spec
         self.replies = replies
-        self._lock = threading.Lock()  # one render at a time: the renderer remembers
+        self._lock = threading.Lock()  # one render at a time: the renderer keeps renders
         self._renderer: Any = None
 
     def _load(self) -> Any:
-        from exokv.model import templates
+        # exokv.model.loading imports mlx (and the tokenizer transformers): seconds the
+        # server's start must not pay; only a count loads them.
         from exokv.model.loading import load_tokenizer
-        from exokv.prompt.markers import Marked
-        from exokv.prompt.render import PromptRenderer
-        from exokv.serve.tools import model_files
 
         try:
             tokenizer, config = load_tokenizer(model_files(self.name))
@@ -55,14 +57,7 @@ class FrontRender:
         with self._lock:
             if self._renderer is None:
                 self._renderer = self._load()
-            for reply, tokens in self.replies(request):
-                self._renderer.remember_reply(reply, tokens)
-            return self._renderer.render(request.messages)
+            return self._renderer.render(self.replies(request))
 
     def count(self, request: TurnRequest) -> int:
         return len(self.tokens(request))
-
-
-def assistant_replies(messages: Sequence[dict[str, Any]]) -> set[str]:
-    """The texts of a conversation's replies (what may have exact tokens)."""
-    return {m["content"] for m in messages if m["role"] == "assistant" and m.get("content")}

@@ -1,28 +1,33 @@
-"""The replies' exact tokens a restarted server gives back to its ranks.
+"""The one place the server gives a request's replies their exact tokens: the store's.
 
-A client resends the whole conversation with each call, so the server renders each
-earlier reply from its text; the ranks render it as the tokens they generated while
-they remember them (exokv.prompt.render), and the store keeps those tokens with every
-assistant message it records (messages.tokens, as for the chat). A server started
-again knows none of them: re-encoding the text can give other tokens, the disk
-tier's entry for the conversation is missed from the reply on, and the reply at
-temperature 0 changes. So before a request runs, the assistant messages the ranks
-do not know are looked up in its conversation's stored session and handed to them,
-in the worker thread, as the chat does when it resumes a session.
+A client resends the whole conversation with each call, text only. The ranks render
+each earlier reply as the tokens its message carries (exokv.prompt.render), and remember
+nothing; re-encoding the text can give other tokens, which would miss the cache from
+the reply on and change the reply at temperature 0. The store keeps those tokens with
+every assistant message it records (messages.tokens, as for the chat). So before a
+request runs, each of its replies that carries no tokens is given those stored for the
+same text in its conversation's session (in the worker thread), and the request goes
+on with them: the same prompt as the chat's, after a restart of the server or its
+ranks alike. The turn is timed here too, from the request's hand-over
+(exokv.client.stopwatch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from exokv.client.stopwatch import FirstText
 from exokv.core.records import RowOutcome, TurnRequest, TurnResult
-from exokv.serve.prompts import assistant_replies
+from exokv.prompt.render import with_reply_tokens
+
+Message = dict[str, Any]
 
 
 class RepliesFromStore:
-    """A client that, before each turn, restores the stored tokens of the request's
-    replies it does not know. `stored(session)`: (reply, tokens) pairs of a session."""
+    """A client whose requests' replies carry the tokens the store keeps for them.
+    `stored(session)`: (reply, tokens) pairs of a session."""
 
     def __init__(self, inner: Any, stored: Callable[[str], list[tuple[str, list[int]]]]) -> None:
         self._inner = inner
@@ -31,31 +36,23 @@ class RepliesFromStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def _unknown(self, request: TurnRequest) -> list[tuple[str, list[int]]]:
-        """The stored tokens of the request's replies the ranks do not know."""
-        unknown = {
-            r for r in assistant_replies(request.messages) if self._inner.reply_tokens(r) is None
-        }
-        if not unknown:
-            return []
-        return [(r, t) for r, t in self._stored(request.session) if r in unknown]
+    def with_tokens(self, request: TurnRequest) -> TurnRequest:
+        """`request`, its replies without tokens given the stored ones for their text."""
+        wanted = _bare_replies(request.messages)
+        if not wanted:
+            return request
+        stored = {r: t for r, t in self._stored(request.session) if r in wanted}
+        if not stored:
+            return request
+        messages = [
+            with_reply_tokens(m, stored.get(m["content"])) if _is_bare_reply(m) else m
+            for m in request.messages
+        ]
+        return dataclasses.replace(request, messages=messages)
 
-    def known(self, request: TurnRequest) -> list[tuple[str, list[int]]]:
-        """The exact tokens of every reply of the request known here: the ranks' (as the
-        client keeps them), else the store's; what the turn would render them as."""
-        pairs = []
-        for reply in assistant_replies(request.messages):
-            tokens = self._inner.reply_tokens(reply)
-            if tokens is not None:
-                pairs.append((reply, tokens))
-        return pairs + self._unknown(request)
-
-    def restore(self, requests: list[TurnRequest]) -> int:
-        """Give the ranks the stored tokens of the requests' unknown replies; how many."""
-        pairs = [pair for request in requests for pair in self._unknown(request)]
-        if pairs:
-            self._inner.remember_replies(pairs)
-        return len(pairs)
+    def known(self, request: TurnRequest) -> list[Message]:
+        """The request's messages as its turn would render them (exokv.serve.prompts)."""
+        return self.with_tokens(request).messages
 
     def turn(
         self,
@@ -63,8 +60,9 @@ class RepliesFromStore:
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
-        self.restore([request])
-        return self._inner.turn(request, on_text=on_text, on_progress=on_progress)
+        shown = FirstText(on_text)  # the TTFT, from the request's hand-over
+        result = self._inner.turn(self.with_tokens(request), on_text=shown, on_progress=on_progress)
+        return shown.stamp(result)
 
     def turns(
         self,
@@ -74,9 +72,30 @@ class RepliesFromStore:
         on_row: Callable[[int, RowOutcome], None] | None = None,
         joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
-        # Requests that join the batch while it runs are not restored: the ranks take
-        # no other message mid-batch. Their echoed replies are rendered from the text.
-        self.restore(requests)
+        joined = None
+        if joins is not None:  # requests that join the batch in flight get theirs too
+
+            def joined() -> list[TurnRequest]:
+                return [self.with_tokens(r) for r in joins()]
+
         return self._inner.turns(
-            requests, on_text=on_text, should_stop=should_stop, on_row=on_row, joins=joins
+            [self.with_tokens(r) for r in requests],
+            on_text=on_text,
+            should_stop=should_stop,
+            on_row=on_row,
+            joins=joined,
         )
+
+
+def _is_bare_reply(message: Message) -> bool:
+    return (
+        message["role"] == "assistant"
+        and "tokens" not in message
+        and isinstance(message.get("content"), str)
+        and bool(message["content"])
+    )
+
+
+def _bare_replies(messages: Sequence[Message]) -> set[str]:
+    """The texts of a conversation's replies that carry no tokens."""
+    return {m["content"] for m in messages if _is_bare_reply(m)}

@@ -235,8 +235,9 @@ class Store:
     def load_reply_tokens(self, session: str) -> list[tuple[str, list[int]]]:
         """``(reply, token ids)`` of the session's assistant messages that have them, in order.
 
-        What a client's ``remember_replies`` takes, so a resumed session renders each
-        earlier reply as the tokens generated. Replies without stored tokens are left out.
+        What the server gives a request's replies that come as text alone
+        (exokv.serve.replies), so each renders as the tokens generated. Replies without
+        stored tokens are left out.
         """
         return [
             (m["content"], m["tokens"])
@@ -288,7 +289,7 @@ class Store:
         db: sqlite3.Connection, sid: int, messages: Sequence[Mapping[str, Any]]
     ) -> None:
         # An assistant message without a "tokens" key keeps the tokens stored for the
-        # same reply text (the engine knows replies by their text too), so a caller
+        # same reply text (a caller's copy may lack them), so a caller
         # that only edits the list (/undo, /system) loses none; "tokens": None drops them.
         kept = {
             r[0]: r[1]

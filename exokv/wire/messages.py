@@ -155,22 +155,10 @@ class Draft(_Message):
     TYPE: ClassVar[str] = "draft"
     id: str
     session: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     draft: str
     # The step's tokens, decided by rank 0 for every rank (exokv.rank.pace); 0: unset.
     step_tokens: int = 0
-
-
-@dataclass
-class Remember(_Message):
-    """A resumed session's replies with the exact tokens once generated."""
-
-    TYPE: ClassVar[str] = "remember"
-    pairs: list[tuple[str, list[int]]]
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Remember:
-        return cls([(str(reply), list(tokens)) for reply, tokens in data["pairs"]])
 
 
 @dataclass
@@ -180,7 +168,7 @@ class Save(_Message):
     TYPE: ClassVar[str] = "save"
     id: int
     session: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 @dataclass
@@ -190,7 +178,7 @@ class Held(_Message):
     TYPE: ClassVar[str] = "held"
     id: int
     session: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
 
 
 @dataclass
@@ -250,16 +238,15 @@ class Texts(_Message):
 
 @dataclass
 class Result(_Message):
-    """A turn's end; `tokens`: the reply's exact tokens."""
+    """A turn's end (the result carries the reply's exact tokens)."""
 
     TYPE: ClassVar[str] = "result"
     id: RequestId
     result: TurnResult
-    tokens: list[int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Result:
-        return cls(data["id"], TurnResult.from_dict(data["result"]), data.get("tokens"))
+        return cls(data["id"], TurnResult.from_dict(data["result"]))
 
 
 @dataclass
@@ -275,7 +262,8 @@ class TurnRefused(_Message):
 
 @dataclass
 class Row(_Message):
-    """One row of a batch ended: its outcome; `tokens`: the reply's exact tokens."""
+    """One row of a batch ended: its outcome; `tokens`: the reply's exact tokens (the
+    client puts them on the outcome's result, as a turn's result has them)."""
 
     TYPE: ClassVar[str] = "row"
     id: int
@@ -338,7 +326,6 @@ Message = (
     | Stop
     | Seen
     | Draft
-    | Remember
     | Save
     | Held
     | Shutdown
@@ -368,7 +355,6 @@ _CLASSES: dict[str, type[_Message]] = {
         Stop,
         Seen,
         Draft,
-        Remember,
         Save,
         Held,
         Shutdown,
