@@ -80,19 +80,8 @@ class LocalClient(Client):
         on_row: Callable[[int, RowOutcome], None] | None = None,
         joins: Callable[[], list[TurnRequest]] | None = None,
     ) -> list[RowOutcome]:
-        engine = self.engine
-
-        def ended(row: int, outcome: RowOutcome) -> None:
-            # A batched row's result comes without the reply's tokens: the engine has
-            # them as the reply generated last, until the next row ends (as on a rank).
-            result = outcome.result
-            if result is not None and not result.reply_tokens:
-                result.reply_tokens = engine.reply_tokens(result.reply) or []
-            if on_row is not None:
-                on_row(row, outcome)
-
         return run_batch(
-            engine, requests, on_text, should_stop=should_stop, on_row=ended, joins=joins
+            self.engine, requests, on_text, should_stop=should_stop, on_row=on_row, joins=joins
         )
 
     def stop(self) -> None:

@@ -524,7 +524,7 @@ class _Batch:
         engine = self.engine
         tic = time.perf_counter()
         reply = row.stops.reply(row.detok.text) if row.detok is not None else ""
-        engine._remember_reply(reply, row.stops.kept(row.generated))
+        spelled = engine.reply_spelled(reply, row.stops.kept(row.generated))
         cache = row.cache if row.cache is not None else []
         ran = len(row.tokens) + len(row.generated)
         if row.stopped_in_prefill:
@@ -554,6 +554,7 @@ class _Batch:
             events=row.events,
             rank_stats=stats,
             entries=entries,
+            reply_tokens=spelled,
         )
 
 
@@ -591,8 +592,7 @@ def answer_batch(
     def on_row(i: int, outcome: RowOutcome) -> None:
         flow.flush()  # the row's last text comes before its result
         result = outcome.result
-        tokens = engine.reply_tokens(result.reply) if result is not None else None
-        link.send(Row(ids[i], outcome, tokens))
+        link.send(Row(ids[i], outcome, result.reply_tokens if result is not None else None))
 
     if box is not None and message.join:
         box.open()

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,6 @@ class Engine:
         self.prompt = PromptRenderer(Marked(tokenizer), self.template.text)
         self._eos = set(tokenizer.eos_token_ids)
         self.prompt.by_text = RepliesByText() if replies_by_text else None
-        self._last_reply: tuple[str, list[int]] = ("", [])  # the reply generated last
         # Stop sequences: the template's (a base model's next "User:") and the model's own.
         self.stops = tuple(dict.fromkeys(self.template.stops + tuple(self.options.stops)))
         self.decision = 0
@@ -218,12 +217,13 @@ class Engine:
         stay the same."""
         return self.prompt.render(messages)
 
-    def _remember_reply(self, reply: str, generated: list[int]) -> None:
-        """The reply just generated, for `reply_tokens` (its result carries it too)."""
+    def reply_spelled(self, reply: str, generated: list[int]) -> list[int]:
+        """The tokens a reply's message carries (its result's `reply_tokens`): what was
+        generated, without the end of turn. Kept by text too where messages carry none."""
         tokens = [int(t) for t in generated if t not in self._eos]
-        self._last_reply = (reply, tokens)
         if self.prompt.by_text is not None:
             self.prompt.by_text.remember(reply, tokens)
+        return tokens
 
     def turn(
         self,
@@ -350,7 +350,7 @@ class Engine:
             cache, request = turn.hit.cache, turn.request
             out = self._decode(turn.tokens, cache, request, turn.start, on_text, should_stop)
             turn.ran = len(turn.tokens) + len(out.tokens)  # decode ran every token it gave
-        self._remember_reply(out.reply, out.spelled)
+        turn.reply_tokens = self.reply_spelled(out.reply, out.spelled)
         return out
 
     def _store(self, turn: _Turn, out: Decoded) -> None:
@@ -400,7 +400,7 @@ class Engine:
             accepted_tokens=out.accepted,
             model_draft_tokens=out.model_drafted,
             speculation=self.speculation,
-            reply_tokens=[int(t) for t in out.spelled if t not in self._eos],
+            reply_tokens=turn.reply_tokens,
         )
 
     def draft_step_tokens(self) -> int:
@@ -487,20 +487,16 @@ class Engine:
     # The front ends' messages carry each reply's tokens (TurnRequest), so a rank and a
     # LocalClient keep none of this (replies_by_text=False). An Engine used directly,
     # with text-only conversations (exokv.bench, tests), still has replies found by
-    # their text. exokv.rank.batch reads a row's tokens back with `reply_tokens` right
-    # after `_remember_reply`: the reply generated last, kept on a rank too.
+    # their text.
 
     def reply_tokens(self, reply: str) -> list[int] | None:
-        """The exact tokens generated for `reply`: the last reply's, or one kept by text."""
-        last, tokens = self._last_reply
-        if reply == last and tokens:
-            return list(tokens)
+        """The exact tokens generated for `reply`, kept by its text (None: not kept)."""
         return self.prompt.by_text.get(reply) if self.prompt.by_text is not None else None
 
     def remember_replies(self, pairs: Sequence[tuple[str, Sequence[int]]]) -> None:
         """Keep replies' exact tokens by their text (a text-only conversation resumed)."""
         for reply, tokens in pairs:
-            self._remember_reply(reply, list(tokens))
+            self.reply_spelled(reply, list(tokens))
 
     # -- model work -------------------------------------------------------------
 
@@ -672,6 +668,7 @@ class _Turn:
     meets: int = 0  # tokens of the prompt the tree held at the fetch
     typed_ahead: int = 0  # tokens of the hit that typeahead steps prefilled
     overhead: float = 0.0  # seconds of cache work (fetch, gather, inserts, cap), not the model's
+    reply_tokens: list[int] = field(default_factory=list)  # the reply as its message carries it
 
     @contextmanager
     def timed(self) -> Iterator[None]:
