@@ -232,93 +232,97 @@ def rank_log_enabled() -> bool:
     return RANK_LOG.on()
 
 
-def fail_at_hook() -> str:
-    """EXOKV_TEST_FAIL_AT as set ("" when unset); exokv.rank.main reads its RANK:phase."""
-    return os.environ.get(TEST_FAIL_AT.name, "")
-
-
-def slow_texts_hook() -> float:
-    """EXOKV_TEST_SLOW_TEXTS in seconds (0: no lag)."""
-    return float(TEST_SLOW_TEXTS.text() or 0)
-
-
-def drafts_hook() -> list[int] | None:
-    """The token ids EXOKV_TEST_DRAFTS's file lists (None when unset)."""
-    path = TEST_DRAFTS.text()
-    if path is None:
-        return None
-    with open(path, encoding="utf-8") as f:
-        return [int(t) for t in json.load(f)]
-
-
-def shown_reply_hook() -> str | None:
-    """The text EXOKV_TEST_SHOWN_REPLY's file holds (None when unset)."""
-    path = TEST_SHOWN_REPLY.text()
-    if path is None:
-        return None
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-def slow_prefill_hook() -> float:
-    """EXOKV_TEST_SLOW_PREFILL in seconds per token (0: the model's own speed)."""
-    return float(TEST_SLOW_PREFILL.text() or 0)
-
-
-def fake_pressure_hook(rank: int) -> float | None:
-    """The pressure EXOKV_TEST_FAKE_PRESSURE pins for `rank` (the last value for ranks
-    beyond the list); None when unset."""
-    text = TEST_FAKE_PRESSURE.text()
-    if not text:
-        return None
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        raise UsageError(f"{TEST_FAKE_PRESSURE.name}={text!r} is not a list of fractions") from None
-    return values[rank] if rank < len(values) else values[-1]
-
-
-def fake_versions_hook() -> str | None:
-    """EXOKV_TEST_FAKE_VERSIONS as set (a path, not yet expanded); None when unset."""
-    return TEST_FAKE_VERSIONS.text()
-
-
 # A running rank silent this long is wedged, not busy: longer than any step exokv runs
 # (a prefill step, a decode step and a cache save take seconds; a shard loads before
 # the ranks are judged this way), short enough that a chat does not hang for good.
 WEDGED_S = 600.0
 
 
-def wedged_limit() -> float:
-    """The seconds a running rank may stay silent (EXOKV_TEST_WEDGED_S shortens it for tests)."""
-    text = TEST_WEDGED_S.text()
-    try:
-        return float(text) if text else WEDGED_S
-    except ValueError:
-        raise UsageError(f"{TEST_WEDGED_S.name}={text!r} is not a number of seconds") from None
+class TestHooks:
+    """The test hooks (EXOKV_TEST_*): how the suite plays failures and slow, lagging or
+    short-of-memory machines. Production code reaches them only through `TEST_HOOKS`, so
+    one name finds every place a test can change what exokv does. Each reads the
+    environment when asked: a test sets a hook for the processes it starts."""
+
+    __test__ = False  # a name pytest would otherwise collect where a test imports it
+
+    def fail_at(self) -> str:
+        """EXOKV_TEST_FAIL_AT as set ("" when unset); exokv.rank.main reads its RANK:phase."""
+        return os.environ.get(TEST_FAIL_AT.name, "")
+
+    def slow_texts(self) -> float:
+        """EXOKV_TEST_SLOW_TEXTS in seconds (0: no lag)."""
+        return float(TEST_SLOW_TEXTS.text() or 0)
+
+    def drafts(self) -> list[int] | None:
+        """The token ids EXOKV_TEST_DRAFTS's file lists (None when unset)."""
+        path = TEST_DRAFTS.text()
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return [int(t) for t in json.load(f)]
+
+    def shown_reply(self) -> str | None:
+        """The text EXOKV_TEST_SHOWN_REPLY's file holds (None when unset)."""
+        path = TEST_SHOWN_REPLY.text()
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+    def slow_prefill(self) -> float:
+        """EXOKV_TEST_SLOW_PREFILL in seconds per token (0: the model's own speed)."""
+        return float(TEST_SLOW_PREFILL.text() or 0)
+
+    def fake_pressure(self, rank: int) -> float | None:
+        """The pressure EXOKV_TEST_FAKE_PRESSURE pins for `rank` (the last value for ranks
+        beyond the list); None when unset."""
+        text = TEST_FAKE_PRESSURE.text()
+        if not text:
+            return None
+        try:
+            values = [float(v) for v in text.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"{TEST_FAKE_PRESSURE.name}={text!r} is not a list of fractions"
+            ) from None
+        return values[rank] if rank < len(values) else values[-1]
+
+    def fake_versions(self) -> str | None:
+        """EXOKV_TEST_FAKE_VERSIONS as set (a path, not yet expanded); None when unset."""
+        return TEST_FAKE_VERSIONS.text()
+
+    def wedged_s(self) -> float:
+        """The seconds a running rank may stay silent: WEDGED_S, or EXOKV_TEST_WEDGED_S's."""
+        text = TEST_WEDGED_S.text()
+        try:
+            return float(text) if text else WEDGED_S
+        except ValueError:
+            raise UsageError(f"{TEST_WEDGED_S.name}={text!r} is not a number of seconds") from None
+
+    def hold_beat(self, rank: int) -> float:
+        """The seconds EXOKV_TEST_HOLD_BEAT holds `rank`'s heartbeat (0: not this rank)."""
+        text = TEST_HOLD_BEAT.text()
+        if not text:
+            return 0.0
+        try:
+            who, seconds = text.split(":")
+            return float(seconds) if int(who) == rank else 0.0
+        except ValueError:
+            raise UsageError(f"{TEST_HOLD_BEAT.name}={text!r} is not RANK:SECONDS") from None
+
+    def host_memory(self, ranks: int) -> list[int] | None:
+        """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
+        text = TEST_HOST_MEMORY.text()
+        if not text:
+            return None
+        try:
+            values = [parse_size(v) for v in text.split(",")]
+        except UsageError:
+            raise UsageError(f"{TEST_HOST_MEMORY.name}={text!r} is not a list of sizes") from None
+        if len(values) not in (1, ranks):
+            raise UsageError(f"{TEST_HOST_MEMORY.name} has {len(values)} sizes for {ranks} ranks")
+        return values * ranks if len(values) == 1 else values
 
 
-def hold_beat_hook(rank: int) -> float:
-    """The seconds EXOKV_TEST_HOLD_BEAT holds `rank`'s heartbeat (0: not this rank, or unset)."""
-    text = TEST_HOLD_BEAT.text()
-    if not text:
-        return 0.0
-    try:
-        who, seconds = text.split(":")
-        return float(seconds) if int(who) == rank else 0.0
-    except ValueError:
-        raise UsageError(f"{TEST_HOLD_BEAT.name}={text!r} is not RANK:SECONDS") from None
-
-
-def host_memory_hook(ranks: int) -> list[int] | None:
-    """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
-    text = TEST_HOST_MEMORY.text()
-    if not text:
-        return None
-    try:
-        values = [parse_size(v) for v in text.split(",")]
-    except UsageError:
-        raise UsageError(f"{TEST_HOST_MEMORY.name}={text!r} is not a list of sizes") from None
-    if len(values) not in (1, ranks):
-        raise UsageError(f"{TEST_HOST_MEMORY.name} has {len(values)} sizes for {ranks} ranks")
-    return values * ranks if len(values) == 1 else values
+TEST_HOOKS = TestHooks()

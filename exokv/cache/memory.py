@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import psutil
 
-from exokv.config import fake_pressure_hook
+from exokv.config import TEST_HOOKS
 from exokv.hosts.placement import cache_budget
 
 
@@ -41,5 +41,5 @@ def default_budget(threshold: float, ram_total: int, model_bytes: int) -> int:
 
 
 def _pressure(rank: int, real: float) -> float:
-    pinned = fake_pressure_hook(rank)
+    pinned = TEST_HOOKS.fake_pressure(rank)
     return real if pinned is None else pinned

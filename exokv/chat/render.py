@@ -32,7 +32,7 @@ from rich.text import Text
 
 from exokv.chat.conversation import COMMANDS, Outcome
 from exokv.chat.markdown import MarkdownStream
-from exokv.config import shown_reply_hook
+from exokv.config import TEST_HOOKS
 from exokv.core import tables
 from exokv.core.records import TurnResult
 from exokv.core.sizes import format_size
@@ -366,7 +366,7 @@ class _ShownReply:
 
     @classmethod
     def from_hook(cls) -> _ShownReply | None:
-        text = shown_reply_hook()
+        text = TEST_HOOKS.shown_reply()
         return None if text is None else cls(text)
 
     def next(self, length: int) -> str:

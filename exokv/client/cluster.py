@@ -42,7 +42,7 @@ import psutil
 
 from exokv.client import Client
 from exokv.client.batch import cluster_turns
-from exokv.config import slow_texts_hook
+from exokv.config import TEST_HOOKS
 from exokv.core.options import ClusterOptions, KvQuant, RankOptions
 from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong, UsageError
@@ -132,7 +132,7 @@ class ClusterClient(Client):
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
         self._rows: Any = None  # the batch in flight (exokv.client.batch.BatchRows)
-        self._slow_texts = slow_texts_hook()  # tests only: a front end that lags
+        self._slow_texts = TEST_HOOKS.slow_texts()  # tests only: a front end that lags
         self._draft_ids = itertools.count(1)  # "draft-N": never a request's number
         self._drafts_over = threading.Condition()
         self._draft_over = 0  # the latest draft rank 0 said gets no more steps

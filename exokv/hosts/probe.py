@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from exokv.config import exokv_home, fake_versions_hook
+from exokv.config import TEST_HOOKS, exokv_home
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
 
@@ -130,7 +130,7 @@ def _version(name: str) -> str:
 def _fake_versions() -> dict[str, str]:
     """EXOKV_TEST_FAKE_VERSIONS: a JSON file of versions this host claims (a test's
     mismatch, as all test hosts share one venv); `~` is this host's own HOME."""
-    path = fake_versions_hook()
+    path = TEST_HOOKS.fake_versions()
     if path is None:
         return {}
     try:

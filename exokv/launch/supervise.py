@@ -39,7 +39,7 @@ from typing import IO, Any
 
 import psutil
 
-from exokv.config import debug_enabled, wedged_limit
+from exokv.config import TEST_HOOKS, debug_enabled
 from exokv.launch.command import BEAT_MARK, ERROR_MARK, STATE_MARK, LaunchPlan
 from exokv.launch.watcher import GONE, RUNNING, STOPPED, state_of
 
@@ -99,7 +99,7 @@ class Supervisor:
     ) -> None:
         self.plan = plan
         self.heartbeat_timeout = heartbeat_timeout
-        self.wedged_after = wedged_limit() if wedged_after is None else wedged_after
+        self.wedged_after = TEST_HOOKS.wedged_s() if wedged_after is None else wedged_after
         self.start_timeout = start_timeout
         self._on_beat = on_beat
         self._on_line = on_line

@@ -20,7 +20,7 @@ import time
 import traceback
 from typing import Any
 
-from exokv.config import debug_enabled, hold_beat_hook
+from exokv.config import TEST_HOOKS, debug_enabled
 from exokv.errors import ExokvError
 from exokv.launch.command import BEAT_MARK, ERROR_MARK, rank_command, remove_scratch
 from exokv.launch.watcher import alive
@@ -66,7 +66,7 @@ def beat(rank: int, front_end: int | None = None, fd: int = 1) -> None:
     front end's group does not reach, so nothing else would stop it.
     """
     line = f"{BEAT_MARK}{rank}\n".encode()
-    hold = hold_beat_hook(rank)
+    hold = TEST_HOOKS.hold_beat(rank)
     while True:
         if hold and _loaded.is_set():
             _hold_beat(rank, hold)

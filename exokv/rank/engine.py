@@ -38,7 +38,7 @@ from exokv.cache.prefix_cache import Hit, PrefixCache
 from exokv.cache.radix import Node
 from exokv.cache.tier_options import kv_group_misfit
 from exokv.collectives import Group, LocalGroup
-from exokv.config import DEFAULT_MEMORY_THRESHOLD, drafts_hook, slow_prefill_hook
+from exokv.config import DEFAULT_MEMORY_THRESHOLD, TEST_HOOKS
 from exokv.core.records import (
     CacheEvent,
     DraftCost,
@@ -611,7 +611,7 @@ class Engine:
         on_text: Callable[[str], None] | None,
         should_stop: Callable[[], bool] | None,
     ) -> Decoded:
-        script = drafts_hook()  # tests only: drafts that are partly wrong
+        script = TEST_HOOKS.drafts()  # tests only: drafts that are partly wrong
         tree = self.cache.tree if request.use_cache else None
         drafter = (
             ScriptedDrafter(tokens, script)
@@ -702,7 +702,7 @@ def prefill(
     (exokv.model.pipeline.micro_chunks). The engine and the bench share this code path.
     """
     stages = pipeline.stages(model) if pipeline.cut_freely(cache) else 1
-    slow = slow_prefill_hook()  # tests only: a slow model
+    slow = TEST_HOOKS.slow_prefill()  # tests only: a slow model
     i = 0
     while i < len(tokens):
         if before_chunk is not None and before_chunk(i):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from exokv.config import TEST_FAIL_AT, exokv_home, fail_at_hook, rank_log_enabled
+from exokv.config import TEST_FAIL_AT, TEST_HOOKS, exokv_home, rank_log_enabled
 from exokv.core.options import RankOptions
 from exokv.core.records import CacheFileReport
 from exokv.errors import ExokvError, PromptTooLong
@@ -303,7 +303,7 @@ class Rank:
             options=engine_options(self.options, self.rank, self._layout()),
             replies_by_text=False,  # the messages carry replies' tokens: nothing to keep
         )
-        inject_failure(engine, self.rank, fail_at_hook())
+        inject_failure(engine, self.rank, TEST_HOOKS.fail_at())
         self.engine, self.group = engine, group
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, self.options.wake_host)
