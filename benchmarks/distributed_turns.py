@@ -21,6 +21,8 @@ import os
 import statistics
 from typing import Any
 
+from bench_common import user_text, words_per_turn
+
 from exokv.client.cluster import ClusterClient
 from exokv.config import exokv_home
 from exokv.core.records import TurnRequest
@@ -28,22 +30,11 @@ from exokv.frontend.start import ChatOptions, validate
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
 
-WORDS = (
-    "river stone light window garden paper music winter orange signal harbor "
-    "forest bridge candle thunder silver meadow lantern compass feather"
-).split()
-
-
-def user_text(turn: int, words: int) -> str:
-    return " ".join(WORDS[(turn * 7 + i * 3) % len(WORDS)] for i in range(words))
-
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_model(args.model)
     local = Engine(model, tokenizer, options=EngineOptions())
-    per_turn = args.context // args.turns
-    tokens_per_word = len(tokenizer.encode(user_text(0, 200))) / 200
-    words = max(4, int((per_turn - args.reply_tokens - 8) / tokens_per_word))
+    words = words_per_turn(tokenizer, args.context, args.turns, args.reply_tokens)
 
     opts = ChatOptions(
         model=args.model,

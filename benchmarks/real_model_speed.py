@@ -20,12 +20,11 @@ import statistics
 import time
 from typing import Any
 
+from bench_common import pipeline_client
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from exokv.client.cluster import ClusterClient
 from exokv.core.records import TurnRequest
-from exokv.frontend.start import ChatOptions, validate
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
 
@@ -63,16 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     request = TurnRequest("bench", messages, max_tokens=args.max_tokens, use_cache=False)
     tokens = engine.render(messages)
     assert tokens == list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    opts = ChatOptions(
-        model=args.model,
-        ranks=2,
-        parallel="pipeline",
-        max_tokens=args.max_tokens,
-        starting_port=args.starting_port,
-        seed=0,
-        disk_budget="0",
-    )
-    client = ClusterClient(validate(opts))
+    client = pipeline_client(args.model, args.max_tokens, args.starting_port)
     runs: dict[str, list[dict[str, Any]]] = {"mlx_lm": [], "exokv": [], "exokv_2_ranks": []}
     try:
         do = {

@@ -25,9 +25,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from exokv.client.cluster import ClusterClient
+from bench_common import pipeline_client
+
 from exokv.core.records import TurnRequest, TurnResult
-from exokv.frontend.start import ChatOptions, validate
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
 
@@ -69,16 +69,7 @@ def one(turn: Callable[[TurnRequest], TurnResult], req: TurnRequest) -> dict[str
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_model(args.model)
     engine = Engine(model, tokenizer, options=EngineOptions())
-    opts = ChatOptions(
-        model=args.model,
-        ranks=2,
-        parallel="pipeline",
-        max_tokens=args.max_tokens,
-        starting_port=args.starting_port,
-        seed=0,
-        disk_budget="0",
-    )
-    client = ClusterClient(validate(opts))
+    client = pipeline_client(args.model, args.max_tokens, args.starting_port)
     layouts: dict[str, Callable[[TurnRequest], TurnResult]] = {
         "1 rank": engine.turn,
         "2 ranks": client.turn,

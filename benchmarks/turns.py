@@ -13,18 +13,11 @@ import argparse
 import json
 import statistics
 
+from bench_common import user_text, words_per_turn
+
 from exokv.core.records import TurnRequest
 from exokv.model.resolve import load_model
 from exokv.rank.engine import Engine, EngineOptions
-
-WORDS = (
-    "river stone light window garden paper music winter orange signal harbor "
-    "forest bridge candle thunder silver meadow lantern compass feather"
-).split()
-
-
-def user_text(turn: int, words: int) -> str:
-    return " ".join(WORDS[(turn * 7 + i * 3) % len(WORDS)] for i in range(words))
 
 
 def main() -> None:
@@ -39,10 +32,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     cached = Engine(model, tokenizer, options=EngineOptions())
     cold = Engine(model, tokenizer, options=EngineOptions())
-    per_turn_tokens = args.context // args.turns
-    sample = user_text(0, 200)
-    tokens_per_word = len(tokenizer.encode(sample)) / 200
-    words = max(4, int((per_turn_tokens - args.reply_tokens - 8) / tokens_per_word))
+    words = words_per_turn(tokenizer, args.context, args.turns, args.reply_tokens)
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
     rows = []
     for t in range(1, args.turns + 1):

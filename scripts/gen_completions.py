@@ -26,6 +26,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,34 +158,68 @@ def _sh_words(words: list[str]) -> str:
     return " ".join(words)
 
 
+def _valued(c: Cmd) -> list[str]:
+    """The names of the command's options that take a value (the walk skips it)."""
+    return [n for o in c.options if o.takes_value for n in o.names]
+
+
+@dataclass
+class CaseSyntax:
+    """How bash or zsh writes the `case` arms of the walk, the option values and the
+    arguments."""
+
+    var: str  # the variable the walk sets to the command's path
+    lparen: str  # before a pattern: zsh opens it with "("
+    choices: Callable[[list[str]], str]  # the action that offers these words
+    files: str  # the action that offers file names
+    shells: str  # the action that offers the shells (`exokv completions SHELL`)
+    returns: str  # an argument's action, then this
+
+
+def _case_arms(c: Cmd, syntax: CaseSyntax) -> tuple[list[str], list[str], list[str]]:
+    """The `case` arms bash and zsh alike give a command: the walk's (a subcommand sets
+    the path, an option's value is skipped), the option values' (asked of exokv, its
+    choices, or files) and its arguments'."""
+    walk, values, arguments = [], [], []
+    for name in c.subcommands:
+        walk.append(f'            "{c.path}:{name}") {syntax.var}="{c.path} {name}" ;;')
+    valued = _valued(c)
+    if valued:
+        pattern = "|".join(f'"{c.path}:{n}"' for n in valued)
+        walk.append(f"            {syntax.lparen}{pattern}) skip=1 ;;")
+    for o in c.options:
+        if not o.takes_value or not (o.choices or o.files or o.dynamic):
+            continue
+        pattern = "|".join(f'"{c.path}:{n}"' for n in o.names)
+        if o.dynamic:
+            action = f"_exokv_values {o.dynamic}"
+        elif o.choices:
+            action = syntax.choices(o.choices)
+        else:
+            action = syntax.files
+        values.append(f"            {syntax.lparen}{pattern}) {action} ;;")
+    if c.path in ARGUMENTS:
+        kind = ARGUMENTS[c.path]
+        arg = syntax.shells if kind == "shell" else f"_exokv_values {kind}"
+        arguments.append(f'        "{c.path}") {arg}{syntax.returns} ;;')
+    return walk, values, arguments
+
+
+BASH_CASES = CaseSyntax(
+    var="path",
+    lparen="",
+    choices=lambda words: f'COMPREPLY=($(compgen -W "{_sh_words(words)}" -- "$cur"))',
+    files='compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur"))',
+    shells='COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur"))',
+    returns=" ; return 0",
+)
+
+
 def bash(cmds: list[Cmd]) -> str:
     walk, values, words, arguments = [], [], [], []
     for c in cmds:
-        for name in c.subcommands:
-            walk.append(f'            "{c.path}:{name}") path="{c.path} {name}" ;;')
-        valued = [n for o in c.options if o.takes_value for n in o.names]
-        if valued:
-            pattern = "|".join(f'"{c.path}:{n}"' for n in valued)
-            walk.append(f"            {pattern}) skip=1 ;;")
-        for o in c.options:
-            if not o.takes_value or not (o.choices or o.files or o.dynamic):
-                continue
-            pattern = "|".join(f'"{c.path}:{n}"' for n in o.names)
-            if o.dynamic:
-                action = f"_exokv_values {o.dynamic}"
-            elif o.choices:
-                action = f'COMPREPLY=($(compgen -W "{_sh_words(o.choices)}" -- "$cur"))'
-            else:
-                action = 'compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur"))'
-            values.append(f"            {pattern}) {action} ;;")
-        if c.path in ARGUMENTS:
-            kind = ARGUMENTS[c.path]
-            arg = (
-                'COMPREPLY=($(compgen -W "bash zsh fish" -- "$cur"))'
-                if kind == "shell"
-                else f"_exokv_values {kind}"
-            )
-            arguments.append(f'        "{c.path}") {arg} ; return 0 ;;')
+        arms = _case_arms(c, BASH_CASES)
+        walk, values, arguments = walk + arms[0], values + arms[1], arguments + arms[2]
         opts = [n for o in c.options for n in o.names]
         words.append(f'        "{c.path}") subs="{_sh_words(list(c.subcommands))}"')
         words.append(f'            opts="{_sh_words(opts)}" ;;')
@@ -280,30 +315,21 @@ def _zsh_item(name: str, help: str) -> str:
     return _zq(f"{name}:{help}") if help else _zq(name)
 
 
+ZSH_CASES = CaseSyntax(
+    var="cmdpath",
+    lparen="(",
+    choices=lambda words: f"compadd -- {' '.join(_zq(x) for x in words)}",
+    files="_files",
+    shells="compadd -- bash zsh fish",
+    returns="; return 0",
+)
+
+
 def zsh(cmds: list[Cmd]) -> str:
     walk, values, items, arguments = [], [], [], []
     for c in cmds:
-        for name in c.subcommands:
-            walk.append(f'            "{c.path}:{name}") cmdpath="{c.path} {name}" ;;')
-        valued = [n for o in c.options if o.takes_value for n in o.names]
-        if valued:
-            pattern = "|".join(f'"{c.path}:{n}"' for n in valued)
-            walk.append(f"            ({pattern}) skip=1 ;;")
-        for o in c.options:
-            if not o.takes_value or not (o.choices or o.files or o.dynamic):
-                continue
-            pattern = "|".join(f'"{c.path}:{n}"' for n in o.names)
-            if o.dynamic:
-                action = f"_exokv_values {o.dynamic}"
-            elif o.choices:
-                action = f"compadd -- {' '.join(_zq(x) for x in o.choices)}"
-            else:
-                action = "_files"
-            values.append(f"            ({pattern}) {action} ;;")
-        if c.path in ARGUMENTS:
-            kind = ARGUMENTS[c.path]
-            arg = "compadd -- bash zsh fish" if kind == "shell" else f"_exokv_values {kind}"
-            arguments.append(f'        "{c.path}") {arg}; return 0 ;;')
+        arms = _case_arms(c, ZSH_CASES)
+        walk, values, arguments = walk + arms[0], values + arms[1], arguments + arms[2]
         subs = " ".join(_zsh_item(n, h) for n, h in c.subcommands.items())
         opts = " ".join(_zsh_item(n, o.help) for o in c.options for n in o.names)
         items.append(
@@ -375,7 +401,7 @@ def fish(cmds: list[Cmd]) -> str:
             walk.append(
                 f'            case "{c.path}:{name}"\n                set p "{c.path} {name}"'
             )
-        valued = [n for o in c.options if o.takes_value for n in o.names]
+        valued = _valued(c)
         if valued:
             pattern = " ".join(f'"{c.path}:{n}"' for n in valued)
             walk.append(f"            case {pattern}\n                set skip 1")

@@ -20,6 +20,16 @@ from typing import Any
 
 import psutil
 
+# Six user turns, each asking something else, so every reply depends on its prompt.
+SCRIPT = [
+    "Hello, who are you?",
+    "Tell me about the sea.",
+    "Why is the sky blue?",
+    "Write a short poem about winter.",
+    "What is the capital of France?",
+    "Thank you, goodbye.",
+]
+
 
 def run_exokv(
     args: list[str],
@@ -89,6 +99,20 @@ def cache_json(home: Path, *args: str) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
+def end_input(proc: subprocess.Popen, timeout: float) -> int:
+    """Close a chat's standard input and wait up to `timeout` for it to end, killing it
+    whatever happened: its exit code (a wait that times out raises, once it is killed)."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        return proc.wait(timeout)
+    finally:
+        proc.kill()
+
+
 class Chat:
     """`exokv chat --json` on builtin:tiny in a subprocess, fed one line at a time (stdin
     stays open between lines); it notes every process the chat starts (the ranks).
@@ -118,10 +142,15 @@ class Chat:
         )
         self.seen: dict[int, psutil.Process] = {}
 
-    def send(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def write(self, line: str) -> None:
+        """Send one line and go on: its reply is left unread."""
+        assert self.proc.stdin is not None
         self.proc.stdin.write((line + "\n").encode())
         self.proc.stdin.flush()
+
+    def send(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        self.write(line)
         out = self.proc.stdout.readline()
         assert out, self.finish()[1]
         self.note_descendants()
@@ -151,15 +180,7 @@ class Chat:
 
     def finish(self, timeout: float = 60) -> tuple[int, str]:
         """Close its input and wait for it to end: (exit code, standard error)."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            self.proc.wait(timeout)
-        finally:
-            self.proc.kill()
+        end_input(self.proc, timeout)
         assert self.proc.stderr is not None
         return self.proc.returncode, self.proc.stderr.read().decode()
 

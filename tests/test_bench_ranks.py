@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chat_helpers import home_with_models
@@ -35,6 +36,17 @@ def _bench(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=240,
         env=_env(home),
+    )
+
+
+def _start_bench(home: Path, port: int, **streams: Any) -> subprocess.Popen:
+    """`exokv bench --json` on two ranks, started and left running: four turns of a
+    longer context, so there is time to find (and kill) its processes."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
+        + ["--context", "600", "--ranks", "2", "--starting-port", str(port)],
+        env=_env(home),
+        **streams,
     )
 
 
@@ -137,14 +149,7 @@ def _rank_pid(home: Path, rank: int) -> int | None:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
 def test_a_rank_that_dies_ends_the_bench_in_one_line(tmp_path: Path, models_dir: Path) -> None:
     home = home_with_models(tmp_path / "h", models_dir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
-        + ["--context", "600", "--ranks", "2", "--starting-port", "26320"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(home),
-    )
+    proc = _start_bench(home, 26320, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         pid = None
@@ -174,13 +179,7 @@ def test_killing_the_front_end_leaves_no_ranks(tmp_path: Path, models_dir: Path)
     # The launcher has its own process group (Ctrl-C reaches the front end only), so
     # a SIGKILL to the front end (a script's timeout) must not leave it running.
     home = home_with_models(tmp_path / "h", models_dir)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "exokv", "bench", *ARGS, "--json", "--turns", "4"]
-        + ["--context", "600", "--ranks", "2", "--starting-port", "26330"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=_env(home),
-    )
+    proc = _start_bench(home, 26330, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while _rank_pid(home, 1) is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from chat_helpers import SCRIPT as TURNS
 from chat_helpers import chat_json
 
-TURNS = [
-    "Hello, who are you?",
-    "Tell me about the sea.",
-    "Why is the sky blue?",
-    "Write a short poem about winter.",
-    "What is the capital of France?",
-    "Thank you, goodbye.",
-]
 LONG_SYSTEM = " ".join(f"Rule {i}: answer kindly and briefly about topic {i}." for i in range(14))
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: starts ranks (tests/conftest.py)

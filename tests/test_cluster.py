@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
-from chat_helpers import Chat, home_with_models
+from chat_helpers import SCRIPT, Chat, home_with_models
 
 from exokv.client.cluster import ClusterClient
 from exokv.config import FORWARDED_ENV
@@ -32,14 +32,6 @@ from exokv.hosts.hostfile import parse_hosts, read_hostfile
 from exokv.launch.command import plan_launch
 from exokv.launch.supervise import diagnose
 
-SCRIPT = [
-    "Hello, who are you?",
-    "Tell me about the sea.",
-    "Why is the sky blue?",
-    "Write a short poem about winter.",
-    "What is the capital of France?",
-    "Thank you, goodbye.",
-]
 # Three sessions, so entries pile up and the small budget on rank 1 must evict.
 SESSIONS_SCRIPT = [
     "Hello there",
@@ -314,9 +306,7 @@ def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) 
     assert chat.send(SCRIPT[1])["turn"] == 2
     chat.rank(1).kill()
     killed = time.monotonic()
-    assert chat.proc.stdin is not None
-    chat.proc.stdin.write((SCRIPT[2] + "\n").encode())
-    chat.proc.stdin.flush()
+    chat.write(SCRIPT[2])
     code, err = chat.finish(timeout=30)
     elapsed = time.monotonic() - killed
     lines = err.strip().splitlines()
@@ -350,9 +340,7 @@ def test_a_rank_that_hangs_ends_the_chat_cleanly(tmp_path: Path, models_dir: Pat
     assert chat.send(SCRIPT[0])["turn"] == 1
     chat.rank(1).suspend()
     stopped = time.monotonic()
-    assert chat.proc.stdin is not None
-    chat.proc.stdin.write((SCRIPT[1] + "\n").encode())
-    chat.proc.stdin.flush()
+    chat.write(SCRIPT[1])
     code, err = chat.finish(timeout=30)
     lines = err.strip().splitlines()
     assert code == 1 and time.monotonic() - stopped < 15, err

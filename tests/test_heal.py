@@ -66,9 +66,8 @@ def test_rank_1_killed_during_a_turn_runs_it_again(tmp_path, models_dir):
     chat = Chat(home, "-n", "2", *LONG, "--starting-port", "26770")
     first = chat.send(lines[0])
     time.sleep(1.0)
-    assert chat.proc.stdin is not None and chat.proc.stdout is not None
-    chat.proc.stdin.write((lines[1] + "\n").encode())
-    chat.proc.stdin.flush()
+    assert chat.proc.stdout is not None
+    chat.write(lines[1])
     time.sleep(0.3)  # into the turn
     kill(chat, 1)
     second = json.loads(chat.proc.stdout.readline())

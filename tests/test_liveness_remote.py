@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 import pytest
-from chat_helpers import home_with_models
+from chat_helpers import end_input, home_with_models
 from ssh_hosts import SshHosts
 from test_multihost import SCRIPT, _hostfile, _ranks_left
 
@@ -79,15 +79,9 @@ class RemoteChat:
         return [line for _, line in self.err if not line.startswith("[ranks ")]
 
     def finish(self, timeout: float = 60) -> int:
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            return self.proc.wait(timeout)
+            return end_input(self.proc, timeout)
         finally:
-            self.proc.kill()
             time.sleep(0.5)  # the last lines reach self.err
 
 

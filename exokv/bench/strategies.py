@@ -125,6 +125,10 @@ class MlxStrategy:
         self.budget_bytes: int | None = None  # set by lookup under a budget
         self.budget_floor: int | None = None
         self.evicted = 0
+        self.setup()
+
+    def setup(self) -> None:
+        """A strategy's own state, set up at the end of the common constructor."""
 
     def turn(
         self, conversation: str, messages: Sequence[dict[str, str]], max_tokens: int
@@ -189,14 +193,8 @@ class Carried(MlxStrategy):
 
     name = "carried"
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        render_fn: Render | None = None,
-        budget: int | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, render_fn)  # one conversation: no budget
+    def setup(self) -> None:
+        self.budget = None  # one conversation: no budget
         self.cache: list[Any] | None = None
         self.held: list[int] = []
         self.conversation: str | None = None
@@ -225,14 +223,7 @@ class MlxLmLru(MlxStrategy):
 
     name = "mlx-lm-lru"
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        render_fn: Render | None = None,
-        budget: int | None = None,
-    ) -> None:
-        super().__init__(model, tokenizer, render_fn, budget)
+    def setup(self) -> None:
         # As mlx_lm.server builds it: LRUPromptCache(cli_args.prompt_cache_size), no
         # max_bytes; --prompt-cache-bytes is applied with trim_to in lookup.
         self.lru = LRUPromptCache(LRU_MAX_SIZE)

@@ -56,8 +56,7 @@ def _linear_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     got = lin["strategies"]["exokv"]["cached_fraction"]
     ideal = lin["limit"]["ideal_cached_fraction"]
     limit = lin["limit"]["cached_fraction"]
-    cold = lin["strategies"]["cold"]["total_ttft_s"]
-    ex = lin["strategies"]["exokv"]["total_ttft_s"]
+    cold, ex = _total(lin, "cold"), _total(lin, "exokv")
     return [
         _target(
             "linear_cached_fraction",
@@ -72,7 +71,7 @@ def _linear_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         _target(
             "linear_vs_cold",
             "exokv total TTFT <= 0.25 x cold on linear",
-            ex / cold if cold else 0.0,
+            _ratio(ex, cold),
             0.25,
             f"exokv {ex:.2f}s, cold {cold:.2f}s, limit {lin['limit']['total_ttft_s']:.2f}s "
             f"({doc['turns']} turns to {lin['max_prompt_tokens']} tokens)",
@@ -83,13 +82,12 @@ def _linear_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def _lru_targets(scen: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for name, s in scen.items():
-        lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
-        ex = s["strategies"]["exokv"]["total_ttft_s"]
+        lru, ex = _total(s, "mlx-lm-lru"), _total(s, "exokv")
         out.append(
             _target(
                 f"{name}_vs_mlx_lm_lru",
                 f"exokv total TTFT <= 0.8 x mlx-lm-lru on {name}",
-                ex / lru if lru else 0.0,
+                _ratio(ex, lru),
                 0.8,
                 f"exokv {ex:.2f}s, mlx-lm-lru {lru:.2f}s, limit {s['limit']['total_ttft_s']:.2f}s; "
                 f"cached fraction exokv {s['strategies']['exokv']['cached_fraction']:.3f}, "
@@ -111,10 +109,10 @@ def _shared_prefix_targets(scen: dict[str, Any]) -> list[dict[str, Any]]:
         _target(
             "shared_prefix_bytes",
             "shared-prefix: exokv peak cache bytes <= 1.3 x (shared prompt + distinct suffixes)",
-            got / ideal if ideal else 0.0,
+            _ratio(got, ideal),
             1.3,
             f"exokv {got_mb}, ideal {ideal_mb} ({s['distinct_tokens']} distinct "
-            f"tokens), mlx-lm-lru {lru_mb} ({lru / ideal if ideal else 0:.2f}x)",
+            f"tokens), mlx-lm-lru {lru_mb} ({_ratio(lru, ideal):.2f}x)",
         )
     ]
 
@@ -143,18 +141,17 @@ def _disk_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         if s is None or doc.get("cache_budget") is None:
             continue
         limit = s["limit"]["total_ttft_s"]
-        disk = s["strategies"]["exokv+disk"]["total_ttft_s"]
-        lru = s["strategies"]["mlx-lm-lru"]["total_ttft_s"]
-        exo = s["strategies"]["exokv"]["total_ttft_s"]
+        disk, exo = _total(s, "exokv+disk"), _total(s, "exokv")
+        lru = _total(s, "mlx-lm-lru")
         out.append(
             _target(
                 f"{name}_disk_vs_limit",
                 f"{name} under --cache-budget: exokv+disk total TTFT <= 1.3 x the limit",
-                disk / limit if limit else 0.0,
+                _ratio(disk, limit),
                 1.3,
                 f"exokv+disk {disk:.2f}s, limit {limit:.2f}s, exokv {exo:.2f}s "
-                f"({exo / limit if limit else 0:.2f}x), mlx-lm-lru {lru:.2f}s "
-                f"({lru / limit if limit else 0:.2f}x)",
+                f"({_ratio(exo, limit):.2f}x), mlx-lm-lru {lru:.2f}s "
+                f"({_ratio(lru, limit):.2f}x)",
             )
         )
     s = doc["scenarios"].get("restart")
@@ -166,13 +163,23 @@ def _disk_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
             _target(
                 "restart_disk_vs_limit",
                 "restart: exokv+disk TTFT of the continued turns <= 1.2 x the limit",
-                a["exokv+disk"]["ttft_s"] / limit if limit else 0.0,
+                _ratio(a["exokv+disk"]["ttft_s"], limit),
                 1.2,
                 f"exokv+disk {a['exokv+disk']['ttft_s']:.2f}s "
                 f"({a['exokv+disk']['cached_tokens']} cached tokens), limit {limit:.2f}s; {others}",
             )
         )
     return out
+
+
+def _total(scenario: dict[str, Any], strategy: str) -> float:
+    """A strategy's total TTFT over a scenario's turns."""
+    return scenario["strategies"][strategy]["total_ttft_s"]
+
+
+def _ratio(value: float, base: float) -> float:
+    """value / base, 0 where there is no base to compare with."""
+    return value / base if base else 0.0
 
 
 def _target(name: str, text: str, value: float, threshold: float, detail: str) -> dict[str, Any]:

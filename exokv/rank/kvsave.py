@@ -30,13 +30,21 @@ def tier_off(engine: Any) -> str:
     return f"{TIER_OFF_BECAUSE}{why}" if why else TIER_OFF
 
 
-def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
-    """Write this rank's shard of the conversation's cached path to its disk tier."""
-    start = time.perf_counter()
+def _report(engine: Any, session: str) -> tuple[CacheFileReport, Any]:
+    """The session's report and this rank's disk tier; with no tier (None) the report
+    already says why it was skipped."""
     report = CacheFileReport(session=session)
     tier = engine.coord.tier
     if tier is None:
         report.skipped = tier_off(engine)
+    return report, tier
+
+
+def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
+    """Write this rank's shard of the conversation's cached path to its disk tier."""
+    start = time.perf_counter()
+    report, tier = _report(engine, session)
+    if tier is None:
         return report
     tokens = engine.render(messages)
     path = engine.cache.tree.match(tokens).path
@@ -58,10 +66,8 @@ def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> C
 
 def on_disk(engine: Any, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
     """How much of a resumed conversation the cache holds (restored from disk at start)."""
-    report = CacheFileReport(session=session)
-    tier = engine.coord.tier
+    report, tier = _report(engine, session)
     if tier is None:
-        report.skipped = tier_off(engine)
         return report
     tokens = engine.render(messages)
     match = engine.cache.tree.match(tokens)
