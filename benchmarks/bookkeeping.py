@@ -294,7 +294,8 @@ def bench_render(contexts: list[int], repeat: int, seed: int) -> list[dict[str, 
     rng = random.Random(seed)
     words = "river stone light window garden paper music winter orange signal".split()
     renderer = PromptRenderer(tokenizer)
-    messages: list[dict[str, str]] = [{"role": "system", "content": "You are terse."}]
+    replies: dict[str, list[int]] = {}  # what the old render looked replies up in
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
     rows = []
     few = max(1, repeat // 2)
     targets = sorted(contexts)
@@ -305,15 +306,15 @@ def bench_render(contexts: list[int], repeat: int, seed: int) -> list[dict[str, 
         if len(tokens) >= targets[0]:
             targets.pop(0)
             ms = list(messages)
-            assert tokens == old_render(tokenizer, renderer._replies, ms), "renders differ"
+            assert tokens == old_render(tokenizer, replies, ms), "renders differ"
             new = []
             for _ in range(repeat):
                 again = PromptRenderer(tokenizer)
-                again._replies, again._rendered = renderer._replies, OrderedDict(before)
+                again._rendered = OrderedDict(before)
                 t = time.perf_counter()
                 again.render(ms)
                 new.append((time.perf_counter() - t) * 1000)
-            old_ms = timed(lambda ms=ms: old_render(tokenizer, renderer._replies, ms), few)
+            old_ms = timed(lambda ms=ms: old_render(tokenizer, replies, ms), few)
             rows.append(
                 {
                     "tokens": len(tokens),
@@ -324,8 +325,8 @@ def bench_render(contexts: list[int], repeat: int, seed: int) -> list[dict[str, 
             )
         ids = [rng.randrange(3, 500) for _ in range(55)]
         text = tokenizer.decode(ids)
-        renderer.remember_reply(text, ids)
-        messages.append({"role": "assistant", "content": text})
+        replies[text] = ids  # the message carries them to the new render
+        messages.append({"role": "assistant", "content": text, "tokens": ids})
     return rows
 
 

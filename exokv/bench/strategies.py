@@ -314,7 +314,7 @@ class Exokv:
             ),
             evicted=result.evictions,
             note=_eviction_note(result.events),
-            generated=self.engine.reply_tokens(result.reply),
+            generated=result.reply_tokens,
             spilled=sum(1 for e in result.events if e.kind == "spill"),
             loaded_tokens=sum(e.tokens for e in result.events if e.kind == "load"),
         )
