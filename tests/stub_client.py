@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import (
+    NO_CALLS,
+    BatchCalls,
+    CacheFileReport,
+    DraftCost,
+    RowOutcome,
+    TurnRequest,
+    TurnResult,
+)
 
 
 class StubClient:
@@ -24,10 +32,7 @@ class StubClient:
     def turns(
         self,
         requests: list[TurnRequest],
-        on_text: Callable[[int, str], None] | None = None,
-        should_stop: Callable[[int], bool] | None = None,
-        on_row: Callable[[int, RowOutcome], None] | None = None,
-        joins: Callable[[], list[TurnRequest]] | None = None,
+        calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
         raise NotImplementedError("this fake runs no batches")
 

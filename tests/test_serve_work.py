@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from exokv.core.records import RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import NO_CALLS, BatchCalls, RowOutcome, TurnRequest, TurnResult
 from exokv.serve.work import Job, TurnQueue
 from tests.stub_client import StubClient
 
@@ -37,7 +37,7 @@ class RecordingClient(StubClient):
         self.calls.append([request.session])
         return _result(request)
 
-    def turns(self, requests: list[TurnRequest], **_: object) -> list[RowOutcome]:
+    def turns(self, requests: list[TurnRequest], calls: object = None) -> list[RowOutcome]:
         self.calls.append([r.session for r in requests])
         return [RowOutcome(result=_result(r), batch=len(requests)) for r in requests]
 
@@ -94,10 +94,10 @@ class JoiningClient(RecordingClient):
         self.started = threading.Event()
         self.release = threading.Event()
 
-    def turns(self, requests: list[TurnRequest], **kw: object) -> list[RowOutcome]:
+    def turns(self, requests: list[TurnRequest], calls: BatchCalls = NO_CALLS) -> list[RowOutcome]:
         self.started.set()
         self.release.wait(10)  # the others arrive while it runs
-        joins = kw.get("joins")
+        joins = calls.joins
         joined = joins() if callable(joins) else []
         rows = list(requests) + joined
         self.calls.append([r.session for r in rows])

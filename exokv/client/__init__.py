@@ -17,7 +17,15 @@ from collections.abc import Callable
 from typing import Protocol
 
 from exokv.core.options import ClusterOptions, RankOptions
-from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import (
+    NO_CALLS,
+    BatchCalls,
+    CacheFileReport,
+    DraftCost,
+    RowOutcome,
+    TurnRequest,
+    TurnResult,
+)
 
 
 class Client(Protocol):
@@ -56,10 +64,7 @@ class Client(Protocol):
     def turns(
         self,
         requests: list[TurnRequest],
-        on_text: Callable[[int, str], None] | None = None,
-        should_stop: Callable[[int], bool] | None = None,
-        on_row: Callable[[int, RowOutcome], None] | None = None,
-        joins: Callable[[], list[TurnRequest]] | None = None,
+        calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
         """Several requests' turns decoded together (exokv.rank.batch), outcomes in order;
         on_text(row, piece) streams each row, should_stop(row) ends one row (agreed by

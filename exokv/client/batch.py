@@ -14,10 +14,9 @@ rows numbered after the rows before them; rank 0 admits them at its next decode 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from exokv.core.records import RowOutcome, TurnRequest
+from exokv.core.records import NO_CALLS, BatchCalls, RowOutcome, TurnRequest
 from exokv.errors import ExokvError
 from exokv.wire.messages import Batch, BatchRow, Join, Row, Stop, Texts
 
@@ -46,10 +45,7 @@ class BatchRows:
 def cluster_turns(
     client: Any,
     requests: list[TurnRequest],
-    on_text: Callable[[int, str], None] | None = None,
-    should_stop: Callable[[int], bool] | None = None,
-    on_row: Callable[[int, RowOutcome], None] | None = None,
-    joins: Callable[[], list[TurnRequest]] | None = None,
+    calls: BatchCalls = NO_CALLS,
 ) -> list[RowOutcome]:
     """Run `requests` as one batch on `client`'s ranks (a ClusterClient); outcomes in order
     (the joined rows' after), and each to on_row(row, outcome) as soon as it comes."""
@@ -58,10 +54,10 @@ def cluster_turns(
         rows = BatchRows(client, ids)
         row_of = {ident: i for i, ident in enumerate(ids)}
         batch = [BatchRow(ident, request) for ident, request in zip(ids, requests, strict=True)]
-        client._send(Batch(client._new_id(), batch, join=joins is not None))
+        client._send(Batch(client._new_id(), batch, join=calls.joins is not None))
         client._rows = rows
         try:
-            return _collect(client, rows, row_of, on_text, should_stop, on_row, joins)
+            return _collect(client, rows, row_of, calls)
         finally:
             client._rows = None
 
@@ -70,12 +66,15 @@ def _collect(
     client: Any,
     rows: BatchRows,
     row_of: dict[int, int],
-    on_text: Callable[[int, str], None] | None,
-    should_stop: Callable[[int], bool] | None,
-    on_row: Callable[[int, RowOutcome], None] | None,
-    joins: Callable[[], list[TurnRequest]] | None = None,
+    calls: BatchCalls,
 ) -> list[RowOutcome]:
     """Read the batch's messages until every row's outcome came."""
+    on_text, should_stop, on_row, joins = (
+        calls.on_text,
+        calls.should_stop,
+        calls.on_row,
+        calls.joins,
+    )
     outcomes: list[RowOutcome | None] = [None] * len(rows.ids)
     while any(o is None for o in outcomes):
         if joins is not None:

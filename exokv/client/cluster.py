@@ -44,7 +44,15 @@ from exokv.client import Client
 from exokv.client.batch import cluster_turns
 from exokv.config import TEST_HOOKS
 from exokv.core.options import ClusterOptions, KvQuant, RankOptions
-from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import (
+    NO_CALLS,
+    BatchCalls,
+    CacheFileReport,
+    DraftCost,
+    RowOutcome,
+    TurnRequest,
+    TurnResult,
+)
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.launch.command import (
     SCRATCH_PREFIX,
@@ -222,12 +230,9 @@ class ClusterClient(Client):
     def turns(
         self,
         requests: list[TurnRequest],
-        on_text: Callable[[int, str], None] | None = None,
-        should_stop: Callable[[int], bool] | None = None,
-        on_row: Callable[[int, RowOutcome], None] | None = None,
-        joins: Callable[[], list[TurnRequest]] | None = None,
+        calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
-        return cluster_turns(self, requests, on_text, should_stop, on_row, joins)
+        return cluster_turns(self, requests, calls)
 
     def stop_row(self, row: int) -> None:
         """End row `row` of the batch in flight at its next decode step, on every rank."""

@@ -28,6 +28,8 @@ from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
 from exokv.core.records import (
+    NO_CALLS,
+    BatchCalls,
     CacheEvent,
     CacheFileReport,
     DraftCost,
@@ -94,14 +96,12 @@ class HealingClient:
     def turns(
         self,
         requests: list[TurnRequest],
-        on_text: Callable[[int, str], None] | None = None,
-        should_stop: Callable[[int], bool] | None = None,
-        on_row: Callable[[int, RowOutcome], None] | None = None,
-        joins: Callable[[], list[TurnRequest]] | None = None,
+        calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
         # A batch the ranks die in runs again whole on the new ranks, as a turn does,
         # with the rows that had joined it; a row answered before they died is not
         # answered again.
+        on_text, on_row, joins = calls.on_text, calls.on_row, calls.joins
         requests = list(requests)
         rows = [ShownOnce(partial(on_text, i) if on_text else None) for i in range(len(requests))]
         answered: set[int] = set()
@@ -123,9 +123,8 @@ class HealingClient:
             for row in rows:
                 row.rerun()
             relay = (lambda row, piece: rows[row](piece)) if on_text else None
-            return inner.turns(
-                list(requests), relay, should_stop, answer, joined if joins else None
-            )
+            heard = BatchCalls(relay, calls.should_stop, answer, joined if joins else None)
+            return inner.turns(list(requests), heard)
 
         return self._healing(run)
 

@@ -14,7 +14,15 @@ import mlx.core as mx
 
 from exokv.client import Client
 from exokv.client.typeahead import DraftRunner
-from exokv.core.records import CacheFileReport, DraftCost, RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import (
+    NO_CALLS,
+    BatchCalls,
+    CacheFileReport,
+    DraftCost,
+    RowOutcome,
+    TurnRequest,
+    TurnResult,
+)
 from exokv.model.resolve import load_model
 from exokv.rank import kvsave
 from exokv.rank.batch import run_batch
@@ -75,13 +83,15 @@ class LocalClient(Client):
     def turns(
         self,
         requests: list[TurnRequest],
-        on_text: Callable[[int, str], None] | None = None,
-        should_stop: Callable[[int], bool] | None = None,
-        on_row: Callable[[int, RowOutcome], None] | None = None,
-        joins: Callable[[], list[TurnRequest]] | None = None,
+        calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
         return run_batch(
-            self.engine, requests, on_text, should_stop=should_stop, on_row=on_row, joins=joins
+            self.engine,
+            requests,
+            calls.on_text,
+            should_stop=calls.should_stop,
+            on_row=calls.on_row,
+            joins=calls.joins,
         )
 
     def stop(self) -> None:

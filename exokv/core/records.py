@@ -6,6 +6,7 @@ over the rank-0 channel and into SQLite; nothing here touches MLX.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -194,6 +195,22 @@ class RowOutcome:
         result = data.get("result")
         outcome.result = TurnResult.from_dict(result) if result is not None else None
         return outcome
+
+
+@dataclass(frozen=True)
+class BatchCalls:
+    """What the caller of a batch of turns (`Client.turns`) hears, row by row: each
+    row's text as it streams, whether a row should stop (asked at every decode step),
+    each row's outcome as soon as it ends, and the requests that join the batch in
+    flight. Every client a batch passes through hands these on as one."""
+
+    on_text: Callable[[int, str], None] | None = None
+    should_stop: Callable[[int], bool] | None = None
+    on_row: Callable[[int, RowOutcome], None] | None = None
+    joins: Callable[[], list[TurnRequest]] | None = None
+
+
+NO_CALLS = BatchCalls()
 
 
 TIER_OFF_BECAUSE = "the disk tier is off: "  # a report's `skipped` when a rank said why

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from exokv.client.stopwatch import FirstText
-from exokv.core.records import RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import NO_CALLS, BatchCalls, RowOutcome, TurnRequest, TurnResult
 from exokv.prompt.render import with_reply_tokens
 
 Message = dict[str, Any]
@@ -67,23 +68,16 @@ class RepliesFromStore:
     def turns(
         self,
         requests: list[TurnRequest],
-        on_text: Callable[[int, str], None] | None = None,
-        should_stop: Callable[[int], bool] | None = None,
-        on_row: Callable[[int, RowOutcome], None] | None = None,
-        joins: Callable[[], list[TurnRequest]] | None = None,
+        calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
-        joined = None
+        joined, joins = None, calls.joins
         if joins is not None:  # requests that join the batch in flight get theirs too
 
             def joined() -> list[TurnRequest]:
                 return [self.with_tokens(r) for r in joins()]
 
         return self._inner.turns(
-            [self.with_tokens(r) for r in requests],
-            on_text=on_text,
-            should_stop=should_stop,
-            on_row=on_row,
-            joins=joined,
+            [self.with_tokens(r) for r in requests], replace(calls, joins=joined)
         )
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from exokv.client import Client
-from exokv.core.records import RowOutcome, TurnRequest, TurnResult
+from exokv.core.records import BatchCalls, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong
 from exokv.rank.stops import TextStops
 from exokv.serve.errors import ApiError
@@ -274,13 +274,8 @@ class TurnQueue:
                 self._finish(job, outcome.result)
 
         try:
-            outcomes = self.client.turns(
-                [j.request for j in jobs],
-                on_text=on_text,
-                should_stop=should_stop,
-                on_row=on_row,
-                joins=lambda: self._joins(jobs),
-            )
+            calls = BatchCalls(on_text, should_stop, on_row, joins=lambda: self._joins(jobs))
+            outcomes = self.client.turns([j.request for j in jobs], calls)
         except Exception as err:  # noqa: BLE001 - the batch fails, the server stays up
             for job in jobs:
                 if not job.finished:
