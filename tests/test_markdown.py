@@ -221,6 +221,68 @@ def test_a_reply_stopped_inside_a_fence_still_shows_its_code() -> None:
     assert not any("```" in line for line in shown)
 
 
+POEM = (
+    "The sea, a mystic place,\n"
+    "A place where the stars shine bright,\n"
+    "Where *waves* dance with grace,\n"
+    "And the moon gives its light.\n"
+)
+MIXED = (
+    "A list:\n\n- one\n- two\n\n```python\nx = 1\ny = 2\n```\n\nBefore\n\nafter.\n\n"
+    "| a | b |\n|---|---|\n| 1 | 2 |\n\n# Head\n"
+)
+
+
+def test_a_poem_keeps_each_line() -> None:
+    """A single newline in a paragraph is a line break (strict markdown, and rich, would
+    show one run-on paragraph), streamed a few characters at a time and whole."""
+    expected = [line.replace("*", "") for line in POEM.splitlines()]
+    for size in (3, len(POEM)):
+        out = io.StringIO()
+        stream(Renderer(terminal_console(out)), POEM, size)
+        shown = [line.rstrip() for line in lines(screen(out.getvalue())) if line.strip()]
+        assert shown == expected, size
+    # a line break in a list item and a quote too; a setext heading stays one title
+    out = io.StringIO()
+    stream(Renderer(terminal_console(out)), "- one\n  more\n\n> q\n> r\n\nTi\ntle\n===\n")
+    shown = [line.rstrip() for line in lines(screen(out.getvalue()))]
+    assert " • one" in shown and "   more" in shown
+    assert any(line.endswith(" q") for line in shown) and any(line.endswith(" r") for line in shown)
+    assert any(line.strip() == "Ti tle" for line in shown)
+
+
+def test_lists_fences_tables_and_paragraphs_render_as_before() -> None:
+    out = io.StringIO()
+    stream(Renderer(terminal_console(out)), MIXED)
+    shown = [line.rstrip() for line in lines(screen(out.getvalue()))]
+    # the screen as rich drew it before line breaks were kept (its own blank rows too)
+    assert shown == [
+        "A list:",
+        "",
+        "",
+        " • one",
+        " • two",
+        "",
+        "x = 1",
+        "y = 2",
+        "",
+        "Before",
+        "",
+        "after.",
+        "",
+        "",
+        "",
+        " a  b",
+        " ────",
+        " 1  2",
+        "",
+        "",
+        " " * 48 + "Head",
+        "",
+        "",
+    ]
+
+
 # -- in a pty ------------------------------------------------------------------------------
 
 
@@ -270,6 +332,33 @@ def test_the_repl_renders_a_fence_and_plain_prints_it_raw(
     assert shown[start + 2] == "    return a + b  # the sum"
     assert coloured(rows[start]) and coloured(rows[start + 2])
     assert not any(line.strip().startswith("```") for line in shown)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_repl_keeps_a_poems_line_breaks(tmp_path: Path, models_dir: Path) -> None:
+    """The REPL on a pseudo-terminal shows a poem-shaped reply one line per line, and a
+    list and a fence after it as before."""
+    home = home_with_models(tmp_path / "home", models_dir, link=True)
+    shown_file = tmp_path / "reply.md"
+    shown_file.write_text(POEM + "\n- one\n- two\n\n```python\nx = 1\n```\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("EXOKV_DEBUG", "NO_COLOR")}
+    env.update(EXOKV_HOME=str(home), EXOKV_TEST_SHOWN_REPLY=str(shown_file))
+    cmd = [sys.executable, "-m", "exokv", "chat", "--model", "builtin:tiny", "--max-tokens", "300"]
+    term = Terminal(cmd, env)
+    try:
+        term.expect(r"› ")
+        rows = _reply_on_screen(term, "Write a poem about the sea.")
+        term.type("\x04")
+        term.expect(r"bye")
+    finally:
+        code = term.close()
+    assert code == 0, term.text[-2000:]
+    shown = [line.rstrip() for line in lines(rows)]
+    poem = [line.replace("*", "") for line in POEM.splitlines()]
+    start = shown.index(poem[0])
+    assert shown[start : start + 4] == poem
+    assert shown[start + 4 : start + 10] == ["", "", " • one", " • two", "", "x = 1"]
 
 
 def test_each_token_redraws_the_open_block_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,8 @@ The design, and why:
   numbers, no padding (rich's own `Syntax` pads lines to the width with its background
   colour, which copying a block from the screen would pick up as trailing spaces), and
   with the terminal's soft wrap rather than rich's, so a long line copies as one line.
+- A single newline inside a paragraph is a line break (`keep_line_breaks`), as chat
+  front ends show a model's verse; strict markdown, and rich, would join the lines.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
@@ -38,6 +41,9 @@ from rich.markdown import CodeBlock, Markdown
 from rich.segment import Segment
 from rich.syntax import Syntax
 from rich.text import Text
+
+if TYPE_CHECKING:  # rich's parser's tokens; markdown-it comes with rich
+    from markdown_it.token import Token
 
 # A fence opens with 3+ backticks or tildes, indented 0-3 spaces (CommonMark); a backtick
 # fence's info string holds no backtick.
@@ -181,7 +187,28 @@ class _Code(CodeBlock):
 
 
 class _Markdown(Markdown):
+    """rich's Markdown, keeping a paragraph's single line breaks (see `keep_line_breaks`)."""
+
     elements = {**Markdown.elements, "fence": _Code, "code_block": _Code}
+
+    def __init__(self, markup: str, **options: Any) -> None:
+        super().__init__(markup, **options)
+        keep_line_breaks(self.parsed)
+
+
+def keep_line_breaks(tokens: list[Token]) -> list[Token]:
+    """A single newline inside a paragraph becomes a line break, as chat front ends show
+    a model's verse and line-per-line answers (markdown-it's `breaks` option). That option
+    only changes markdown-it's HTML output: its parser still gives a `softbreak`, which
+    rich shows as a space, so the token itself becomes a `hardbreak` here. Only paragraph
+    text (in a list item or a quote too): a setext heading's lines stay one title, and
+    fences, tables and ATX headings hold no soft breaks."""
+    for before, token in zip(tokens, tokens[1:], strict=False):
+        if token.type == "inline" and before.type == "paragraph_open":
+            for child in token.children or []:
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+    return tokens
 
 
 def rendered(block: Block) -> RenderableType:

@@ -34,6 +34,12 @@ cache_app = typer.Typer(
 JSON_HELP = "Print one JSON document instead of a table."
 NO_SESSIONS = "No sessions yet: start one with `exokv chat`."
 NO_CACHE = "No cache activity recorded yet: it appears after the next `exokv chat` turn."
+# An entry's hits are the tree's own count, which the disk tier keeps across chats, while
+# `cache stats` counts the current run's turns: said under the table, as the two differ.
+ENTRY_HITS = (
+    "Hits: the turns that reused the entry since it was cached, over every chat that kept it "
+    "(the disk tier keeps entries across chats); `cache stats` counts this run's turns."
+)
 _SPARKS = "▁▂▃▄▅▆▇█"
 _SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|secs|m|min|mins|h|hr|hrs|d|day|days|w)\s*$")
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -171,7 +177,8 @@ def entries(
     ),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used."""
+    """One row per live cache entry: id, session, tokens, bytes on each rank, hits, created,
+    last used."""
     with _snapshot() as (db, has_db):
         runs = queries.current_runs(db)
         rows = queries.entries(db, session)
@@ -197,6 +204,7 @@ def entries(
         Column("Pinned", "left", priority=2),
         *[Column(f"Bytes r{k}", priority=0 if k == 0 else 3) for k in range(width)],
         Column("Hits", priority=1),
+        Column("Created", "left", priority=1),
         Column("Last used", "left", priority=1),
     ]
     cells = []
@@ -210,6 +218,7 @@ def entries(
             pinned,
             *sizes,
             tables.num(r["hits"]),
+            tables.when(r["created"]),
             tables.when(r["last_used"]),
         ]
         cells.append([*([str(r["run"])] if many else []), *row])
@@ -218,6 +227,7 @@ def entries(
     for line in _run_lines(runs):
         console.print(line)
     console.print(table)
+    console.print(ENTRY_HITS, style="dim")
 
 
 @cache_app.command()

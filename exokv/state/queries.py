@@ -262,10 +262,13 @@ def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[d
     pins = pinned_sessions(db)
     out = []
     for run in current_runs(db):
-        for e in _live_entries(db, run["id"]):
+        live = _live_entries(db, run["id"])
+        times = _entry_times(db, run["id"], live)
+        for e in live:
             if session is not None and e["session"] != session:
                 continue
             sizes = json.loads(e["bytes"])
+            created, last_used = times[e["node_id"]]
             out.append(
                 {
                     "run": run["id"],
@@ -280,10 +283,62 @@ def entries(db: sqlite3.Connection | None, session: str | None = None) -> list[d
                     "tier": e["tier"],
                     "pinned": e["session"] in pins,
                     "hits": e["hits"],
-                    "created": iso(e["created"]),
-                    "last_used": iso(e["last_used"]),
+                    "created": iso(created),
+                    "last_used": iso(last_used),
                 }
             )
+    return out
+
+
+def _entry_times(
+    db: sqlite3.Connection, run_id: int, live: list[sqlite3.Row]
+) -> dict[int, tuple[float, float]]:
+    """Each live entry's own (created, last used) wall times, by node id.
+
+    A run's `cache_entries` row starts when the run first records the entry, so an entry
+    a chat restored from the persisted tree (the disk tier keeps node ids, depths and
+    the tree's clock across chats) would look created and used at that chat's first
+    turn. Its history is in the earlier runs instead: the same model's rows of the same
+    node id and depth (a node's end position, kept through splits) are the same entry.
+    - created: its `add` event, in the run whose tree made the node; a run that records
+      no `add` for it took it over from the run before.
+    - last used: the row's time in the latest run where the tree's clock for it (`tick`,
+      which only a use moves) moved; a row whose tick is the one it was restored with
+      was not used in that run.
+    """
+    if not live:
+        return {}
+    model = live[0]["model"]
+    earlier: dict[tuple[int, int], list[sqlite3.Row]] = {}
+    for r in db.execute(
+        "SELECT run_id, node_id, depth, tick, created, last_used FROM cache_entries "
+        "WHERE model = ? AND run_id < ? ORDER BY run_id DESC",
+        (model, run_id),
+    ):
+        earlier.setdefault((r["node_id"], r["depth"]), []).append(r)
+    added: dict[tuple[int, int], float] = {
+        (r[0], r[1]): r[2]
+        for r in db.execute(
+            "SELECT run_id, entry, MIN(time) FROM cache_events "
+            "WHERE kind = 'add' AND run_id <= ? GROUP BY run_id, entry",
+            (run_id,),
+        )
+    }
+    out = {}
+    for e in live:
+        chain = [e, *earlier.get((e["node_id"], e["depth"]), [])]
+        # Back through the runs that took the entry over, to the one that made it.
+        start = 0
+        while (chain[start]["run_id"], e["node_id"]) not in added and start + 1 < len(chain):
+            start += 1
+        chain = chain[: start + 1]
+        made = chain[-1]
+        created = added.get((made["run_id"], e["node_id"]), made["created"])
+        used = next(
+            (r for r, before in zip(chain, chain[1:], strict=False) if r["tick"] != before["tick"]),
+            made,
+        )
+        out[e["node_id"]] = (created, max(used["last_used"], created))
     return out
 
 
