@@ -10,6 +10,7 @@ import pytest
 
 from exokv.cache import kinds
 from exokv.cache.disk import decode, encode
+from exokv.core.options import KvQuant
 from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
 from tests.test_cache_budget import chats, engine_for, play, tokenizer  # noqa: F401
@@ -140,7 +141,7 @@ def test_file_checks():
 def test_kv_bits_stores_fewer_bytes_per_token(bits, tokenizer, tmp_path):  # noqa: F811
     model = build_tiny_qwen(num_attention_heads=2, num_key_value_heads=2, vocab_size=VOCAB)
     full = Engine(model, tokenizer)
-    quant = Engine(model, tokenizer, options=EngineOptions(kv_bits=bits, kv_group_size=32))
+    quant = Engine(model, tokenizer, options=EngineOptions(kv=KvQuant(bits, 32)))
     assert quant.bytes_per_token < full.bytes_per_token * (0.6 if bits == 8 else 0.35)
     results = play(quant, chats(2, 2))
     assert results[-1].cached_tokens > 0 and all(r.reply for r in results)

@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from benchmarks.kv_quality import compare, quantized_cache, run_carried, run_exokv
+from exokv.core.options import KvQuant
 from exokv.rank.engine import Engine, EngineOptions
 from tests.conftest import build_tiny_qwen
 from tests.test_cache_budget import tokenizer  # noqa: F401 (the fixture)
@@ -25,7 +26,7 @@ def test_stored_and_fetched_equals_mlx_lms_carried_quantized_cache(bits, group, 
                             num_hidden_layers=2, vocab_size=1024)  # fmt: skip
     rng = random.Random(bits)
     tokens = [rng.randrange(1024) for _ in range(130)]
-    engine = Engine(model, tokenizer, options=EngineOptions(kv_bits=bits, kv_group_size=group))
+    engine = Engine(model, tokenizer, options=EngineOptions(kv=KvQuant(bits, group)))
     ours = run_exokv(engine, tokens, 40)  # 4 segments: 3 fetched from the store
     assert engine.cache.tree.match(tokens).length == len(tokens)
     theirs = run_carried(model, quantized_cache(model, group, bits), tokens, 40)

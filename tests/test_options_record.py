@@ -70,7 +70,7 @@ def test_a_ranks_engine_options_are_read_in_one_place(tmp_path: Path, monkeypatc
     )
     options = engine_options(RankOptions(cluster, ranks_here=2), rank=1, layout="pipeline:2:even")
     assert (options.budget, options.ranks_here, options.seed) == (7_000_000, 2, 3)
-    assert (options.kv_bits, options.kv_group_size, options.stops) == (4, 32, ("END",))
+    assert (options.kv, options.stops) == (KvQuant(4, 32), ("END",))
     assert options.memory_threshold == 0.8 and options.disk_dir is None
     tiered = dataclasses.replace(cluster, disk_budget=1 << 20)
     options = engine_options(RankOptions(tiered), rank=0, layout="pipeline:2:even")

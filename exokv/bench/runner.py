@@ -39,6 +39,7 @@ from exokv.bench.strategies import (
 )
 from exokv.cache import kinds
 from exokv.collectives import Group
+from exokv.core.options import KvQuant
 
 OTHERS = tuple(s for s in STRATEGIES if s != "exokv")
 TIMINGS = ("ttft_s", "decode_tps", "overhead_s")
@@ -56,8 +57,7 @@ class BenchConfig:
     ranks: int = 1
     parallel: str = "pipeline"
     cache_budget: int | None = None  # bytes, for mlx-lm-lru and exokv alike (BUDGETED)
-    kv_bits: int | None = None  # quantized KV for exokv and exokv+disk (QUANTIZED)
-    kv_group_size: int = 64
+    kv: KvQuant = KvQuant()  # quantized KV for exokv and exokv+disk (QUANTIZED)
 
 
 # What each budgeted strategy's policy bounds, as reported with --cache-budget.
@@ -152,8 +152,8 @@ def run(
         "cache_budget": config.cache_budget,
         "cache_budget_strategies": list(BUDGETED) if config.cache_budget is not None else [],
         "cache_budget_note": budget_note(config.cache_budget),
-        "kv_bits": config.kv_bits,
-        "kv_group_size": config.kv_group_size if config.kv_bits else None,
+        "kv_bits": config.kv.bits,
+        "kv_group_size": config.kv.group_size if config.kv.bits else None,
         "strategies": list(STRATEGIES),
         "versions": _versions(),
         "machine": {
@@ -202,7 +202,7 @@ def _run_once(
         outcomes, limit = _play(step, tokens, order, strategies, oracle, config, progress, where)
         ref = outcomes["cold"]
         for s, o in outcomes.items():
-            if _differs(o, ref, s, config.kv_bits, tokenizer):
+            if _differs(o, ref, s, config.kv.bits, tokenizer):
                 mismatches.append(
                     {"scenario": name, "run": rep + 1, "turn": step.index, "strategy": s}
                     | {"reply": o.reply, "cold_reply": ref.reply}
@@ -219,7 +219,7 @@ def _run_once(
     _drop_disk_files(strategies["exokv+disk"])
     return {
         "restart_at": scen.restart_at,
-        "kv_bits": config.kv_bits,
+        "kv_bits": config.kv.bits,
         "kv": _unquantized_kv(model),
         "turns": tally.rows,
         "peak_cache_bytes": tally.peak,
@@ -236,8 +236,7 @@ def _strategies(
     """Every strategy, made empty, and the renderer they all use: the exokv engine's
     (the current one: see the restart), so the token sequences are the same for all."""
     budget = config.cache_budget
-    kv = {"kv_bits": config.kv_bits, "kv_group_size": config.kv_group_size}
-    exo = make("exokv", model, tokenizer, budget=budget, group=group, **kv)
+    exo = make("exokv", model, tokenizer, budget=budget, group=group, kv=config.kv)
     strategies: dict[str, Any] = {"exokv": exo}
 
     def r(messages: Sequence[dict[str, str]]) -> list[int]:
@@ -245,7 +244,7 @@ def _strategies(
 
     for s in STRATEGIES:
         if s != "exokv":
-            strategies[s] = make(s, model, tokenizer, r, budget, group=group, **kv)
+            strategies[s] = make(s, model, tokenizer, r, budget, group=group, kv=config.kv)
     return strategies, r
 
 

@@ -49,6 +49,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from exokv.cache.prefix_cache import cache_length
 from exokv.collectives import Group
+from exokv.core.options import KvQuant
 from exokv.core.records import TurnRequest
 from exokv.rank.engine import Engine, EngineOptions, decode, prefill
 
@@ -268,12 +269,11 @@ class Exokv:
         budget: int | None = None,
         group: Group | None = None,
         disk_dir: str | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
+        kv: KvQuant = KvQuant(),
     ) -> None:
         self.budget = budget
         self.disk_dir = disk_dir  # exokv+disk: its disk tier's directory
-        options = EngineOptions(budget=budget, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        options = EngineOptions(budget=budget, kv=kv)
         if disk_dir is not None:
             self.name = "exokv+disk"
             options.disk_dir, options.disk_budget = disk_dir, DISK_BUDGET

@@ -84,8 +84,7 @@ def bench(
         ranks=ranks,
         parallel=parallel,
         cache_budget=budget,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
+        kv=KvQuant(kv_bits, kv_group_size),
     )
     _report(_run(config, starting_port), json_out, plot)
 

@@ -39,6 +39,7 @@ from exokv.cache.radix import Node
 from exokv.cache.tier_options import kv_group_misfit
 from exokv.collectives import Group, LocalGroup
 from exokv.config import DEFAULT_MEMORY_THRESHOLD, TEST_HOOKS
+from exokv.core.options import KvQuant
 from exokv.core.records import (
     CacheEvent,
     DraftCost,
@@ -77,8 +78,7 @@ class EngineOptions:
     # The disk tier (exokv.cache.disk_tier): this rank's directory and budget; off without both.
     disk_dir: str | None = None
     disk_budget: int | None = None
-    kv_bits: int | None = None  # quantized KV cache (mlx-lm's QuantizedKVCache): 4 or 8
-    kv_group_size: int = 64
+    kv: KvQuant = KvQuant()  # a quantized KV cache (mlx-lm's QuantizedKVCache), or not
     # The prompt format (exokv.model.templates): a template spec (None: the model's own
     # or a fallback), stop sequences besides the template's, a context limit (num_ctx).
     chat_template: str | None = None
@@ -147,10 +147,10 @@ class Engine:
         try:
             return kinds.measure_rates(self._new_cache, self._run_one_token)
         except ValueError as err:
-            if not self.options.kv_bits:
+            kv = self.options.kv
+            if not kv.bits:
                 raise
-            o = self.options
-            why = kv_group_misfit(self.model, o.kv_bits, o.kv_group_size, str(err))
+            why = kv_group_misfit(self.model, kv.bits, kv.group_size, str(err))
             raise UsageError(why) from None
 
     def _default_budget(self) -> int:
@@ -637,8 +637,8 @@ class Engine:
 
     def _new_cache(self) -> list[Any]:
         cache = make_prompt_cache(self.model, max_kv_size=self.options.max_kv_size)
-        if self.options.kv_bits:  # stored quantized, in RAM and on disk alike
-            bits, group = self.options.kv_bits, self.options.kv_group_size
+        if self.options.kv.bits:  # stored quantized, in RAM and on disk alike
+            bits, group = self.options.kv.bits, self.options.kv.group_size
             cache = [QuantizedKVCache(group, bits) if type(c) is KVCache else c for c in cache]
         return cache
 

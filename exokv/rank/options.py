@@ -26,7 +26,6 @@ def engine_options(opts: RankOptions, rank: int, layout: str) -> EngineOptions:
         chat_template=cluster.chat_template,
         stops=cluster.stops,
         context=cluster.context,
-        kv_bits=cluster.kv.bits,
-        kv_group_size=cluster.kv.group_size,
+        kv=cluster.kv,
         **tier_options(cluster, rank, layout, opts.ranks_here),
     )
