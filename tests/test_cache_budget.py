@@ -101,7 +101,7 @@ class Carried:
         generated, reply, *_ = decode(
             self.engine.model, self.engine.tokenizer, tokens[-1:], self.cache, request.max_tokens, 0
         )
-        self.engine._remember_reply(reply, generated)
+        self.engine.reply_spelled(reply, generated)
         self.held = tokens + generated
         return reply
 

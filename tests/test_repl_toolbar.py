@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from chat_helpers import ANSI
@@ -23,17 +24,21 @@ from exokv.chat.conversation import ChatController, TurnSettings
 from exokv.chat.render import Renderer, status_line
 from exokv.chat.repl import run_repl
 from exokv.chat.typeahead import PrefillSpeed, toolbar_text
+from exokv.client import stopwatch
 from exokv.core.records import DraftCost, TurnResult
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class DraftingClient(FakeClient):
-    """Says of every draft: 1,234 tokens, 1,200 of them cached; prefills 2,000 tok/s."""
+    """Says of every draft: 1,234 tokens, 1,200 of them cached; prefills 2,000 tok/s: its
+    first text comes 0.5 s after the request on `clock`, the front end's stopwatch (the
+    one TTFT, exokv.client.stopwatch), for a prompt of which 1,000 tokens prefilled."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: list[float]) -> None:
         super().__init__()
         self.drafts: list[str] = []
+        self.clock = clock
 
     def draft(self, session, messages, text, wait=False) -> None:
         self.drafts.append(text)
@@ -42,16 +47,18 @@ class DraftingClient(FakeClient):
         return DraftCost(session, 1234, 1200) if self.drafts and self.drafts[-1] else None
 
     def turn(self, request, on_text=None, on_progress=None) -> TurnResult:
+        self.clock[0] += 0.5  # the prefill, before the first text
         result = super().turn(request, on_text, on_progress)
-        return replace(result, prompt_tokens=1040, cached_tokens=40, prefilled_tokens=1000,
-                       ttft_s=0.5)  # fmt: skip
+        return replace(result, prompt_tokens=1040, cached_tokens=40, prefilled_tokens=1000)
 
 
 def test_the_toolbar_shows_the_drafts_tokens_cached_and_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
-    client = DraftingClient()
+    clock = [100.0]
+    monkeypatch.setattr(stopwatch, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    client = DraftingClient(clock)
     chat = ChatController(client, TurnSettings(), "main")
     screen = io.StringIO()
     output = Vt100_Output(screen, lambda: Size(rows=30, columns=120), term="xterm")

@@ -177,8 +177,7 @@ def entries(
     ),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """One row per live cache entry: id, session, tokens, bytes on each rank, hits, created,
-    last used."""
+    """One row per live cache entry: id, session, tokens, bytes, hits, created, last used."""
     with _snapshot() as (db, has_db):
         runs = queries.current_runs(db)
         rows = queries.entries(db, session)

@@ -101,7 +101,7 @@ complete -c exokv -n '__exokv_at exokv bench' -l kv-bits -x -d 'quantized KV (4 
 complete -c exokv -n '__exokv_at exokv bench' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv bench' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv cache' -a 'clear' -d 'Forget cache entries, events, memory samples and the disk tier; keep conversations'
-complete -c exokv -n '__exokv_at exokv cache' -a 'entries' -d 'One row per live cache entry: id, session, tokens, bytes on each rank, hits, last used'
+complete -c exokv -n '__exokv_at exokv cache' -a 'entries' -d 'One row per live cache entry: id, session, tokens, bytes, hits, created, last used'
 complete -c exokv -n '__exokv_at exokv cache' -a 'evictions' -d 'The eviction log, newest first: what went, why, and every rank'\''s pressure then'
 complete -c exokv -n '__exokv_at exokv cache' -a 'pressure' -d 'Memory pressure per rank: the latest sample and a sparkline of recent ones'
 complete -c exokv -n '__exokv_at exokv cache' -a 'stats' -d 'Per rank and total: entries, cached tokens, bytes, budget, hits, misses, evictions'
