@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from threading import Event
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> 
             request = TurnRequest(api.conversation_name(history), list(history))
             result = TurnResult(request.session, reply, 5, 0, 5, 2, 0.1, 1.0, 0.0, 1)
             result.reply_tokens = [len(reply), 1]  # the result carries the reply's tokens
-            record(SimpleNamespace(request=request, result=result, reply=reply))
+            record(SimpleNamespace(request=request, result=result, reply=reply, cancelled=Event()))
             assert not hooks._system  # nothing kept per session
             history += [
                 {"role": "assistant", "content": reply},
@@ -126,6 +127,46 @@ def test_the_recorder_stores_each_turn_and_keeps_nothing_in_memory(tmp_path) -> 
         assert [m["content"] for m in stored] == ["hi", "one", "more", "two"]
         assert [m.get("tokens") for m in stored if m["role"] == "assistant"] == [[3, 1], [3, 1]]
         assert store.get_system(request.session) == "s"
+
+
+def test_a_call_the_client_left_ending_last_leaves_the_conversation_as_the_new_call_wrote_it(
+    tmp_path,
+) -> None:
+    """A client leaves a stream and sends the call again: both are turns of one session,
+    and the one it left may end last. Its partial reply must not replace the reply of the
+    call the client kept, nor lose that reply's tokens (the next call needs them)."""
+    from types import SimpleNamespace
+
+    from exokv.core.records import TurnRequest, TurnResult
+    from exokv.frontend.hooks import StoreHooks
+    from exokv.serve.run import _Recorder
+    from exokv.state import Store
+
+    def job(request: TurnRequest, reply: str, tokens: list[int], left: bool) -> SimpleNamespace:
+        result = TurnResult(request.session, reply, 5, 0, 5, 2, 0.1, 1.0, 0.0, 1)
+        result.reply_tokens = tokens
+        cancelled = Event()
+        if left:
+            cancelled.set()
+        return SimpleNamespace(request=request, result=result, reply=reply, cancelled=cancelled)
+
+    with Store.open(tmp_path) as store:
+        hooks = StoreHooks(store, store.start_run("m", 1, [None]), "m", client=StubClient())
+        record = _Recorder(hooks)
+        first = [{"role": "user", "content": "hi"}]
+        session = api.conversation_name(first)
+        record(job(TurnRequest(session, first), "one", [7, 8], left=False))
+        again = [
+            *first,
+            {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "more"},
+        ]
+        request = TurnRequest(session, again)
+        record(job(request, "the whole reply", [1, 2, 3], left=False))  # the call it kept
+        record(job(request, "the wh", [1], left=True))  # the one it left, ending last
+        stored = store.load_messages(session, with_tokens=True)
+        assert [m["content"] for m in stored] == ["hi", "one", "more", "the whole reply"]
+        assert [m.get("tokens") for m in stored if m["role"] == "assistant"] == [[7, 8], [1, 2, 3]]
 
 
 def test_a_client_cannot_send_the_marker_roles() -> None:

@@ -117,6 +117,12 @@ class _Recorder:
             reply = messages.pop()["content"] + reply
         if reply:
             messages.append({"role": "assistant", "content": reply})
+        if job.cancelled.is_set():
+            # The client left and never saw this reply: its turn (events, figures) is
+            # recorded, the conversation is not. The call it sends instead may end first:
+            # a late partial reply would then replace that one's, and the next call would
+            # find no tokens for the reply it really holds.
+            messages = []
         self.hooks.turn_done(Conversation(request.session, system, messages), result)
         self.hooks.forget(request.session)  # the next call brings the whole conversation
 
