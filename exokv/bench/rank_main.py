@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import fields
 from typing import IO, Any
 
 import mlx.core as mx
@@ -75,8 +74,7 @@ def run(settings: dict[str, Any], world: mx.distributed.Group, out: IO[str] | No
     from exokv.bench import runner
     from exokv.collectives import MlxGroup
 
-    known = {f.name for f in fields(runner.BenchConfig)}
-    config = runner.BenchConfig(**{k: v for k, v in settings["config"].items() if k in known})
+    config = runner.BenchConfig.from_dict(settings["config"])
     model, tokenizer = load_shard(config.model, world, config.parallel, None)
     group = MlxGroup(world)
     progress = StreamProgress(out) if out is not None else runner.Progress()

@@ -19,7 +19,7 @@ import os
 import shutil
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -58,6 +58,16 @@ class BenchConfig:
     parallel: str = "pipeline"
     cache_budget: int | None = None  # bytes, for mlx-lm-lru and exokv alike (BUDGETED)
     kv: KvQuant = KvQuant()  # quantized KV for exokv and exokv+disk (QUANTIZED)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchConfig:
+        """The config as `asdict` sent it to the bench's ranks (exokv.bench.ranks); keys
+        of a newer or older front end that this one lacks are left out."""
+        known = {f.name for f in fields(cls)}
+        given = {k: v for k, v in data.items() if k in known}
+        if isinstance(given.get("kv"), dict):
+            given["kv"] = KvQuant(**given["kv"])
+        return cls(**given)
 
 
 # What each budgeted strategy's policy bounds, as reported with --cache-budget.
