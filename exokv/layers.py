@@ -23,12 +23,22 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.hosts",  # the package's docstring
             "exokv.hosts.hostfile",
             "exokv.hosts.placement",  # pure: layers and budgets from gathered numbers
+            "exokv.hosts.replicas",  # pure: which host keeps each rank's KV a second time
         ),
     ),
     ("below the cache", ("exokv.collectives", "exokv.state", "exokv.model", "exokv.hosts.probe")),
     ("cache", ("exokv.cache",)),
     # The channel and its messages, starting and minding ranks, asking hosts over ssh.
-    ("wire", ("exokv.wire", "exokv.launch", "exokv.hosts.facts", "exokv.hosts.linktest")),
+    (
+        "wire",
+        (
+            "exokv.wire",
+            "exokv.launch",
+            "exokv.hosts.facts",
+            "exokv.hosts.linktest",
+            "exokv.hosts.kvfiles",  # KV files listed, sent and received on a host
+        ),
+    ),
     ("rank", ("exokv.rank", "exokv.hosts.link_main")),
     ("client", ("exokv.client", "exokv.hosts.fetch", "exokv.hosts.listing", "exokv.hosts.plan")),
     # Two front ends of the same client, and the start and the store they share.

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import qwen2
-from ssh_hosts import ssh_hosts  # noqa: F401 - the two ssh hosts, for any test module
+from ssh_hosts import ssh_hosts, three_hosts  # noqa: F401 - the ssh hosts, for any test module
 
 # pytest-xdist's workers have COLUMNS=80 and LINES=24 in their environment; the
 # processes tests start (some in pseudo-terminals of their own size) must not inherit
@@ -140,6 +140,7 @@ SLOW_FIXTURES = {
     "smollm2_dir": "a real model (SmolLM2)",
     "gemma3_dir": "a real model (Gemma 3 270M)",
     "ssh_hosts": "the ssh hosts (an sshd)",
+    "three_hosts": "the three ssh hosts (an sshd each)",
 }
 _SLOW_PROGRAMS = {"exokv", "mlx.launch", "mlx_lm.server", "sshd", "uvicorn"}
 _SLOW_MODULES = {"exokv", "exokv.rank.main", "mlx.launch", "mlx_lm.server", "uvicorn"}

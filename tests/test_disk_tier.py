@@ -20,15 +20,26 @@ DISK = 10**9
 
 
 def tiered(kind: str, tok, home: Path, budget: int | None, **extra) -> Engine:
+    """An engine whose disk tier is rank 0's folder under `home`, its files in the
+    pool beside it (kv_files)."""
     model, _ = model_for(kind)
     options = EngineOptions(
         budget=budget,
         max_kv_size=KINDS[kind][1],
-        disk_dir=str(home),
+        disk_dir=str(home / "rank0"),
         disk_budget=DISK,
         **extra,
     )
     return Engine(model, tok, options=options)
+
+
+def kv_files(home: Path) -> list[Path]:
+    """The KV files of the tiers under `home` (every pool's)."""
+    return sorted(home.glob("pool-*/*.kv"))
+
+
+def has_file(home: Path, node_id: int) -> bool:
+    return any(f.name.startswith(f"{node_id}.L") for f in kv_files(home))
 
 
 def working_set(kind: str, tok) -> tuple[list, int]:
@@ -66,7 +77,7 @@ def test_a_corrupt_spilled_file_is_a_miss_with_the_right_reply(tokenizer, tmp_pa
     script = chats(4, 2)
     first = play(engine, script[:4])
     engine.coord.tier.store.flush()
-    files = sorted(tmp_path.glob("*.kv"))
+    files = kv_files(tmp_path)
     assert files
     for f in files:  # flip bytes in the middle of every spilled file
         data = bytearray(f.read_bytes())
@@ -153,11 +164,11 @@ def test_an_unreadable_persisted_tree_starts_cold_and_says_why(tokenizer, tmp_pa
     engine = tiered("window", tokenizer, tmp_path, None)
     play(engine, chats(1, 1))
     engine.close()
-    assert (tmp_path / "tree.json").exists() and list(tmp_path.glob("*.kv"))
-    (tmp_path / "tree.json").write_text("{not json")
+    assert (tmp_path / "rank0" / "tree.json").exists() and kv_files(tmp_path)
+    (tmp_path / "rank0" / "tree.json").write_text("{not json")
     again = tiered("window", tokenizer, tmp_path, None)
     assert "unreadable" in again.tier_notice and "starting cold" in again.tier_notice
-    assert not list(tmp_path.glob("*.kv"))  # files of no tree are removed
+    assert not kv_files(tmp_path)  # files of no tree are removed
     assert play(again, chats(1, 1))[0].cached_tokens == 0
 
 
@@ -185,7 +196,7 @@ def test_a_file_of_other_positions_is_a_miss(tokenizer, tmp_path):  # noqa: F811
     miss on load, and the replies are right."""
 
     reference, script, replies, pairs = _first_half_then_quit(tokenizer, tmp_path)
-    files = sorted(tmp_path.glob("*.kv"), key=lambda f: f.stat().st_size)
+    files = sorted(kv_files(tmp_path), key=lambda f: f.stat().st_size)
     # Every file now holds the positions of another entry (a valid file, the wrong one).
     contents = [f.read_bytes() for f in files]
     for f, data in zip(files, contents[1:] + contents[:1], strict=True):

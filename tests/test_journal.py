@@ -13,7 +13,13 @@ from exokv.cache import journal
 from exokv.cache.journal import JOURNAL_FILE, TREE_FILE
 from exokv.rank.engine import Engine
 from tests.test_cache_budget import chats, play, tokenizer  # noqa: F401
-from tests.test_disk_tier import _second_half, restarts_warm, tiered, working_set
+from tests.test_disk_tier import (
+    _second_half,
+    has_file,
+    restarts_warm,
+    tiered,
+    working_set,
+)
 
 
 def crash(engine: Engine) -> None:
@@ -38,32 +44,33 @@ def first_half_then_crash(kind: str, tok, home: Path):
 @pytest.mark.parametrize("kind", ["window", "state"])
 def test_a_crash_after_a_turn_restarts_warm_from_snapshot_and_journal(kind, tokenizer, tmp_path):  # noqa: F811
     reference, script, replies, pairs, _ = first_half_then_crash(kind, tokenizer, tmp_path)
-    snapshot = json.loads((tmp_path / TREE_FILE).read_text())
+    snapshot = json.loads((tmp_path / "rank0" / TREE_FILE).read_text())
     assert snapshot["nodes"] == [] and snapshot["seq"] == 0  # the start's: nothing yet
-    records, why = journal.read(tmp_path / JOURNAL_FILE, 0)
+    records, why = journal.read(tmp_path / "rank0" / JOURNAL_FILE, 0)
     assert why == "" and [r["seq"] for r in records] == [1, 2, 3, 4]  # one per turn
     restarts_warm(kind, tokenizer, tmp_path, reference, script, replies, pairs)
 
 
 def test_a_torn_last_record_is_dropped_with_one_line(tokenizer, tmp_path):  # noqa: F811
     reference, script, replies, pairs, first = first_half_then_crash("state", tokenizer, tmp_path)
-    log = tmp_path / JOURNAL_FILE
+    log = tmp_path / "rank0" / JOURNAL_FILE
     records, _ = journal.read(log, 0)
     last_new = {rec["id"] for rec in records[-1]["nodes"]} - {
         rec["id"] for r in records[:-1] for rec in r["nodes"]
     }
-    assert last_new and all((tmp_path / f"{i}.kv").exists() for i in last_new)
+    assert last_new and all(has_file(tmp_path, i) for i in last_new)
     data = log.read_bytes()
     cut = len(data) - len(journal.encode(records[-1])) // 2
     log.write_bytes(data[:cut])  # the last record torn in half
-    (tmp_path / "99.tmp").write_bytes(b"half a file")  # a write the crash cut short
+    (pool,) = tmp_path.glob("pool-*")
+    (pool / "99.L0-1.tmp").write_bytes(b"half a file")  # a write the crash cut short
 
     again = tiered("state", tokenizer, tmp_path, None)
     assert "its last record is torn" in again.tier_notice
     assert "dropped" in again.tier_notice and "\n" not in again.tier_notice
     # The files only the dropped record covered are removed; the journal starts afresh.
-    assert not any((tmp_path / f"{i}.kv").exists() for i in last_new)
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not any(has_file(tmp_path, i) for i in last_new)
+    assert not list(tmp_path.glob("pool-*/*.tmp"))
     assert journal.read(log, 0) == ([], "")
     again.remember_replies(pairs)
     results = _second_half(again, script, replies)
@@ -81,7 +88,7 @@ def test_a_record_holds_what_its_turn_changed_not_the_tree(tokenizer, tmp_path):
     play(engine, script)
     engine.coord.tier.store.flush()
     size = len(engine.cache.tree)
-    records, _ = journal.read(tmp_path / JOURNAL_FILE, 0)
+    records, _ = journal.read(tmp_path / "rank0" / JOURNAL_FILE, 0)
     last = records[-1]
     named = len(last["nodes"]) + len(last["used"]) + len(last["gone"])
     path = engine.cache.tree.match(engine.render(script[-1][1])).path
@@ -92,7 +99,7 @@ def test_compacting_keeps_the_tree(tokenizer, tmp_path, monkeypatch):  # noqa: F
     """With the journal compacted at every turn, a crash still restarts warm."""
     monkeypatch.setattr(journal, "MIN_COMPACT", 0)
     reference, script, replies, pairs, _ = first_half_then_crash("window", tokenizer, tmp_path)
-    snapshot = json.loads((tmp_path / TREE_FILE).read_text())
+    snapshot = json.loads((tmp_path / "rank0" / TREE_FILE).read_text())
     assert snapshot["seq"] >= 2 and snapshot["nodes"]
     restarts_warm("window", tokenizer, tmp_path, reference, script, replies, pairs)
 

@@ -373,8 +373,9 @@ def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(engine, tmp_path: Path
     assert all(n.payload.tier == "ram" for n in e.cache.tree.nodes())
     held = kvsave.on_disk(e, "s", conv)
     assert held.tokens == report.tokens and not held.on_disk  # saved, and still in RAM
-    assert (tmp_path / "tier" / "tree.json").is_file() and list((tmp_path / "tier").glob("*.kv"))
-    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "tier").glob("*.kv")}
+    pool = e.coord.tier.store.pool  # the files, beside the tier's own folder
+    assert (tmp_path / "tier" / "tree.json").is_file() and list(pool.glob("*.kv"))
+    written = {p.name: p.stat().st_mtime_ns for p in pool.glob("*.kv")}
 
     # Evicting a saved node is a spill with nothing more to write.
     nxt = conv + [{"role": "user", "content": "More."}]
@@ -382,7 +383,7 @@ def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(engine, tmp_path: Path
     e.turn(TurnRequest("other", [{"role": "user", "content": "Another thing."}], max_tokens=4))
     assert e.coord.tier.spills >= 1
     for name, mtime in written.items():
-        assert (tmp_path / "tier" / name).stat().st_mtime_ns == mtime
+        assert (pool / name).stat().st_mtime_ns == mtime
 
     # A new engine on the same directory (this one never closed, as if killed) is warm.
     e.coord.tier.store.flush()

@@ -102,6 +102,10 @@ class Coordinator:
         """The disk tier's events since the last call (loads, agreed misses, spills)."""
         return self.tier.take_events(decision) if self.tier is not None else []
 
+    def take_written(self) -> list[int]:
+        """The nodes whose disk tier files were written since the last call."""
+        return self.tier.take_written() if self.tier is not None else []
+
     def close(self) -> None:
         """Keep the cache for the next run (the disk tier's files); no collective."""
         if self.tier is not None:

@@ -1,11 +1,19 @@
-"""A rank's disk tier: one file per tree node, written by a background thread.
+"""A rank's disk tier: one file per tree node and layer range, written by a background thread.
 
-A file is `<id>.kv`: a header (magic, CRC-32 and length of the body) and a body in
-safetensors (the node's arrays, and in its metadata how they nest). It is written
-to a temporary name, synced and renamed (exokv.cache.durable), so a file is whole or
-absent, through a power cut too; the CRC catches the rest (a flipped byte, a
-truncated copy). A file that fails any check reads as None: the caller treats it as
-a miss.
+A file is `<id>.L<a>-<b>.kv` (exokv.hosts.replicas.file_name): node `id`'s arrays for
+layers [a, b), the rank's own. A header (magic, CRC-32 and length of the body) and a
+body in safetensors (the node's arrays, and in its metadata how they nest and which
+layer each belongs to). It is written to a temporary name, synced and renamed
+(exokv.cache.durable), so a file is whole or absent, through a power cut too; the
+CRC catches the rest (a flipped byte, a truncated copy). A file that fails any check
+reads as nothing: the caller treats it as a miss.
+
+Files live in the host's pool for the tree's lineage (`pool-<lineage>` beside the
+ranks' own folders, `use_pool`), shared by the ranks on the host and named by layer,
+not by rank: a rank that runs other layers after a re-plan reads what any earlier
+rank here wrote for them, and the copies other hosts keep of this rank's files
+(replicas) carry the same names. A read takes the layers it needs from every file of
+the node that has some of them (`read`).
 
 Writes leave the turn's critical path: `write` queues the arrays (they stay
 referenced until written) and returns; a read of a node still queued is served
@@ -19,17 +27,19 @@ import io
 import json
 import os
 import queue
+import shutil
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
 from exokv.cache import durable
-from exokv.state.locks import hold
+from exokv.hosts.replicas import file_name, parse_file_name
+from exokv.state.locks import LockHeld, hold
 
 MAGIC = b"EXKV"
 _HEADER = struct.Struct("<4sIQ")  # magic, crc32 of the body, body length
@@ -94,14 +104,25 @@ def decode(data: bytes) -> Any:
 
 
 class DiskStore:
-    """Files of one rank under `root`, written by one background thread."""
+    """The files of one rank: its folder `root` (its lock, tree and journal) and the
+    host's pool the files go to, written by one background thread."""
 
-    def __init__(self, root: Path) -> None:
-        """Raises exokv.state.locks.LockHeld when another chat uses `root` (one process
+    def __init__(
+        self,
+        root: Path,
+        layers: tuple[int, int] = (0, 1),
+        held: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """`layers`: the [a, b) this rank runs, the range its files are named by; `held`:
+        the ranges of other ranks whose copies this host keeps (dropped with the node).
+        Raises exokv.state.locks.LockHeld when another chat uses `root` (one process
         per directory: two would write each other's ids), OSError when unusable."""
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = hold(root / "lock", {"what": "disk tier"})
+        self.layers = layers
+        self.held = [r for r in held if r != layers]
+        self.pool = root  # the files' folder; the lineage's pool once restored (use_pool)
         self.failed = ""  # why the first write failed; nothing is written after it
         self.lost: set[int] = set()  # ids whose write failed or was never tried
         self._pending: dict[int, Any] = {}
@@ -113,8 +134,33 @@ class DiskStore:
         self._thread = threading.Thread(target=self._write_loop, daemon=True)
         self._thread.start()
 
+    def sweep_pools(self, keep: set[str]) -> None:
+        """Remove the pools beside this rank's folder whose lineage no tree here names
+        (`keep`), unless another chat has a rank folder here open (it may have one)."""
+        for folder in self.root.parent.glob("rank*"):
+            if folder != self.root and _in_use(folder):
+                return
+        for pool in self.root.parent.glob("pool-*"):
+            if pool.name.removeprefix("pool-") not in keep and pool != self.pool:
+                shutil.rmtree(pool, ignore_errors=True)
+
+    def use_pool(self, lineage: str, before: str = "") -> None:
+        """Keep the files in the host's pool of `lineage` from now on; the pool of the
+        tree's earlier lineage `before` becomes it (renamed: a second chat that started
+        from the same persisted tree finds no files to mistake for its own)."""
+        pool = self.root.parent / f"pool-{lineage}"
+        old = self.root.parent / f"pool-{before}"
+        if before and before != lineage and old.is_dir():
+            try:
+                old.rename(pool)
+            except OSError:
+                pass  # another rank on this host renamed it first
+        pool.mkdir(parents=True, exist_ok=True)
+        self.pool = pool
+
     def path(self, node_id: int) -> Path:
-        return self.root / f"{node_id}.kv"
+        """Where this rank writes node `node_id`'s file."""
+        return self.pool / file_name(node_id, self.layers)
 
     def write(self, node_id: int, obj: Any) -> None:
         """Queue `obj` (evaluated arrays) to be written as node `node_id`'s file."""
@@ -129,30 +175,51 @@ class DiskStore:
         if objs or then is not None:
             self._queue.put((list(objs), then))
 
-    def read(self, node_id: int) -> tuple[Any, str]:
-        """(the object, "") or (None, why it cannot be read)."""
+    def read(self, node_id: int) -> tuple[list[Any] | None, str]:
+        """(the objects of the node's files holding any of this rank's layers, "") or
+        (None, why none can be read). This rank's own file when it is whole (it holds
+        every layer asked for), else every file of the node with some of them."""
         with self._lock:
             if node_id in self._pending:
-                return self._pending[node_id], ""
+                return [self._pending[node_id]], ""
         if node_id in self.lost:
             return None, "its write failed"
-        try:
-            return decode(self.path(node_id).read_bytes()), ""
-        except FileNotFoundError:
-            return None, "file missing"
-        except Exception as err:  # noqa: BLE001 - any unreadable file is a miss
-            return None, str(err) or type(err).__name__
+        obj, why = _read_file(self.path(node_id))
+        if obj is not None:
+            return [obj], ""
+        objs = []
+        for path in sorted(self.pool.glob(f"{node_id}.L*.kv")):
+            parsed = parse_file_name(path.name)
+            if parsed is None or path == self.path(node_id) or not _overlap(parsed[1], self.layers):
+                continue
+            other, other_why = _read_file(path)
+            if other is not None:
+                objs.append(other)
+            else:
+                why = other_why
+        return (objs, "") if objs else (None, why)
 
     def delete(self, node_id: int) -> None:
+        """Remove the node's file, and the copies of other ranks' this host keeps."""
         with self._lock:
             self._pending.pop(node_id, None)  # a queued write of it is skipped
         self.lost.discard(node_id)
-        try:
-            self.path(node_id).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError:
-            pass  # an orphan file is removed at the next start
+        for layers in [self.layers, *self.held]:
+            _unlink(self.pool / file_name(node_id, layers))
+
+    def remove_orphans(self, known: set[int], before: float) -> None:
+        """Remove the pool's files of nodes not in `known` (any layers) written before
+        `before` (time.time()): later ones are new nodes another rank on this host is
+        writing already."""
+        for path in self.pool.glob("*.kv"):
+            parsed = parse_file_name(path.name)
+            if parsed is None or parsed[0] in known:
+                continue
+            try:
+                if path.stat().st_mtime < before:
+                    path.unlink()
+            except OSError:
+                pass  # gone already
 
     def flush(self) -> None:
         """Wait until every queued write is done."""
@@ -166,18 +233,11 @@ class DiskStore:
 
     def sweep(self) -> None:
         """Remove the temporary files of writes a crash cut short."""
-        for p in self.root.glob("*.tmp"):
+        for p in self.pool.glob("*.tmp"):
             try:
                 p.unlink()
             except OSError:
                 pass
-
-    def ids(self) -> set[int]:
-        out = set()
-        for p in self.root.glob("*.kv"):
-            if p.stem.isdigit():
-                out.add(int(p.stem))
-        return out
 
     def _write_loop(self) -> None:
         while True:
@@ -222,6 +282,38 @@ class DiskStore:
                 tmp.unlink()
             except OSError:
                 pass
+
+
+def _read_file(path: Path) -> tuple[Any, str]:
+    try:
+        return decode(path.read_bytes()), ""
+    except FileNotFoundError:
+        return None, "file missing"
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a miss
+        return None, str(err) or type(err).__name__
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a running chat holds `folder`'s lock."""
+    try:
+        fd = hold(folder / "lock", {"what": "disk tier (checked)"})
+    except LockHeld:
+        return True
+    except OSError:
+        return False  # no lock file: nobody's
+    os.close(fd)
+    return False
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass  # gone already, or an orphan the next start removes
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def free_bytes(path: Path) -> int:

@@ -26,12 +26,18 @@ and the gathered budgets, the same on every rank; the tree itself (what is in RA
 what on disk) does not change.
 
 A load checks that the file holds exactly the positions the tree's record needs
-(a file is named by its node's id, and a node keeps its id through splits).
+(a file is named by its node's id, and a node keeps its id through splits), and
+takes each layer from whichever file of the node holds it: the files are named by
+layer, so after a re-plan a rank reads what other ranks wrote for its new layers
+(exokv.cache.disk). With replicas (exokv.hosts.replicas) a rank's disk also holds
+the copies of other ranks' files: their bytes count against its budget, computed
+from the same gathered rates, and they are dropped with their nodes.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,8 +67,15 @@ class DiskTier:
         group: Group,
         budget: int,
         warn: Callable[[str], None] | None = None,
+        first_layer: int = 0,
+        held_by: Sequence[Sequence[int]] = (),
     ) -> None:
+        """`first_layer`: the model's index of this rank's first layer (files name their
+        layers by it); `held_by[r]`: the ranks whose files rank r's host keeps copies of."""
         self.cache = cache
+        self.first_layer = first_layer
+        self.held_by = [list(h) for h in held_by] or [[] for _ in range(group.size)]
+        self.written: list[int] = []  # nodes whose files were written since take_written
         self.store = store
         self.group = group
         self.budget = budget  # this rank's
@@ -101,7 +114,23 @@ class DiskTier:
             self.events.append(self._event("drop", None, self.stopped))
 
     def disk_bytes(self) -> list[int]:
+        """Every rank's disk bytes, its own files and the copies it keeps of others'."""
+        own = self.own_bytes()
+        return [b + self.replica_bytes(r, own) for r, b in enumerate(own)]
+
+    def own_bytes(self) -> list[int]:
         return [sum(n * rate.get(c, 0) for c, n in self.totals.items()) for rate in self.rates]
+
+    def replica_bytes(self, rank: int, own: list[int] | None = None) -> int:
+        """What rank `rank`'s host keeps of other ranks' files (their own bytes)."""
+        own = own if own is not None else self.own_bytes()
+        held = self.held_by[rank] if rank < len(self.held_by) else []
+        return sum(own[s] for s in held if s < len(own))
+
+    def take_written(self) -> list[int]:
+        """The nodes whose files were written since the last call (for their replicas)."""
+        out, self.written = self.written, []
+        return out
 
     # -- spill (or drop) what the plan evicts from RAM -------------------------------
 
@@ -162,11 +191,12 @@ class DiskTier:
         """`node` leaves RAM for disk: its file is written, unless /save wrote it already."""
         written = self.has_copy(node)
         self._forget_copy(node.id, keep_file=written)
-        arrays = None if written else _arrays(node, [leaf.cls for leaf in self.cache.window_leaves])
+        arrays = None if written else self._arrays(node)
         self.cache.detach(node)
         self._count(node, +1)
         if arrays is not None:
             self.store.write(node.id, arrays)
+            self.written.append(node.id)
         self.spills += 1
 
     # -- copies: RAM nodes with a file too (/save) ------------------------------------
@@ -220,12 +250,31 @@ class DiskTier:
     def _copy(self, node: Node, batch: dict[int, Any] | None = None) -> None:
         """Write RAM node `node` to disk too (in the background; with `batch`, when the
         caller queues it); it stays in RAM."""
-        arrays = _arrays(node, [leaf.cls for leaf in self.cache.window_leaves])
+        arrays = self._arrays(node)
         if batch is not None:
             batch[node.id] = arrays
         else:
             self.store.write(node.id, arrays)
+        self.written.append(node.id)
         self._keep_as_copy(node)
+
+    def _arrays(self, node: Node) -> dict[str, Any]:
+        """What a node's file holds (see `_arrays`), each leaf named by the model's layer."""
+        pc = self.cache
+        obj = _arrays(node, [leaf.cls for leaf in pc.window_leaves])
+        obj["at"] = {
+            name: [self._where(leaf) for leaf in leaves]
+            for name, leaves in (
+                ("kv", pc.kv_leaves),
+                ("windows", pc.window_leaves),
+                ("states", pc.state_leaves),
+            )
+        }
+        return obj
+
+    def _where(self, leaf: kinds.Leaf) -> list[int]:
+        """A leaf's place in the whole model: its layer, and its index in a CacheList."""
+        return [self.first_layer + leaf.layer, -1 if leaf.sub is None else leaf.sub]
 
     def after_turn(self, changed: Sequence[Node]) -> None:
         """Write-through: give the turn's `changed` RAM nodes a copy on disk where every
@@ -290,8 +339,8 @@ class DiskTier:
             return len(used)
         first_bad, loaded, why = len(used), {}, ""
         for i in disk:
-            obj, why = self.store.read(used[i].id)
-            payload = self._payload(used[i], obj) if obj is not None else None
+            objs, why = self.store.read(used[i].id)
+            payload = self._payload(used[i], objs) if objs is not None else None
             if payload is None:
                 first_bad, why = i, why or "unreadable contents"
                 break
@@ -348,41 +397,39 @@ class DiskTier:
             self.store.delete(node.id)
             self.events.append(self._event("load", node, "run again by this turn"))
 
-    def _payload(self, node: Node, obj: Any) -> Payload | None:
-        """A RAM payload from an on-disk node's record and its file's contents, or None
-        when the file does not hold exactly what the record needs (a file from another
-        run, or cut short: a miss, never a wrong answer)."""
+    def _payload(self, node: Node, objs: list[Any]) -> Payload | None:
+        """A RAM payload from an on-disk node's record and its files' contents (each
+        layer from a file that holds it), or None when they do not hold exactly what the
+        record needs (a file from another run, or cut short: a miss, never a wrong answer)."""
         record: Payload = node.payload
         try:
+            found = _by_layer([o for o in objs if _holds(o, node)])
             p = Payload(start=record.start, spans=dict(record.spans), state=record.state)
-            skip = record.start - int(obj["start"])  # the file may hold more than the node
-            end = int(obj["end"])
-            if skip < 0 or end < node.depth or (record.state and end != node.depth):
-                return None
             length = len(node.key)
-            p.kv = [
-                kv if skip == 0 and _seq_len(kv) == length else kinds.take(kv, skip, skip + length)
-                for kv in obj["kv"]
-            ]
+            p.kv = []
+            for leaf in self.cache.kv_leaves:
+                obj, i = found[("kv", *self._where(leaf))]
+                kv, skip = obj["kv"][i], record.start - int(obj["start"])
+                take = skip == 0 and _seq_len(kv) == length
+                p.kv.append(kv if take else kinds.take(kv, skip, skip + length))
             if any(_seq_len(kv) != length for kv in p.kv):
                 return None
             p.windows = []
-            for leaf, ws, held in zip(
-                self.cache.window_leaves, obj["windows"], obj["spans"], strict=True
-            ):
-                held = [tuple(x) for x in held]
-                p.windows.append(_slices(list(ws), held, record.spans[leaf.cls]))
+            for leaf in self.cache.window_leaves:
+                obj, i = found[("windows", *self._where(leaf))]
+                held = [tuple(x) for x in obj["spans"][i]]
+                p.windows.append(_slices(list(obj["windows"][i]), held, record.spans[leaf.cls]))
             p.states = []
             if record.state:
                 fresh = self.cache.new_cache()
-                for leaf, (state, meta) in zip(self.cache.state_leaves, obj["states"], strict=True):
+                for leaf in self.cache.state_leaves:
+                    obj, i = found[("states", *self._where(leaf))]
+                    state, meta = obj["states"][i]
                     c = kinds.get(fresh, leaf)
                     c.state = state
                     if meta:
                         c.meta_state = meta
                     p.states.append(c)
-            if len(p.kv) != len(self.cache.kv_leaves):
-                return None
             mx.eval(p.kv, p.windows)  # owned arrays: a later spill writes them from a thread
             p.nbytes = kinds.nbytes([p.kv, p.windows, [kinds.arrays(s.state) for s in p.states]])
             return p
@@ -392,18 +439,24 @@ class DiskTier:
     # -- across restarts (exokv.cache.persist) ------------------------------------------
 
     def restore(self) -> str:
-        """Start with the persisted tree, on disk. Returns why not ("" when it did)."""
-        nodes, why, seq = persist.restore(self.cache, self.store.root, self.group)
+        """Start with the persisted tree, on disk: this host's newest (a re-plan may have
+        given this rank another number), the files in its lineage's pool. Returns why not
+        ("" when it did)."""
+        began = time.time()
+        persist.adopt_newest(self.store.root)
+        found = persist.restore(self.cache, self.store.root, self.group)
+        self.store.use_pool(found.lineage, found.before)
+        self.journal.lineage = found.lineage
         self.copies = {}
-        for node in nodes:
+        for node in found.nodes:
             self._count(node, +1)
-        known = {n.id for n in nodes}
-        for orphan in self.store.ids() - known:  # no record covers it (any more)
-            self.store.delete(orphan)
+        # Files no record covers (any more), and pools no tree here names.
+        self.store.remove_orphans({n.id for n in found.nodes}, began)
+        self.store.sweep_pools(persist.lineages(self.store.root.parent) | {found.lineage})
         self.store.sweep()
-        self.journal.seq = seq
+        self.journal.seq = found.seq
         self.persist()  # a fresh snapshot: a torn record is gone for good
-        return why
+        return found.note
 
     def close(self) -> None:
         """Spill what RAM holds (parents first, as the disk budget allows: the same
@@ -486,6 +539,24 @@ def _covers(held: tuple, node: Node) -> bool:
         if not all(any(x <= a and b <= y for x, y in have) for a, b in want):
             return False
     return True
+
+
+def _holds(obj: Any, node: Node) -> bool:
+    """Whether a file's positions cover what `node`'s record needs (it may hold more)."""
+    record: Payload = node.payload
+    skip, end = record.start - int(obj["start"]), int(obj["end"])
+    return skip >= 0 and end >= node.depth and not (record.state and end != node.depth)
+
+
+def _by_layer(objs: list[Any]) -> dict[tuple[str, int, int], tuple[Any, int]]:
+    """Each leaf's (file, index) by (kind, the model's layer, CacheList index): the first
+    file that holds it."""
+    out: dict[tuple[str, int, int], tuple[Any, int]] = {}
+    for obj in objs:
+        for name, places in obj["at"].items():
+            for i, (layer, sub) in enumerate(places):
+                out.setdefault((name, int(layer), int(sub)), (obj, i))
+    return out
 
 
 def _seq_len(kv: Any) -> int:

@@ -33,7 +33,9 @@ from typing import Any
 from exokv.cache import durable
 from exokv.cache.radix import Node
 
-VERSION = 2  # of the snapshot: 2, a file says where it ends (version 1 files are not read)
+# Of the snapshot: 3, files named by layer in the lineage's pool (exokv.cache.disk);
+# earlier versions are not read (their files were a rank's own, named by node alone).
+VERSION = 3
 TREE_FILE = "tree.json"
 JOURNAL_FILE = "journal.log"
 MIN_COMPACT = 64 * 1024  # the journal is not compacted below this many bytes
@@ -154,6 +156,7 @@ class Journal:
         self.snapshot_bytes = 0
         self.journal_bytes = 0
         self.stale = False  # the files were all removed (clear): the next record compacts
+        self.lineage = ""  # the tree's lineage: its pool's name (exokv.cache.persist)
 
     def forget_all(self) -> None:
         self.view, self.marked, self.stale = {}, set(), True
@@ -207,6 +210,7 @@ class Journal:
                 self.view[n.id] = (_shape(n), (n.last_used, n.hits))
         doc = {
             "version": VERSION,
+            "lineage": self.lineage,
             "classes": [list(c) for c in self.classes],
             "next_id": tree._next_id,
             "clock": tree.clock,

@@ -4,11 +4,14 @@ turned into the rank's EngineOptions fields (exokv.rank.options), and the bounds
 
 A chat has a disk tier unless told otherwise (`--disk-budget 0`, `--no-cache` or a
 cache budget of 0): by default a quarter of the free space under EXOKV_HOME, which
-the banner shows. A rank's tier lives in EXOKV_HOME/kv/<model id>/<layout>/rank<r>:
+the banner shows. A rank's tier lives in EXOKV_HOME/kv/<model id>/<layout>/rank<r>
+(its tree, journal and lock) and its files in the pool beside it (exokv.cache.disk):
 the same model (its identity: name and a digest of its files, so a re-converted
-checkpoint at the same path does not read the old one's KV) on the same rank layout
-(parallelism, ranks, split, --max-kv-size, --kv-bits) finds its earlier cache there
-after a restart; anything else has its own directory.
+checkpoint at the same path does not read the old one's KV) with the same KV (its
+--kv-bits and group, --max-kv-size) finds its earlier cache there after a restart.
+A pipeline's layout names neither the ranks nor the split: the files are named by
+layer, so a chat on other hosts, fewer or more, reads what they hold. Tensor
+parallelism slices every layer by rank count, so its layout names the ranks.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def tier_options(
     if cluster.disk_budget is None:
         return {}
     kv = cluster.kv
-    full = f"{layout}-kv{kv.bits or 16}g{kv.group_size}-max{cluster.max_kv_size or 0}"
+    shape = "pipeline" if layout.startswith("pipeline") else layout
+    full = f"{shape}-kv{kv.bits or 16}g{kv.group_size}-max{cluster.max_kv_size or 0}"
     where = tier_dir(_identity(cluster.model), full, rank)
     budget = disk_bytes(cluster.disk_budget, where, ranks_here)
     # Every rank must have the tier or none (its numbers ride in the turn's gather):

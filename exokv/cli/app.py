@@ -76,13 +76,15 @@ def _temperature(given: float | None, model_default: float | None) -> float:
     return model_default if model_default is not None else 0.0
 
 
-def _check_layout(backend: str, parallel: str, restarts: int) -> None:
+def _check_layout(backend: str, parallel: str, restarts: int, replicas: int | None) -> None:
     if backend not in ("ring", "jaccl", "mpi"):
         raise UsageError(f"--backend {backend!r}: use ring, jaccl or mpi")
     if parallel not in ("pipeline", "tensor"):
         raise UsageError(f"--parallel {parallel!r}: use pipeline or tensor")
     if restarts < 0:
         raise UsageError(f"--restarts {restarts}: use 0 or more")
+    if replicas not in (None, 0, 1):
+        raise UsageError(f"--replicas {replicas}: use 0 or 1")
 
 
 # Long for its 29 option declarations: the body is short (issue 42).
@@ -128,6 +130,7 @@ def chat(
     ),
     starting_port: int = flags.STARTING_PORT,
     restarts: int = flags.RESTARTS,
+    replicas: int = flags.REPLICAS,
 ) -> None:
     """Chat with the model: a REPL on a terminal, script mode otherwise; or one PROMPT."""
     # deferred: the chat's start (client, store, exokv.model: ~0.1 s) only for `exokv chat`,
@@ -135,7 +138,7 @@ def chat(
     from exokv.chat.run import run_chat
     from exokv.frontend.start import ChatOptions
 
-    _check_layout(backend, parallel, restarts)
+    _check_layout(backend, parallel, restarts, replicas)
     one_shot = _one_shot(prompt)
     settled = _settled(session, model, max_kv_size, chat_template)
     if system is None and not settled.stored_system:
@@ -210,6 +213,7 @@ def serve(
     kv_group_size: int = flags.KV_GROUP_SIZE,
     starting_port: int = flags.STARTING_PORT,
     restarts: int = flags.RESTARTS,
+    replicas: int = flags.REPLICAS,
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (loopback)"),
     port: int = typer.Option(8000, "--port", help="port to listen on"),
     api_key: str = typer.Option(
@@ -236,7 +240,7 @@ def serve(
     from exokv.frontend.start import ChatOptions
     from exokv.serve.run import ServeOptions, run_serve
 
-    _check_layout(backend, parallel, restarts)
+    _check_layout(backend, parallel, restarts, replicas)
     settled = _settled(None, model, max_kv_size, chat_template)
     front = ChatOptions(
         model=settled.model,

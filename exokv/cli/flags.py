@@ -69,12 +69,19 @@ DRAFT_MODEL = typer.Option(
 RESTARTS = typer.Option(
     3, "--restarts", help="a rank that dies: start the ranks again, up to N tries (0: end)"
 )
+REPLICAS = typer.Option(
+    None,
+    "--replicas",
+    help="copies of each rank's disk cache on another host: 0 or 1 (1 over several hosts)",
+    show_default=False,
+)
 
 # The flags whose values go to ChatOptions as given, under their parameter's name. The
 # others (the model, system prompt, template, reply length and temperature) are settled
 # first by the command: a stored session or an ollama model may supply them.
 PASSED_ON = (
     SEED,
+    REPLICAS,
     RANKS,
     HOSTS,
     HOSTFILE,

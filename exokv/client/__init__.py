@@ -137,7 +137,7 @@ def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = N
 
         check_names(opts.model, opts.draft_model)
 
-    def start() -> ClusterClient:
-        return ClusterClient(opts, progress=progress)
+    def start(settled: ClusterOptions) -> ClusterClient:
+        return ClusterClient(settled, progress=progress)
 
-    return HealingClient(start, opts.restarts) if opts.restarts > 0 else start()
+    return HealingClient(start, opts) if opts.restarts > 0 else start(opts)

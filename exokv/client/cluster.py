@@ -42,6 +42,7 @@ import psutil
 
 from exokv.client import Client
 from exokv.client.batch import cluster_turns
+from exokv.client.replicate import Replicator
 from exokv.config import TEST_HOOKS
 from exokv.core.options import ClusterOptions, KvQuant, RankOptions
 from exokv.core.records import (
@@ -54,7 +55,9 @@ from exokv.core.records import (
     TurnResult,
 )
 from exokv.errors import ExokvError, PromptTooLong, UsageError
+from exokv.hosts.replicas import default_replicas, replica_targets
 from exokv.launch.command import (
+    LOOPBACK,
     SCRATCH_PREFIX,
     LaunchPlan,
     channel_addresses,
@@ -92,6 +95,7 @@ CONNECT_TIMEOUT = 60.0  # launcher start + distributed init + rank 0 dialling ba
 HEARTBEAT_TIMEOUT = 10.0
 CONSEQUENCE = "the chat cannot go on"  # follows a cause that only says how a rank ended
 _POLL_S = 0.25
+REPLICA_PATIENCE_S = 60.0  # closing waits this long for the last turn's replica copies
 
 
 class ClusterClient(Client):
@@ -145,6 +149,9 @@ class ClusterClient(Client):
         self._drafts_over = threading.Condition()
         self._draft_over = 0  # the latest draft rank 0 said gets no more steps
         self._draft_cost: DraftCost | None = None  # rank 0's word on the last draft step
+        self.replicator: Replicator | None = None  # copies each turn's files (with a tier)
+        self.tier_pool = ""  # the disk tier's pool under each host's kv/ ("" without one)
+        self.layer_ranges: list[list[int]] = []  # every rank's [start, end) layers
 
     def _plan(self, opts: ClusterOptions) -> LaunchPlan:
         """The launch (exokv.launch.command), with its scratch folder made."""
@@ -189,7 +196,19 @@ class ClusterClient(Client):
         on_progress: Callable[[int, int], None] | None = None,
     ) -> TurnResult:
         with self._in_flight():
-            return self._run_turn(request, on_text, on_progress)
+            result = self._run_turn(request, on_text, on_progress)
+        self._replicate(result)
+        return result
+
+    def _replicate(self, result: TurnResult) -> None:
+        """The copies that ended since the last turn in `result`'s figures; this turn's
+        new files queued for their replicas."""
+        if self.replicator is None:
+            return
+        cost = self.replicator.take()
+        result.replica_bytes, result.replica_s = cost.bytes, round(cost.seconds, 3)
+        result.replica_error = cost.error
+        self.replicator.after_turn(result.disk_written)
 
     def _run_turn(
         self,
@@ -232,7 +251,11 @@ class ClusterClient(Client):
         requests: list[TurnRequest],
         calls: BatchCalls = NO_CALLS,
     ) -> list[RowOutcome]:
-        return cluster_turns(self, requests, calls)
+        outcomes = cluster_turns(self, requests, calls)
+        for outcome in outcomes:
+            if outcome.result is not None:
+                self._replicate(outcome.result)
+        return outcomes
 
     def stop_row(self, row: int) -> None:
         """End row `row` of the batch in flight at its next decode step, on every rank."""
@@ -334,6 +357,8 @@ class ClusterClient(Client):
                 return
             self._closed = True
         graceful = graceful and self._link is not None
+        if self.replicator is not None:  # the last turn's replicas, before the chat ends
+            self.replicator.close(REPLICA_PATIENCE_S if graceful else 0.0)
         if graceful:
             try:
                 self._link.send(Shutdown())  # type: ignore[union-attr]
@@ -422,7 +447,21 @@ class ClusterClient(Client):
             ranks_here=self.ranks if local else 1,  # they share this machine's RAM
             front_end_pid=os.getpid() if local else None,
             wake_host=first.ips[0] if first.ips else first.ssh,
+            replica_targets=tuple(self._replica_targets(opts)),
         )
+
+    def _rank_hosts(self) -> list[str | None]:
+        """Each rank's ssh name (None: this machine)."""
+        return [None if h.ssh == LOOPBACK else h.ssh for h in self.plan.hosts]
+
+    def _replica_targets(self, opts: ClusterOptions) -> list[int | None]:
+        """Where each rank's files are copied (exokv.hosts.replicas): a pipeline's, over
+        several hosts, with a disk tier (tensor ranks hold slices no other layout reads)."""
+        hosts = self._rank_hosts()
+        wanted = opts.replicas if opts.replicas is not None else default_replicas(hosts)
+        if opts.parallel != "pipeline" or opts.disk_budget is None:
+            wanted = 0
+        return replica_targets(hosts, wanted)
 
     def _start(self) -> None:
         plan: LaunchPlan = self.plan
@@ -455,6 +494,7 @@ class ClusterClient(Client):
                 if self._progress is not None:
                     self._say_ready()
                 self._budgets = list(message.budgets)
+                self._start_replicas(message)
                 if message.notice:  # the ranks' stderr is not the user's
                     print(f"exokv: disk tier: {message.notice}", file=sys.stderr)
                 if message.template_note and not self._template_said:
@@ -466,6 +506,14 @@ class ClusterClient(Client):
             # Never restored: a wake-up still pending after close must not kill the process.
             signal.signal(signal.SIGUSR1, self._raise_failure)
         threading.Thread(target=self._watch, name="exokv-watch", daemon=True).start()
+
+    def _start_replicas(self, ready: Ready) -> None:
+        self.tier_pool, self.layer_ranges = ready.tier_pool, list(ready.layers)
+        targets = self._replica_targets(self.opts)
+        if ready.tier_pool and any(t is not None for t in targets):
+            envs = self.opts.hosts.envs if self.opts.hosts is not None else []
+            hosts = self._rank_hosts()
+            self.replicator = Replicator(hosts, targets, ready.layers, ready.tier_pool, envs)
 
     # -- between requests: the watcher ---------------------------------------------
 

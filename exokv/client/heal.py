@@ -7,8 +7,15 @@ it says so in one line, starts the ranks again with the same layout — at most
 request in flight again. The new ranks need nothing handed to them: each reply's
 exact tokens travel with its message in every request (exokv.prompt.render).
 The new ranks start warm from their disk tiers and journals (exokv.cache.journal),
-so the retried turn prefills only what the last finished turn had not cached. A
-start that fails every try (a host that cannot be reached) ends the chat as before.
+so the retried turn prefills only what the last finished turn had not cached.
+
+A start that fails every try asks whether a host is gone: one whose ssh server does
+not answer at the end of the tries (a Mac closed, off the network, rebooting for
+longer than the tries take; one that answers is never taken for gone, however
+busy). Then the ranks are placed again on the hosts left (exokv.client.replan) and
+the request in flight runs on them, with one line saying so and how much of its
+prompt the cache kept. With no host gone, or none left that the model fits on, the
+chat ends in one line, its turns stored.
 
 Between requests (the user at the prompt) the ClusterClient's watcher wakes the main
 thread only while its own SIGUSR1 handler is installed; this client installs one
@@ -27,6 +34,8 @@ from functools import partial
 from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
+from exokv.client.replan import replan
+from exokv.core.options import ClusterOptions
 from exokv.core.records import (
     NO_CALLS,
     BatchCalls,
@@ -38,6 +47,7 @@ from exokv.core.records import (
     TurnResult,
 )
 from exokv.errors import ExokvError
+from exokv.launch.command import unreachable
 from exokv.launch.supervise import Cause
 
 T = TypeVar("T")
@@ -49,15 +59,17 @@ class HealingClient:
 
     def __init__(
         self,
-        start: Callable[[], ClusterClient],
-        restarts: int,
+        start: Callable[[ClusterOptions], ClusterClient],
+        opts: ClusterOptions,
         say: Callable[[str], None] | None = None,
     ) -> None:
-        self._start = start
-        self.restarts = restarts
+        self._start_with = start
+        self.opts = opts  # what the ranks run with now (a re-plan changes the hosts)
+        self.restarts = opts.restarts
         self._say = say or (lambda text: print(f"exokv: {text}", file=sys.stderr, flush=True))
-        self._inner = start()
+        self._inner = start(opts)
         self.ranks = self._inner.ranks
+        self._replanned = ""  # the line of a re-plan, said with the next turn's cache
         self._said: Cause | None = None  # the failure already said, once
         self._lock = threading.Lock()  # _said and _busy, between the notifier and main
         self._busy = False  # a request is in flight: it says and heals a failure itself
@@ -91,6 +103,10 @@ class HealingClient:
         for why in self._restarted:  # shown with the turn and kept with its events
             result.events.insert(0, _restart_event(why, result.decision, result.ranks))
         self._restarted = []
+        if self._replanned:
+            kept = f"{result.cached_tokens:,} of {result.prompt_tokens:,} tokens"
+            self._say(f"{self._replanned}; cache kept: {kept}")
+            self._replanned = ""
         return result
 
     def turns(
@@ -208,21 +224,43 @@ class HealingClient:
 
     def _restart(self, cause: Cause) -> None:
         self._say_once(cause, f"{cause.text}; starting the ranks again")
+        pool = self._inner.tier_pool
         self._inner.close()
         last = ""
         for attempt in range(self.restarts):
             time.sleep(BACKOFF_S * 2**attempt)
             try:
-                inner = self._start()
+                inner = self._start_with(self.opts)
             except ExokvError as err:
                 last = str(err)
                 continue
-            self._inner, self._said = inner, None
-            self._quiet_watcher()
-            self._restarted.append(f"{cause.text}; ranks started again (try {attempt + 1})")
+            self._started(inner, f"{cause.text}; ranks started again (try {attempt + 1})")
             return
         tries = f"{self.restarts} tr{'y' if self.restarts == 1 else 'ies'}"
-        raise ExokvError(f"{cause.text}; the ranks did not start again in {tries}: {last}")
+        failed = f"{cause.text}; the ranks did not start again in {tries}: {last}"
+        gone = self._gone()
+        if not gone:
+            raise ExokvError(failed)
+        moved = replan(self.opts, gone, pool)
+        try:
+            inner = self._start_with(moved.opts)
+        except ExokvError as err:
+            raise ExokvError(f"{moved.said}, but the ranks did not start there: {err}") from None
+        self.opts = moved.opts
+        self._started(inner, moved.said)
+        self._replanned = moved.said
+
+    def _gone(self) -> list[str]:
+        """The hosts whose ssh server does not answer now (none without hosts)."""
+        if self.opts.hosts is None:
+            return []
+        return list(unreachable([h.ssh for h in self.opts.hosts.hosts]))
+
+    def _started(self, inner: ClusterClient, why: str) -> None:
+        self._inner, self._said = inner, None
+        self.ranks = inner.ranks
+        self._quiet_watcher()
+        self._restarted.append(why)
 
     def _quiet_watcher(self) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -64,11 +64,11 @@ _exokv_completion() {
             "exokv cache entries:--session"|"exokv cache entries:-s") skip=1 ;;
             "exokv cache evictions:--rank"|"exokv cache evictions:-r"|"exokv cache evictions:--limit"|"exokv cache evictions:-l"|"exokv cache evictions:--since") skip=1 ;;
             "exokv cache pressure:--rank"|"exokv cache pressure:-r"|"exokv cache pressure:--history") skip=1 ;;
-            "exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--chat-template"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--draft-model"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port"|"exokv chat:--restarts") skip=1 ;;
+            "exokv chat:--model"|"exokv chat:-m"|"exokv chat:--system"|"exokv chat:--chat-template"|"exokv chat:--max-tokens"|"exokv chat:--temp"|"exokv chat:--seed"|"exokv chat:--ranks"|"exokv chat:-n"|"exokv chat:--hosts"|"exokv chat:--hostfile"|"exokv chat:--backend"|"exokv chat:--parallel"|"exokv chat:--split"|"exokv chat:--cache-budget"|"exokv chat:--memory-threshold"|"exokv chat:--max-kv-size"|"exokv chat:--draft-model"|"exokv chat:--disk-budget"|"exokv chat:--kv-bits"|"exokv chat:--kv-group-size"|"exokv chat:--session"|"exokv chat:--starting-port"|"exokv chat:--restarts"|"exokv chat:--replicas") skip=1 ;;
             "exokv hosts:check") path="exokv hosts check" ;;
             "exokv hosts check:--hostfile"|"exokv hosts check:--hosts"|"exokv hosts check:--model"|"exokv hosts check:-m"|"exokv hosts check:--backend"|"exokv hosts check:--starting-port"|"exokv hosts check:--timeout") skip=1 ;;
             "exokv models:--hosts"|"exokv models:--hostfile") skip=1 ;;
-            "exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--chat-template"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--draft-model"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--batch"|"exokv serve:--batch-wait"|"exokv serve:--drain-timeout"|"exokv serve:--max-body") skip=1 ;;
+            "exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--chat-template"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--draft-model"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--replicas"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--batch"|"exokv serve:--batch-wait"|"exokv serve:--drain-timeout"|"exokv serve:--max-body") skip=1 ;;
             "exokv sessions:list") path="exokv sessions list" ;;
             "exokv sessions:rename") path="exokv sessions rename" ;;
             "exokv sessions:rm") path="exokv sessions rm" ;;
@@ -126,7 +126,7 @@ _exokv_completion() {
         "exokv cache stats") subs=""
             opts="--json --help" ;;
         "exokv chat") subs=""
-            opts="--model -m --system --chat-template --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --no-speculate --draft-model --disk-budget --kv-bits --kv-group-size --session --json --plain --starting-port --restarts --help" ;;
+            opts="--model -m --system --chat-template --max-tokens --temp --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-typeahead --no-speculate --draft-model --disk-budget --kv-bits --kv-group-size --session --json --plain --starting-port --restarts --replicas --help" ;;
         "exokv completions") subs=""
             opts="--help" ;;
         "exokv hosts") subs="check"
@@ -136,7 +136,7 @@ _exokv_completion() {
         "exokv models") subs=""
             opts="--json --hosts --hostfile --help" ;;
         "exokv serve") subs=""
-            opts="--model -m --max-tokens --temp --chat-template --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-speculate --draft-model --disk-budget --kv-bits --kv-group-size --starting-port --restarts --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
+            opts="--model -m --max-tokens --temp --chat-template --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-speculate --draft-model --disk-budget --kv-bits --kv-group-size --starting-port --restarts --replicas --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
         "exokv sessions") subs="list rename rm show"
             opts="--help" ;;
         "exokv sessions list") subs=""

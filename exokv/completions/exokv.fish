@@ -44,7 +44,7 @@ function __exokv_path
                 set skip 1
             case "exokv cache pressure:--rank" "exokv cache pressure:-r" "exokv cache pressure:--history"
                 set skip 1
-            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--chat-template" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--draft-model" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts"
+            case "exokv chat:--model" "exokv chat:-m" "exokv chat:--system" "exokv chat:--chat-template" "exokv chat:--max-tokens" "exokv chat:--temp" "exokv chat:--seed" "exokv chat:--ranks" "exokv chat:-n" "exokv chat:--hosts" "exokv chat:--hostfile" "exokv chat:--backend" "exokv chat:--parallel" "exokv chat:--split" "exokv chat:--cache-budget" "exokv chat:--memory-threshold" "exokv chat:--max-kv-size" "exokv chat:--draft-model" "exokv chat:--disk-budget" "exokv chat:--kv-bits" "exokv chat:--kv-group-size" "exokv chat:--session" "exokv chat:--starting-port" "exokv chat:--restarts" "exokv chat:--replicas"
                 set skip 1
             case "exokv hosts:check"
                 set p "exokv hosts check"
@@ -52,7 +52,7 @@ function __exokv_path
                 set skip 1
             case "exokv models:--hosts" "exokv models:--hostfile"
                 set skip 1
-            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--draft-model" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--draft-model" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--replicas" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -151,6 +151,7 @@ complete -c exokv -n '__exokv_at exokv chat' -l json -d 'script mode: one JSON o
 complete -c exokv -n '__exokv_at exokv chat' -l plain -d 'REPL: replies as raw text, not rendered as markdown'
 complete -c exokv -n '__exokv_at exokv chat' -l starting-port -x -d 'first port for the ranks'
 complete -c exokv -n '__exokv_at exokv chat' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
+complete -c exokv -n '__exokv_at exokv chat' -l replicas -x -d 'copies of each rank'\''s disk cache on another host: 0 or 1 (1 over several hosts)'
 complete -c exokv -n '__exokv_at exokv chat' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv completions' -a 'bash zsh fish'
 complete -c exokv -n '__exokv_at exokv completions' -l help -d 'Show this message and exit'
@@ -192,6 +193,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l kv-bits -x -d 'quantized KV cac
 complete -c exokv -n '__exokv_at exokv serve' -l kv-group-size -x -d 'quantization group size'
 complete -c exokv -n '__exokv_at exokv serve' -l starting-port -x -d 'first port for the ranks'
 complete -c exokv -n '__exokv_at exokv serve' -l restarts -x -d 'a rank that dies: start the ranks again, up to N tries (0: end)'
+complete -c exokv -n '__exokv_at exokv serve' -l replicas -x -d 'copies of each rank'\''s disk cache on another host: 0 or 1 (1 over several hosts)'
 complete -c exokv -n '__exokv_at exokv serve' -l host -x -d 'address to listen on (loopback)'
 complete -c exokv -n '__exokv_at exokv serve' -l port -x -d 'port to listen on'
 complete -c exokv -n '__exokv_at exokv serve' -l api-key -x -d 'require '\''Authorization: Bearer KEY'\'' (or set EXOKV_API_KEY)'

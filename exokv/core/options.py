@@ -67,6 +67,9 @@ class ClusterOptions:
     # --draft-model: a small model with the model's tokenizer that drafts the reply on
     # rank 0 alone (exokv.rank.draft_model); None: drafts from the conversation only.
     draft_model: str | None = None
+    # --replicas: copies of each rank's on-disk KV on other hosts (0 or 1); None: 1 over
+    # several hosts, 0 on one (exokv.hosts.replicas).
+    replicas: int | None = None
 
     @property
     def keep_cache(self) -> bool:
@@ -95,6 +98,9 @@ class RankOptions:
     ranks_here: int = 1  # ranks sharing this machine's RAM and disk
     front_end_pid: int | None = None  # a local rank ends with the front end
     wake_host: str = "127.0.0.1"  # rank 0's address: the others' doorbell (exokv.wire.wake)
+    # For each rank, the rank whose host keeps a copy of its disk tier's files (None:
+    # none), as exokv.hosts.replicas decided from the hosts: every rank counts them.
+    replica_targets: tuple[int | None, ...] = ()
 
     def to_arg(self) -> str:
         """The record as one command-line word."""
@@ -107,6 +113,7 @@ class RankOptions:
         doc: dict[str, Any] = json.loads(base64.urlsafe_b64decode(arg.encode()))
         cluster = dict(doc.pop("cluster"))
         cluster.update(kv=KvQuant(**cluster["kv"]), stops=tuple(cluster["stops"]))
+        doc["replica_targets"] = tuple(doc.get("replica_targets", ()))
         return cls(ClusterOptions(**cluster), **doc)
 
 

@@ -158,6 +158,14 @@ class TurnResult:
     # The reply's exact token ids (no end of turn): what its message carries from now on
     # (exokv.prompt.render). Not shown: the front ends' JSON names the fields it shows.
     reply_tokens: list[int] = field(default_factory=list)
+    # The nodes whose disk tier files the turn wrote: the front end copies each rank's to
+    # the host that keeps its replica (exokv.client.replicate). Not shown.
+    disk_written: list[int] = field(default_factory=list)
+    # The replica copies that ended since the turn before (the last turn's, as a rule):
+    # their bytes and seconds, and why one failed ("" when none did).
+    replica_bytes: int = 0
+    replica_s: float = 0.0
+    replica_error: str = ""
 
     @property
     def evictions(self) -> int:

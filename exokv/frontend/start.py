@@ -67,6 +67,7 @@ class ChatOptions:
     plain: bool = False  # the REPL prints replies as raw text, not rendered markdown
     starting_port: int | None = None
     restarts: int = 3  # ranks started again after a rank dies, in a row (0: the chat ends)
+    replicas: int | None = None  # copies of each rank's disk tier elsewhere; None: by hosts
     prompt: str | None = None  # `exokv chat PROMPT`: one turn, then exit
     plan: bool = False  # --plan: print where the layers and the cache go, then exit
     chat_template: str | None = None  # --chat-template as a spec (what the session keeps)
@@ -129,6 +130,7 @@ def validate(opts: ChatOptions) -> ClusterOptions:
         kv=kv,
         starting_port=opts.starting_port,
         restarts=opts.restarts,
+        replicas=opts.replicas,
         chat_template=opts.prompt_format.template or opts.chat_template,
         stops=opts.prompt_format.stops,
         context=opts.prompt_format.context,

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,12 @@ def plan_launch(
     )
     if hosts is None:
         args += ["-n", str(ranks)]
-    if backend == "ring" and any(not h.ips for h in host_list):
+    # Hosts by name without a hostfile of their own (the hosts left after a re-plan) go
+    # to the launcher in one of ours, with their addresses: the ring refuses names.
+    named = (
+        hosts is not None and hosts.hostfile is None and any(h.ssh not in h.ips for h in host_list)
+    )
+    if backend == "ring" and (named or any(not h.ips for h in host_list)):
         _fill_in_ips(args, host_list, hosts, scratch)
     local = all(h.ssh == LOOPBACK for h in host_list)
     if starting_port is None:
@@ -174,6 +180,17 @@ def check_reachable(plan: LaunchPlan, timeout: float = 5.0) -> None:
     for (rank, name), error in zip(remote, results, strict=True):
         if error:
             raise ExokvError(f"rank {rank}'s host {name!r} cannot be reached over ssh: {error}")
+
+
+def unreachable(names: Sequence[str], timeout: float = 5.0) -> dict[str, str]:
+    """The hosts among `names` whose ssh server does not answer now, with why; all
+    tried at once (the front end deciding that a host is gone)."""
+    names = [n for n in dict.fromkeys(names) if n != LOOPBACK]
+    if not names:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        results = list(pool.map(lambda n: _probe(n, timeout), names))
+    return {n: why for n, why in zip(names, results, strict=True) if why}
 
 
 def ssh_target(name: str) -> tuple[str, int]:

@@ -58,8 +58,7 @@ def run_module(
     `timeout` seconds pass, and then `error` says so. `envs` (NAME=value, a hostfile's
     "envs") are set for the module as mlx.launch sets them for the ranks.
     """
-    argv = [*rank_command(module=module), *args]
-    command, child_env = _command(host, argv, os.environ if env is None else env, envs)
+    command, child_env = module_command(host, module, args, envs, env)
     name = host or ""
     try:
         proc = subprocess.Popen(
@@ -74,6 +73,21 @@ def run_module(
     except OSError as err:
         return RemoteRun(name, None, "", "", f"could not start {command[0]}: {err.strerror}")
     return _collected(proc, name, host is not None, timeout, on_line)
+
+
+def module_command(
+    host: str | None,
+    module: str,
+    args: Sequence[str] = (),
+    envs: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """The command running `module`'s main(args) on `host` (None: here), and the
+    environment to start it with: what `run_module` runs, for a caller that wires the
+    process up itself (exokv.hosts.kvfiles pipes one host's output into another's).
+    `env` is this machine's environment unless given; `envs` as in `run_module`."""
+    argv = [*rank_command(module=module), *args]
+    return _command(host, argv, os.environ if env is None else env, envs)
 
 
 def _command(

@@ -555,6 +555,7 @@ class _Batch:
             rank_stats=stats,
             entries=entries,
             reply_tokens=spelled,
+            disk_written=coord.take_written(),
         )
 
 

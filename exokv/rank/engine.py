@@ -49,6 +49,7 @@ from exokv.core.records import (
     TurnResult,
 )
 from exokv.errors import PromptTooLong, UsageError
+from exokv.hosts.replicas import held_for, layer_ranges
 from exokv.model import pipeline, templates
 from exokv.prompt.markers import Marked
 from exokv.prompt.render import PromptRenderer, RepliesByText
@@ -78,6 +79,8 @@ class EngineOptions:
     # The disk tier (exokv.cache.disk_tier): this rank's directory and budget; off without both.
     disk_dir: str | None = None
     disk_budget: int | None = None
+    # For each rank, the rank whose host keeps a copy of its files (exokv.hosts.replicas).
+    replica_targets: tuple[int | None, ...] = ()
     kv: KvQuant = KvQuant()  # a quantized KV cache (mlx-lm's QuantizedKVCache), or not
     # The prompt format (exokv.model.templates): a template spec (None: the model's own
     # or a fallback), stop sequences besides the template's, a context limit (num_ctx).
@@ -135,6 +138,7 @@ class Engine:
         self.draft_events: list[CacheEvent] = []  # typeahead steps', reported by the next turn
         self.last_draft: DraftCost | None = None  # the last typeahead step's draft, for the toolbar
         self.tier_notice = ""  # why the persisted disk tier was not used ("" if it was)
+        self.layer_ranges: list[tuple[int, int]] = []  # every rank's layers, with a tier
         self.speculation = ""  # why the last turn decoded without drafts ("" if it did not)
         # What a verify pass costs here (rank 0's clock): drafts no longer than pays.
         self.pass_cost: PassCost | None = PassCost()
@@ -173,12 +177,23 @@ class Engine:
         return settled
 
     def _start_tier(self) -> None:
-        """Open this rank's disk tier; every rank has one or none (one gather agrees)."""
+        """Open this rank's disk tier; every rank has one or none (one gather agrees, and
+        tells each rank every rank's layers: the files are named by them)."""
         store, why = None, ""
+        local = len({leaf.layer for leaf in self.cache.leaves})
+        local_row = [1, local]
+        rows = self.group.gather(local_row) if self.group.size > 1 else [local_row]
+        pipelined = pipeline.stages(self.model) > 1 or self.group.size == 1
+        ranges = layer_ranges([row[1] for row in rows], pipelined)
+        targets = list(self.options.replica_targets) or [None] * self.group.size
+        held_by = [held_for(targets, r) for r in range(self.group.size)]
+        own = ranges[self.group.rank]
+        self.layer_ranges = ranges
         try:
-            store = DiskStore(Path(self.options.disk_dir))
-        except LockHeld as held:
-            who = f"pid {held.pid}" if held.pid else "another process"
+            held = [ranges[s] for s in held_by[self.group.rank]]
+            store = DiskStore(Path(self.options.disk_dir), own, held)
+        except LockHeld as held_lock:
+            who = f"pid {held_lock.pid}" if held_lock.pid else "another process"
             why = f"{self.options.disk_dir} is in use by another exokv chat ({who})"
         except OSError as err:
             why = f"{self.options.disk_dir} is unusable ({err.strerror or err})"
@@ -195,7 +210,14 @@ class Engine:
                     file=sys.stderr,
                 )
             return
-        tier = DiskTier(self.cache, store, self.group, self.options.disk_budget or 0)
+        tier = DiskTier(
+            self.cache,
+            store,
+            self.group,
+            self.options.disk_budget or 0,
+            first_layer=own[0],
+            held_by=held_by,
+        )
         self.coord.set_tier(tier)
         self.tier_notice = tier.restore()  # one gather on every rank alike
         if self.tier_notice and self.group.rank == 0:
@@ -401,6 +423,7 @@ class Engine:
             model_draft_tokens=out.model_drafted,
             speculation=self.speculation,
             reply_tokens=turn.reply_tokens,
+            disk_written=self.coord.take_written(),
         )
 
     def draft_step_tokens(self) -> int:

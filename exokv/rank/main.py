@@ -315,7 +315,10 @@ class Rank:
             shown = [None if b < 0 else b for b in all_budgets]
             # The notice: why the disk tier is cold, or a torn record.
             note = engine.template.note or None
-            self.link.send(Ready(self.world.size(), shown, engine.tier_notice, note))
+            tier = engine.coord.tier
+            pool = "/".join(tier.store.pool.parts[-3:]) if tier is not None else ""
+            layers = [list(r) for r in engine.layer_ranges]
+            self.link.send(Ready(self.world.size(), shown, engine.tier_notice, note, pool, layers))
         for step in itertools.count(1):
             self._before, self._before_s = dict(group.counts), dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None

@@ -27,5 +27,6 @@ def engine_options(opts: RankOptions, rank: int, layout: str) -> EngineOptions:
         stops=cluster.stops,
         context=cluster.context,
         kv=cluster.kv,
+        replica_targets=opts.replica_targets,
         **tier_options(cluster, rank, layout, opts.ranks_here),
     )

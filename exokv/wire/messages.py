@@ -14,7 +14,7 @@ receives it handles it (the rank: a handler in `Rank`'s table; the front end: th
 from __future__ import annotations
 
 import re
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from exokv.core.records import CacheFileReport, RowOutcome, TurnRequest, TurnResult
@@ -209,6 +209,10 @@ class Ready(_Message):
     budgets: list[int | None]
     notice: str | None = None  # why the disk tier is cold, or a torn record
     template_note: str | None = None  # the chat template chosen for the model, if a fallback
+    # The disk tier's pool under each host's EXOKV_HOME/kv ("" without a tier) and every
+    # rank's [start, end) layers: where the front end copies replicas (exokv.client.replicate).
+    tier_pool: str = ""
+    layers: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
