@@ -311,15 +311,23 @@ class TestHooks:
         except ValueError:
             raise UsageError(f"{TEST_HOLD_BEAT.name}={text!r} is not RANK:SECONDS") from None
 
-    def host_memory(self, ranks: int) -> list[int] | None:
-        """EXOKV_TEST_HOST_MEMORY: each rank's memory as placement should see it; None: unset."""
+    def host_memory(self, hosts: list[str]) -> list[int] | None:
+        """EXOKV_TEST_HOST_MEMORY: the memory of each rank (on `hosts`, in rank order) as
+        placement should see it: one size for all, one per rank, or NAME=SIZE per host
+        (a re-plan on fewer hosts keeps each host's); None: unset."""
         text = TEST_HOST_MEMORY.text()
         if not text:
             return None
         try:
+            if "=" in text:
+                named = dict(item.split("=", 1) for item in text.split(","))
+                return [parse_size(named[host]) for host in hosts]
             values = [parse_size(v) for v in text.split(",")]
-        except UsageError:
-            raise UsageError(f"{TEST_HOST_MEMORY.name}={text!r} is not a list of sizes") from None
+        except (UsageError, ValueError, KeyError):
+            raise UsageError(
+                f"{TEST_HOST_MEMORY.name}={text!r} is not a list of sizes (or of HOST=SIZE)"
+            ) from None
+        ranks = len(hosts)
         if len(values) not in (1, ranks):
             raise UsageError(f"{TEST_HOST_MEMORY.name} has {len(values)} sizes for {ranks} ranks")
         return values * ranks if len(values) == 1 else values

@@ -23,10 +23,15 @@ STORY = (
     "the sea was grey and the long waves rolled in from the west, one after another, "
     "while the old ships with their patched sails came home to the harbour at dusk "
 )
-SCRIPT = [f"Hello there, tell me a story: {STORY * 2}", f"Tell me more: {STORY * 2}", "Why?"]
+SCRIPT = [
+    f"Hello there, tell me a story: {STORY * 2}",
+    f"Tell me more: {STORY * 2}",
+    "Why?",
+    "And then?",  # the next day, on the two hosts left
+]
 
 
-def _hostfile(path: Path, names: list[str]) -> Path:
+def hostfile_of(path: Path, names: list[str]) -> Path:
     hosts = [{"ssh": name, "ips": [THREE_HOSTS[name]]} for name in names]
     path.write_text(json.dumps({"hosts": hosts}))
     return path
@@ -54,7 +59,7 @@ def test_a_host_gone_for_good_the_chat_goes_on_with_its_cache(
     expected = [reference.send(line) for line in SCRIPT]
     assert reference.finish()[0] == 0
     env = {"PATH": f"{three_hosts.bin_dir}:{os.environ['PATH']}"}
-    hostfile = _hostfile(tmp_path / "three.json", ["exokv-a", "exokv-b", "exokv-c"])
+    hostfile = hostfile_of(tmp_path / "three.json", ["exokv-a", "exokv-b", "exokv-c"])
     chat = Chat(
         tmp_path / "front",
         *("--hostfile", str(hostfile), "--starting-port", "30400", "--session", "notes"),
@@ -72,6 +77,15 @@ def test_a_host_gone_for_good_the_chat_goes_on_with_its_cache(
         return {p.name for name in ("exokv-a", "exokv-b") for p in _pools(three_hosts, name)}
 
     assert _wait_for(lambda: on_c <= elsewhere(), 60), on_c - elsewhere()
+    # A replica is its owner's file byte for byte.
+    for path in _pools(three_hosts, "exokv-c"):
+        copies = [
+            p
+            for name in ("exokv-a", "exokv-b")
+            for p in _pools(three_hosts, name)
+            if p.name == path.name
+        ]
+        assert copies and all(c.read_bytes() == path.read_bytes() for c in copies), path.name
     three_hosts.gone("exokv-c")
     third = chat.send(SCRIPT[2])
     code, err = chat.finish(timeout=120)
@@ -82,3 +96,16 @@ def test_a_host_gone_for_good_the_chat_goes_on_with_its_cache(
     said = [line for line in err.splitlines() if "is gone" in line]
     assert len(said) == 1 and "exokv-c is gone; the chat goes on on exokv-a, exokv-b" in said[0]
     assert "cache kept" in said[0], err
+
+    # The next day: the same session on the two hosts left, from a hostfile of its own.
+    two = hostfile_of(tmp_path / "two.json", ["exokv-a", "exokv-b"])
+    resumed = Chat(
+        tmp_path / "front",
+        *("--hostfile", str(two), "--starting-port", "30420", "--session", "notes"),
+        env=env,
+    )
+    fourth = resumed.send(SCRIPT[3])
+    code, err = resumed.finish(timeout=120)
+    assert code == 0, err
+    assert fourth["ranks"] == 2 and fourth["reply"] == expected[3]["reply"]
+    assert fourth["cached_tokens"] >= 0.9 * fourth["prompt_tokens"], (fourth, err)

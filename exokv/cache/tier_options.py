@@ -24,6 +24,7 @@ from exokv.cache.disk import free_bytes
 from exokv.config import exokv_home
 from exokv.core.options import AUTO, ClusterOptions, KvQuant
 from exokv.errors import ExokvError, UsageError
+from exokv.model import hub
 from exokv.model.resolve import model_id
 from exokv.state.store import caches_dir
 
@@ -70,11 +71,32 @@ def disk_bytes(budget: int | Literal["auto"], where: Path, ranks_here: int = 1) 
     return budget
 
 
-def tier_dir(model: str, layout: str, rank: int) -> Path:
-    def safe(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
 
-    return caches_dir() / safe(model) / safe(layout) / f"rank{rank}"
+
+def tier_dir(model: str, layout: str, rank: int) -> Path:
+    return caches_dir() / _safe(model) / _safe(layout) / f"rank{rank}"
+
+
+def layout_folder(cluster: ClusterOptions, layout: str) -> str:
+    """The folder of a layout's tiers under the model's: a pipeline's names only its KV
+    (see the module's docstring). The ranks name the group size only with --kv-bits."""
+    kv = cluster.kv if cluster.kv.bits is not None else KvQuant()
+    shape = "pipeline" if layout.startswith("pipeline") else layout
+    return _safe(f"{shape}-kv{kv.bits or 16}g{kv.group_size}-max{cluster.max_kv_size or 0}")
+
+
+def model_folder_prefix(model: str) -> str:
+    """How the folder of `model`'s tiers begins on any host, without resolving it here
+    (its identity's digest may be another host's to compute): its name, then `_`."""
+    name = model.strip()
+    repo = hub.parse_name(name)
+    if repo is not None:
+        name = repo[0]
+    elif "/" in name or name.startswith(("~", ".")):
+        name = Path(name).expanduser().name
+    return _safe(name.split("@", 1)[0]) + "_"
 
 
 def tier_options(
@@ -84,10 +106,7 @@ def tier_options(
     share this machine's disk."""
     if cluster.disk_budget is None:
         return {}
-    kv = cluster.kv
-    shape = "pipeline" if layout.startswith("pipeline") else layout
-    full = f"{shape}-kv{kv.bits or 16}g{kv.group_size}-max{cluster.max_kv_size or 0}"
-    where = tier_dir(_identity(cluster.model), full, rank)
+    where = tier_dir(_identity(cluster.model), layout_folder(cluster, layout), rank)
     budget = disk_bytes(cluster.disk_budget, where, ranks_here)
     # Every rank must have the tier or none (its numbers ride in the turn's gather):
     # `auto` on a rank with no free space is a tier of 0 bytes, not no tier.

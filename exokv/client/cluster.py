@@ -42,6 +42,7 @@ import psutil
 
 from exokv.client import Client
 from exokv.client.batch import cluster_turns
+from exokv.client.replan import spread_kv
 from exokv.client.replicate import Replicator
 from exokv.config import TEST_HOOKS
 from exokv.core.options import ClusterOptions, KvQuant, RankOptions
@@ -178,6 +179,8 @@ class ClusterClient(Client):
             self._prepare_model(opts.model, opts.split)
         else:
             check_reachable(self.plan)
+            # Each host's disk tier files of the layers it now runs, from the others.
+            spread_kv(opts, say=_say_line)
         self.plan.argv.append(self._rank_options(opts, seed).to_arg())
         self._started = time.monotonic()
         self._say(f"starting {self.ranks} ranks…")
@@ -661,6 +664,10 @@ _IDLE = Heartbeat()  # a poll of `_next` that got nothing: a time to check, as a
 def _about(message: Message) -> Any:
     """The request a message from rank 0 answers (None: no request's)."""
     return getattr(message, "id", None)
+
+
+def _say_line(text: str) -> None:
+    print(f"exokv: {text}", file=sys.stderr, flush=True)
 
 
 def _check_split(split: list[int] | None, parallel: str, ranks: int | None) -> None:

@@ -224,7 +224,6 @@ class HealingClient:
 
     def _restart(self, cause: Cause) -> None:
         self._say_once(cause, f"{cause.text}; starting the ranks again")
-        pool = self._inner.tier_pool
         self._inner.close()
         last = ""
         for attempt in range(self.restarts):
@@ -241,7 +240,7 @@ class HealingClient:
         gone = self._gone()
         if not gone:
             raise ExokvError(failed)
-        moved = replan(self.opts, gone, pool)
+        moved = replan(self.opts, gone)
         try:
             inner = self._start_with(moved.opts)
         except ExokvError as err:

@@ -4,24 +4,28 @@ When the ranks cannot be started again on their hosts (exokv.client.heal), the h
 that do not answer ssh any more are gone. The layers are placed again on the others
 with the rules of `--split auto` (exokv.hosts.plan); a model that does not fit there
 is one line saying by how much, and the chat ends with its turns stored. Otherwise
-each host left gets the weights of its new layers (exokv.hosts.fetch) and the disk
-tier files of its new layers from the hosts that hold them, its own or a replica
-(exokv.hosts.replicas.kv_moves, copied by exokv.hosts.kvfiles), before the new ranks
-start: they restore the tree every host keeps and read each layer from whichever
-file of the node holds it (exokv.cache.disk), so the turn that runs again prefills
-only what no host held.
+each host left gets the weights of its new layers (exokv.hosts.fetch). Every start on
+several hosts (this one, or a stored session resumed on other hosts) first gives each
+host the disk tier files of its layers from the hosts that hold them, its own or a
+replica (`spread_kv`: exokv.hosts.replicas.kv_moves, copied by exokv.hosts.kvfiles):
+the ranks restore the tree every host keeps and read each layer from whichever file
+of the node holds it (exokv.cache.disk), so the turn that runs again prefills only
+what no host held.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from exokv.cache.tier_options import layout_folder, model_folder_prefix
 from exokv.core.options import ClusterOptions
+from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
 from exokv.hosts.fetch import fetch_onto_hosts
-from exokv.hosts.kvfiles import copy_files, list_files
+from exokv.hosts.kvfiles import copy_files, list_pools
 from exokv.hosts.placement import DoesNotFit, even_split
 from exokv.hosts.plan import place
 from exokv.hosts.replicas import kv_moves, layer_ranges
@@ -34,19 +38,12 @@ class Replanned:
 
     opts: ClusterOptions
     said: str  # "exokv-c is gone; the chat goes on on exokv-a, exokv-b (layers 2-3, 0-1)"
-    moved_bytes: int = 0  # disk tier files copied between the hosts left
-    moved_s: float = 0.0
 
 
-def replan(
-    opts: ClusterOptions,
-    gone: Sequence[str],
-    pool: str,
-    say: Callable[[str], None] | None = None,
-) -> Replanned:
-    """`opts` on the hosts left once `gone` are; `pool` is the disk tier's (under each
-    host's kv/, "" without a tier), whose files move to the hosts that now need them.
-    Raises ExokvError (one line) when no host is left or the model does not fit."""
+def replan(opts: ClusterOptions, gone: Sequence[str]) -> Replanned:
+    """`opts` on the hosts left once `gone` are (their disk tier files move when the
+    ranks start: `spread_kv`). Raises ExokvError (one line) when no host is left or the
+    model does not fit."""
     assert opts.hosts is not None
     left = [h for h in opts.hosts.hosts if h.ssh not in gone]
     names = ", ".join(dict.fromkeys(gone))
@@ -66,19 +63,10 @@ def replan(
             "is stored: resume it when the host is back"
         ) from None
     fetch_onto_hosts(placed.model, placed.hosts, placed.split, placed.parallel)
-    if plan is not None:
-        layers = [row.layers for row in plan.rows if row.layers is not None]
-        shown = ", ".join(row.layers_text() for row in plan.rows)
-    else:
-        layers, shown = [], ""
+    shown = ", ".join(row.layers_text() for row in plan.rows) if plan is not None else ""
     said = f"{names} {'is' if len(gone) == 1 else 'are'} gone; the chat goes on on {where}"
     said += f" (layers {shown})" if shown else ""
-    out = Replanned(placed, said)
-    if pool and placed.parallel == "pipeline":
-        ranges = list(layers) or _even_ranges(placed, len(left))
-        if ranges:
-            _move_kv(placed, ranges, pool, out)
-    return out
+    return Replanned(placed, said)
 
 
 def _even_ranges(opts: ClusterOptions, ranks: int) -> list[tuple[int, int]]:
@@ -93,23 +81,49 @@ def _even_ranges(opts: ClusterOptions, ranks: int) -> list[tuple[int, int]]:
     return layer_ranges(even_split(total, ranks))
 
 
-def _move_kv(
-    opts: ClusterOptions, ranges: Sequence[tuple[int, int]], pool: str, out: Replanned
-) -> None:
-    """Each host left gets the files of its new layers from the hosts that hold them."""
-    assert opts.hosts is not None
-    envs = opts.hosts.envs
+def spread_kv(opts: ClusterOptions, say: Callable[[str], None] | None = None) -> Moved:
+    """Before ranks start on `opts.hosts`: each host gets the disk tier files of the
+    layers its ranks will run from the other hosts that hold them (a replica, or the
+    files of an earlier layout), for every pool of the model's tiers found there (any
+    may be the lineage a rank's persisted tree names). A pipeline with a disk tier
+    only; a host that cannot list or copy keeps what it has (a miss, not a failure)."""
+    moved = Moved()
+    if opts.hosts is None or opts.parallel != "pipeline" or opts.disk_budget is None:
+        return moved
+    ranges = layer_ranges(opts.split) if opts.split else _even_ranges(opts, opts.rank_count)
     hosts = [None if h.ssh == LOOPBACK else h.ssh for h in opts.hosts.hosts]
-    held: dict[str | None, list[str]] = {}
-    for host in dict.fromkeys(hosts):
-        try:
-            held[host] = list(list_files(host, pool, envs))
-        except ExokvError:
-            held[host] = []  # a host that cannot list its files keeps none of them
+    if not ranges:
+        return moved
+    envs = opts.hosts.envs
+    prefix = model_folder_prefix(opts.model)
+    layout = layout_folder(opts, "pipeline")
+    distinct = list(dict.fromkeys(hosts))
+    with ThreadPoolExecutor(max_workers=len(distinct)) as pool:
+        listed = pool.map(lambda h: list_pools(h, prefix, layout, envs), distinct)
+        found = dict(zip(distinct, listed, strict=True))
     wants: dict[str | None, list[tuple[int, int]]] = {}
     for host, layers in zip(hosts, ranges, strict=True):
         wants.setdefault(host, []).append(layers)
-    for src, dst, names in kv_moves(held, wants):
-        copied = copy_files(src, dst, pool, names, envs, wait=0.0)
-        out.moved_bytes += copied.bytes
-        out.moved_s += copied.seconds
+    rels = sorted({rel for pools in found.values() for rel in pools})
+    for rel in rels:
+        held = {host: list(found[host].get(rel, {})) for host in distinct}
+        for src, dst, names in kv_moves(held, wants):
+            copied = copy_files(src, dst, rel, names, envs, wait=0.0)
+            moved.files += copied.files
+            moved.bytes += copied.bytes
+            moved.seconds += copied.seconds
+    if moved.files and say is not None:
+        say(
+            f"disk cache: {moved.files} files ({format_size(moved.bytes)}) copied to the "
+            f"hosts that now run their layers, in {moved.seconds:.1f} s"
+        )
+    return moved
+
+
+@dataclass
+class Moved:
+    """The disk tier files `spread_kv` copied between hosts."""
+
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0

@@ -281,6 +281,9 @@ def parser() -> argparse.ArgumentParser:
     sending.add_argument("names", nargs="*")
     receiving = sub.add_parser("receive", help="write the frames on stdin into the pool")
     receiving.add_argument("rel")
+    pools = sub.add_parser("pools", help="print every pool of a model's tiers, as JSON")
+    pools.add_argument("prefix", help="how the model's folder names begin")
+    pools.add_argument("layout", help="the tiers' layout folder (pipeline-kv16g64-max0)")
     return top
 
 
@@ -328,9 +331,32 @@ def run_receive(pool: Path) -> int:
     return 0
 
 
+def pools_of(prefix: str, layout: str) -> dict[str, dict[str, int]]:
+    """Every pool of the tiers whose model folder begins with `prefix`, by its folder
+    under the KV folder, with its files (a start on other hosts moves them: any
+    lineage here may be the one a rank's tree names)."""
+    out = {}
+    root = caches_dir()
+    for pool in sorted(root.glob(f"*/{layout}/pool-*")):
+        if pool.parent.parent.name.startswith(prefix) and pool.is_dir():
+            out[pool.relative_to(root).as_posix()] = listed(pool)
+    return out
+
+
+def _plain(word: str) -> bool:
+    """A folder name's part: no separator, no glob character, not `..`."""
+    return bool(word) and word not in (".", "..") and not set(word) & set("/\\*?[]")
+
+
 def main(argv: list[str] | None = None) -> int:
     """One subcommand on this host; an expected failure is one line on stderr."""
     args = parsed(sys.argv[1:] if argv is None else argv)
+    if args.command == "pools":
+        if not (_plain(args.prefix) and _plain(args.layout)):
+            print(f"{MODULE}: pools: a plain folder name is needed", file=sys.stderr)
+            return BAD_ARGUMENT
+        print(json.dumps({"pools": pools_of(args.prefix, args.layout)}), flush=True)
+        return 0
     try:
         pool = caches_dir() / checked_rel(args.rel)
     except ValueError as err:
@@ -375,6 +401,19 @@ def list_files(
             pass
     why = run.error or last_line(run.stderr) or f"no listing (exit status {run.returncode})"
     raise ExokvError(f"could not list the KV files on {where(host)}: {why}")
+
+
+def list_pools(
+    host: str | None, prefix: str, layout: str, envs: Sequence[str] = (), timeout: float = 30
+) -> dict[str, dict[str, int]]:
+    """Every pool on `host` of the tiers of models whose folder begins with `prefix`,
+    with its files (exokv.client.replan moves them); {} when the host cannot say."""
+    run = remote.run_module(host, MODULE, ["pools", prefix, layout], timeout=timeout, envs=envs)
+    try:
+        pools = json.loads(last_line(run.stdout))["pools"] if run.ok else {}
+        return {str(r): {str(k): int(v) for k, v in f.items()} for r, f in pools.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 @dataclass

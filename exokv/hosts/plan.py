@@ -113,7 +113,7 @@ def rank_rooms(cluster: ClusterOptions) -> list[RankRoom]:
         if fact.working_set is not None:  # Metal keeps no more than this resident
             usable = min(usable, fact.working_set)
         rooms.append(RankRoom(host or fact.hostname, usable, per_rank.count(host)))
-    simulated = TEST_HOOKS.host_memory(len(rooms))
+    simulated = TEST_HOOKS.host_memory([r.host for r in rooms])
     if simulated is not None:  # tests: each rank a host of its own, with this memory
         rooms = [RankRoom(r.host, m, 1) for r, m in zip(rooms, simulated, strict=True)]
     return rooms
