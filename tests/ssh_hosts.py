@@ -23,6 +23,7 @@ server cannot start.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
@@ -310,16 +311,20 @@ def _bindable(address: str) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
-def three_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreeHosts]:
+class HostsUnavailable(Exception):
+    """The three hosts cannot be had here (no sshd, no 127.0.0.3): the reason."""
+
+
+@contextlib.contextmanager
+def three_hosts_at(base: Path) -> Iterator[ThreeHosts]:
     """Three hosts, exokv-a/-b/-c on 127.0.0.1/2/3, each served by an sshd of its own
-    (so `gone` can take one away for good), their homes made afresh for each module."""
+    (so `gone` can take one away for good), their homes under `base`; ended on exit.
+    Used by the `three_hosts` fixture and by benchmarks/replicas.py."""
     if not Path(SSHD).exists() or shutil.which("ssh") is None:
-        pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
+        raise HostsUnavailable("openssh-server is not installed (apt-get install openssh-server)")
     unbound = [ip for ip in THREE_HOSTS.values() if not _bindable(ip)]
     if unbound:
-        pytest.skip(f"cannot bind {', '.join(unbound)} (no such loopback address here)")
-    base = tmp_path_factory.mktemp("ssh3")
+        raise HostsUnavailable(f"cannot bind {', '.join(unbound)} (no such loopback address here)")
     _make_keys(base)
     port = _free_port(THREE_PORTS, THREE_HOSTS.values())
     homes = {name: base / f"home-{name}" for name in THREE_HOSTS}
@@ -354,3 +359,13 @@ def three_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreeHosts
                 failures.append(f"{name}: {e}")
         if failures:
             raise RuntimeError("; ".join(failures))
+
+
+@pytest.fixture(scope="module")
+def three_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreeHosts]:
+    """The three hosts of `three_hosts_at`, made afresh for each test module."""
+    try:
+        with three_hosts_at(tmp_path_factory.mktemp("ssh3")) as hosts:
+            yield hosts
+    except HostsUnavailable as why:
+        pytest.skip(str(why))

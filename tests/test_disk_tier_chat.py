@@ -92,8 +92,11 @@ def test_two_uneven_ranks_spill_and_load_alike(references, tmp_path, models_dir)
         assert t0["rank_stats"][1]["disk_bytes"] == t1["rank_stats"][1]["disk_bytes"]
     kinds = [e["kind"] for t in logs[0] for e in t["events"]]
     assert kinds.count("spill") > 2 and kinds.count("load") > 2
-    files = [list((home / "kv").rglob(f"rank{r}/*.kv")) for r in (0, 1)]
-    assert files[0] and files[1]
+    # The ranks share this machine's pool; each file names its rank's layers (split 3,1:
+    # rank 0 runs layers 1-3, rank 1 layer 0).
+    pool = list((home / "kv").rglob("pool-*/*.kv"))
+    files = [[f for f in pool if f".L{layers}." in f.name] for layers in ("1-4", "0-1")]
+    assert files[0] and files[1] and len(files[0]) + len(files[1]) == len(pool)
 
     # Restarted, with every file of rank 1 corrupted: both ranks take it as a miss.
     reference = home_with_models(tmp_path / "ref", models_dir, link=True)

@@ -146,14 +146,16 @@ def test_a_bad_saved_cache_is_reported_and_ignored(
     three_turns: Path, reference, tmp_path: Path, damage, what: str, why: str
 ) -> None:
     home = copy_home(three_turns, tmp_path / "home")
-    for path in _tier(home).glob(what):
+    # The tree beside rank 0's lock; the KV files in the pool beside its folder.
+    where = _tier(home) if what == "tree.json" else _tier(home).parent
+    for path in where.glob(what if what == "tree.json" else f"pool-*/{what}"):
         damage(path)
     (turn,), err = chat(home, [NEXT], "--session", "demo")
     said = [line for line in err.splitlines() if why in line]
     assert len(said) == 1, err
     assert "Traceback" not in err
     if what == "*.kv":
-        assert "prefilled again" in said[0] and str(_tier(home)) in said[0]
+        assert "prefilled again" in said[0] and str(_tier(home).parent) in said[0]
     # A correct cold turn: nothing came from the bad files.
     assert turn["cached_tokens"] == 0
     assert turn["prompt_tokens"] == reference["cold"][3]["prompt_tokens"]
