@@ -10,10 +10,12 @@ from exokv.core.records import (
     BatchCalls,
     CacheFileReport,
     DraftCost,
+    HostState,
     RowOutcome,
     TurnRequest,
     TurnResult,
 )
+from exokv.errors import ExokvError
 
 
 class StubClient:
@@ -64,6 +66,12 @@ class StubClient:
 
     def health(self) -> str | None:
         return None
+
+    def hosts(self) -> list[HostState]:
+        return []
+
+    def change_hosts(self, add: str | None = None, drop: str | None = None) -> str:
+        raise ExokvError("this fake runs on one machine")
 
     def close(self) -> None:
         pass

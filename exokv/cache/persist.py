@@ -73,6 +73,15 @@ def restore(pc: PrefixCache, root: Path, group: Group) -> Restored:
     local = [digest, 1 if why else 0, seq + len(records), 1 if torn else 0, drawn]
     rows = group.gather(local) if group.size > 1 else [local]
     lineage = f"{rows[0][4]:08x}"
+    if _new_ranks_take_rank0s(rows):
+        # A host new to this chat (`/hosts add`, a session on other hosts) has no tree:
+        # it takes rank 0's, which every rank with one holds.
+        shared = group.broadcast({"doc": doc, "records": records} if group.rank == 0 else None)
+        if doc is None:
+            doc, records = shared["doc"], shared["records"]
+            seq = int(doc.get("seq", 0))
+        digest = rows[0][0]
+        rows = [row if row[0] else [digest, 0, rows[0][2], 0, row[4]] for row in rows]
     if len({row[0] for row in rows}) != 1:
         bad = [r for r, row in enumerate(rows) if row[1]]
         note = (
@@ -103,6 +112,18 @@ def restore(pc: PrefixCache, root: Path, group: Group) -> Restored:
             "as of the turn before, and that turn's new tokens are prefilled again"
         )
     return Restored(added, note, upto, str(doc.get("lineage", "")), lineage)
+
+
+def _new_ranks_take_rank0s(rows: list[list[int]]) -> bool:
+    """Whether the ranks that hold no tree (none at all, not an unusable one) should take
+    rank 0's: every rank that holds one holds the same, and rank 0 is one of them."""
+    held = {row[0] for row in rows if row[0]}
+    fresh = [row for row in rows if not row[0] and not row[1]]
+    return (
+        bool(fresh)
+        and held == {rows[0][0]}
+        and len(fresh) + sum(1 for row in rows if row[0]) == len(rows)
+    )
 
 
 def adopt_newest(root: Path) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from exokv.client import Client
 from exokv.client.stopwatch import FirstText
 from exokv.core.records import TurnRequest, TurnResult
+from exokv.errors import ExokvError
 from exokv.prompt.render import with_reply_tokens
 
 COMMANDS = {
@@ -32,10 +33,13 @@ COMMANDS = {
     "/save": "save this conversation's KV cache",
     "/pin": "/pin [NAME]  keep this (or NAME's) cache: evicted after every unpinned one",
     "/unpin": "/unpin [NAME]  let this (or NAME's) cache be evicted like any other",
+    "/hosts": "/hosts [add|drop NAME]  the hosts and their layers; take one on, or leave one out",
     "/quit": "leave (the conversation and its KV cache are saved)",
 }
 # Commands that take an argument: Tab completes them with the space after.
-TAKES_ARGUMENT = {"/new", "/switch", "/system", "/set", "/sessions", "/retry", "/pin", "/unpin"}
+TAKES_ARGUMENT = {
+    *("/new", "/switch", "/system", "/set", "/sessions", "/retry", "/pin", "/unpin", "/hosts")
+}
 RECENT_SESSIONS = 20
 
 
@@ -196,6 +200,8 @@ class ChatController:
             return Outcome(name, message, error=self.hooks.save_failed)
         if name in ("/pin", "/unpin"):
             return self._pin(name, arg)
+        if name == "/hosts":
+            return self._hosts(arg)
         guess = nearest_command(name)
         hint = f"did you mean {guess}? " if guess else ""
         return Outcome(
@@ -214,6 +220,22 @@ class ChatController:
         turns = plural(self.current.turns, "turn")
         extra = f"; {self._opened_detail}" if self._opened_detail else ""
         return Outcome("/switch", f"switched to {arg!r} ({turns}{extra})")
+
+    def _hosts(self, arg: str) -> Outcome:
+        """`/hosts`: each host's state and layers; `/hosts add|drop NAME`: the layers
+        placed again, between turns (exokv.client.heal)."""
+        verb, _, host = arg.partition(" ")
+        host = host.strip()
+        if not arg:
+            rows = [h.to_dict() for h in self.client.hosts()]
+            return Outcome("/hosts", "" if rows else "this chat runs on one machine", data=rows)
+        if verb not in ("add", "drop") or not host or " " in host:
+            return Outcome("/hosts", "usage: /hosts [add NAME | drop NAME]", error=True)
+        try:
+            said = self.client.change_hosts(**{verb: host})
+        except ExokvError as err:
+            return Outcome("/hosts", str(err), error=True)
+        return Outcome("/hosts", said)
 
     def _pin(self, name: str, arg: str) -> Outcome:
         target = arg or self.current.name

@@ -312,6 +312,8 @@ class Renderer:
             self.stats(outcome.data)
         elif outcome.command == "/evictions" and outcome.data is not None:
             self.evictions(outcome.data)
+        elif outcome.command == "/hosts" and outcome.data:
+            self.hosts(outcome.data)
         elif outcome.message:
             self.message(outcome.message, outcome.error)
 
@@ -349,6 +351,15 @@ class Renderer:
         drafted = tables.speculation_line(rows[0])
         if drafted:
             self.note(drafted)
+
+    def hosts(self, rows: list[dict[str, Any]]) -> None:
+        table = Table(box=None, pad_edge=False)
+        for name in ("host", "state", "ranks", "layers"):
+            table.add_column(name, no_wrap=name != "layers")
+        for row in rows:
+            ranks = ", ".join(map(str, row["ranks"])) or "-"
+            table.add_row(Text(row["host"]), row["state"], ranks, Text(row["layers"] or "-"))
+        self.console.print(table)
 
     def evictions(self, rows: list[dict[str, Any]]) -> None:
         if not rows:

@@ -22,6 +22,7 @@ from exokv.core.records import (
     BatchCalls,
     CacheFileReport,
     DraftCost,
+    HostState,
     RowOutcome,
     TurnRequest,
     TurnResult,
@@ -107,6 +108,17 @@ class Client(Protocol):
     def health(self) -> str | None:
         """Why the ranks cannot take a request now (down, starting again), in words;
         None when they can (a server's /health says it)."""
+        ...
+
+    def hosts(self) -> list[HostState]:
+        """The hosts of a chat over several machines, with their state and layers ([]
+        on one machine)."""
+        ...
+
+    def change_hosts(self, add: str | None = None, drop: str | None = None) -> str:
+        """Place the layers again with host `add` taken on or `drop` left out, and start
+        the ranks there (between turns: the REPL's `/hosts add|drop`); what happened, in
+        one line. ExokvError (one line) when it cannot, the ranks as they were."""
         ...
 
     def close(self) -> None: ...

@@ -51,6 +51,7 @@ from exokv.core.records import (
     BatchCalls,
     CacheFileReport,
     DraftCost,
+    HostState,
     RowOutcome,
     TurnRequest,
     TurnResult,
@@ -352,6 +353,26 @@ class ClusterClient(Client):
 
     def health(self) -> str | None:
         return self.failure  # no restarts: a failure ends the server
+
+    def hosts(self) -> list[HostState]:
+        """Each host with its ranks and their layers (every rank's, from rank 0's Ready)."""
+        if self.opts.hosts is None:
+            return []
+        out: dict[str, HostState] = {}
+        for rank, host in enumerate(self.plan.hosts):
+            state = out.setdefault(host.ssh, HostState(host.ssh, "up"))
+            state.ranks.append(rank)
+            if rank < len(self.layer_ranges) and self.opts.parallel == "pipeline":
+                start, end = self.layer_ranges[rank]
+                shown = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
+                state.layers = f"{state.layers}, {shown}" if state.layers else shown
+        return list(out.values())
+
+    def change_hosts(self, add: str | None = None, drop: str | None = None) -> str:
+        raise ExokvError(
+            "with --restarts 0 the ranks are never started again: /hosts add and drop "
+            "need --restarts 1 or more"
+        )
 
     def close(self, graceful: bool = True) -> None:
         """End the ranks: a clean shutdown first (if `graceful`), then the whole process group."""

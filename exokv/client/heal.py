@@ -34,7 +34,7 @@ from functools import partial
 from typing import TypeVar
 
 from exokv.client.cluster import ClusterClient
-from exokv.client.replan import replan
+from exokv.client.replan import replan, with_host
 from exokv.core.options import ClusterOptions
 from exokv.core.records import (
     NO_CALLS,
@@ -42,6 +42,7 @@ from exokv.core.records import (
     CacheEvent,
     CacheFileReport,
     DraftCost,
+    HostState,
     RowOutcome,
     TurnRequest,
     TurnResult,
@@ -70,6 +71,7 @@ class HealingClient:
         self._inner = start(opts)
         self.ranks = self._inner.ranks
         self._replanned = ""  # the line of a re-plan, said with the next turn's cache
+        self._left: dict[str, str] = {}  # hosts no longer in the plan: "gone" or "dropped"
         self._said: Cause | None = None  # the failure already said, once
         self._lock = threading.Lock()  # _said and _busy, between the notifier and main
         self._busy = False  # a request is in flight: it says and heals a failure itself
@@ -245,9 +247,47 @@ class HealingClient:
             inner = self._start_with(moved.opts)
         except ExokvError as err:
             raise ExokvError(f"{moved.said}, but the ranks did not start there: {err}") from None
+        self._left.update(dict.fromkeys(gone, "gone"))
         self.opts = moved.opts
         self._started(inner, moved.said)
         self._replanned = moved.said
+
+    # -- /hosts: the hosts, and one taken on or left out between turns ------------------
+
+    def hosts(self) -> list[HostState]:
+        now = self._inner.hosts()
+        here = {h.host for h in now}
+        return now + [HostState(h, state) for h, state in self._left.items() if h not in here]
+
+    def change_hosts(self, add: str | None = None, drop: str | None = None) -> str:
+        """Between turns: the ranks placed again with `add` taken on or `drop` left out,
+        started there; on a failure the ranks start again as they were."""
+        if self.opts.hosts is None:
+            raise ExokvError(
+                "ranks on this machine: /hosts add and drop need --hosts or --hostfile"
+            )
+        names = [h.ssh for h in self.opts.hosts.hosts]
+        if drop is not None and drop not in names:
+            raise ExokvError(f"/hosts drop {drop}: not a host of this chat ({', '.join(names)})")
+        if add is not None and add in names:
+            raise ExokvError(f"/hosts add {add}: {add} runs ranks of this chat already")
+        moved = replan(self.opts, [drop], dropped=True) if drop else with_host(self.opts, add or "")
+        with self._heal_lock:
+            self._inner.close()
+            try:
+                inner = self._start_with(moved.opts)
+            except ExokvError as err:
+                self._started(self._start_with(self.opts), "the hosts as they were")
+                raise ExokvError(
+                    f"{moved.said.split(';')[0]}: its ranks did not start: {err}"
+                ) from None
+            self.opts = moved.opts
+            self._started(inner, moved.said)
+        if drop:
+            self._left[drop] = "dropped"
+        if add:
+            self._left.pop(add, None)
+        return moved.said
 
     def _gone(self) -> list[str]:
         """The hosts whose ssh server does not answer now (none without hosts)."""

@@ -19,10 +19,12 @@ from exokv.core.records import (
     BatchCalls,
     CacheFileReport,
     DraftCost,
+    HostState,
     RowOutcome,
     TurnRequest,
     TurnResult,
 )
+from exokv.errors import ExokvError
 from exokv.model.resolve import load_model
 from exokv.rank import kvsave
 from exokv.rank.batch import run_batch
@@ -134,6 +136,14 @@ class LocalClient(Client):
 
     def health(self) -> str | None:
         return None  # the model runs in this process: up while it runs
+
+    def hosts(self) -> list[HostState]:
+        return []  # this machine alone
+
+    def change_hosts(self, add: str | None = None, drop: str | None = None) -> str:
+        raise ExokvError(
+            "this chat runs on one machine: /hosts add and drop need --hosts or --hostfile"
+        )
 
     def close(self) -> None:
         self._drafts.close()

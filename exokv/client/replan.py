@@ -25,6 +25,7 @@ from exokv.core.options import ClusterOptions
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
 from exokv.hosts.fetch import fetch_onto_hosts
+from exokv.hosts.hostfile import Host
 from exokv.hosts.kvfiles import copy_files, list_pools
 from exokv.hosts.placement import DoesNotFit, even_split
 from exokv.hosts.plan import place
@@ -40,32 +41,43 @@ class Replanned:
     said: str  # "exokv-c is gone; the chat goes on on exokv-a, exokv-b (layers 2-3, 0-1)"
 
 
-def replan(opts: ClusterOptions, gone: Sequence[str]) -> Replanned:
+def replan(opts: ClusterOptions, gone: Sequence[str], dropped: bool = False) -> Replanned:
     """`opts` on the hosts left once `gone` are (their disk tier files move when the
-    ranks start: `spread_kv`). Raises ExokvError (one line) when no host is left or the
-    model does not fit."""
+    ranks start: `spread_kv`); `dropped`: left out by `/hosts drop`, not lost. Raises
+    ExokvError (one line) when no host is left or the model does not fit."""
     assert opts.hosts is not None
     left = [h for h in opts.hosts.hosts if h.ssh not in gone]
     names = ", ".join(dict.fromkeys(gone))
+    verb = "left the plan" if dropped else ("is gone" if len(gone) == 1 else "are gone")
     if not left:
-        raise ExokvError(f"{names}: gone; no host is left to run the model on")
-    # The launcher gets the hosts left in a hostfile of the launch's own (exokv.launch.command).
-    hosts = dataclasses.replace(opts.hosts, hosts=left, hostfile=None)
+        raise ExokvError(f"{names} {verb}: no host is left to run the model on")
+    stored = "" if dropped else "; the session is stored: resume it when the host is back"
+    return place_on(opts, left, f"{names} {verb}", stored)
+
+
+def with_host(opts: ClusterOptions, name: str) -> Replanned:
+    """`opts` with host `name` taken on, as the last rank (`/hosts add`)."""
+    assert opts.hosts is not None
+    return place_on(opts, [*opts.hosts.hosts, Host(name)], f"{name} joins", "")
+
+
+def place_on(opts: ClusterOptions, hosts: list[Host], what: str, after: str) -> Replanned:
+    """`opts` on `hosts`, placed by the rules of --split auto, the weights fetched;
+    `what` happened, said with where the layers go (`after` follows a misfit)."""
+    assert opts.hosts is not None
+    # The launcher gets the hosts in a hostfile of the launch's own (exokv.launch.command).
+    listed = dataclasses.replace(opts.hosts, hosts=hosts, hostfile=None)
     # The user's --split and --cache-budget named the old ranks: the plan decides anew.
-    moved = dataclasses.replace(opts, hosts=hosts, rank_count=len(left), split=None, budgets=None)
-    where = ", ".join(h.ssh for h in left)
+    moved = dataclasses.replace(opts, hosts=listed, rank_count=len(hosts), split=None, budgets=None)
+    where = ", ".join(h.ssh for h in hosts)
     try:
         placed, plan = place(moved)
     except DoesNotFit as err:
-        raise ExokvError(
-            f"{names} {'is' if len(gone) == 1 else 'are'} gone and the model does not fit "
-            f"on {where}: {str(err).removeprefix('the model does not fit: ')}; the session "
-            "is stored: resume it when the host is back"
-        ) from None
+        why = str(err).removeprefix("the model does not fit: ")
+        raise ExokvError(f"{what} and the model does not fit on {where}: {why}{after}") from None
     fetch_onto_hosts(placed.model, placed.hosts, placed.split, placed.parallel)
     shown = ", ".join(row.layers_text() for row in plan.rows) if plan is not None else ""
-    said = f"{names} {'is' if len(gone) == 1 else 'are'} gone; the chat goes on on {where}"
-    said += f" (layers {shown})" if shown else ""
+    said = f"{what}; the chat goes on on {where}" + (f" (layers {shown})" if shown else "")
     return Replanned(placed, said)
 
 

@@ -100,6 +100,8 @@ class RankStats:
     mlx_active: int
     disk_bytes: int = 0  # in the disk tier (exokv.cache.disk_tier); 0 without one
     disk_budget: int | None = None
+    # Of disk_bytes, the copies of other ranks' files this rank's host keeps (--replicas).
+    replica_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +109,19 @@ class RankStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankStats:
         return _from_dict(cls, data)
+
+
+@dataclass
+class HostState:
+    """One host of a chat over several machines, as `/hosts` lists it."""
+
+    host: str
+    state: str  # "up"; "gone" (its ssh server stopped answering); "dropped" (/hosts drop)
+    ranks: list[int] = field(default_factory=list)  # its ranks now (none once gone)
+    layers: str = ""  # the layers they run, as the plan shows them ("0-10", "11-21")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
