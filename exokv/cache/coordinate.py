@@ -362,6 +362,7 @@ class Coordinator:
                 mlx_active=row[6],
                 disk_bytes=disk[r],
                 disk_budget=disk_budgets[r],
+                replica_bytes=self.tier.replica_bytes(r) if self.tier is not None else 0,
             )
             for r, row in enumerate(g.rows)
         ]

@@ -28,8 +28,10 @@ import json
 import os
 import queue
 import shutil
+import signal
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -112,14 +114,17 @@ class DiskStore:
         root: Path,
         layers: tuple[int, int] = (0, 1),
         held: Sequence[tuple[int, int]] = (),
+        plan: tuple[str, int] | None = None,
     ) -> None:
         """`layers`: the [a, b) this rank runs, the range its files are named by; `held`:
         the ranges of other ranks whose copies this host keeps (dropped with the node).
-        Raises exokv.state.locks.LockHeld when another chat uses `root` (one process
-        per directory: two would write each other's ids), OSError when unusable."""
+        `plan`: (the chat, its plan's generation) this rank belongs to. Raises
+        exokv.state.locks.LockHeld when another chat uses `root` (one process per
+        directory: two would write each other's ids), OSError when unusable. A rank
+        of an older plan of the same chat holding it is stopped (`take_over`)."""
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = hold(root / "lock", {"what": "disk tier"})
+        self._lock_fd = take_over(root / "lock", plan)
         self.layers = layers
         self.held = [r for r in held if r != layers]
         self.pool = root  # the files' folder; the lineage's pool once restored (use_pool)
@@ -291,6 +296,36 @@ def _read_file(path: Path) -> tuple[Any, str]:
         return None, "file missing"
     except Exception as err:  # noqa: BLE001 - any unreadable file is a miss
         return None, str(err) or type(err).__name__
+
+
+def take_over(lock: Path, plan: tuple[str, int] | None, patience: float = 10.0) -> int:
+    """The tier's lock, for a rank of chat `plan[0]`'s plan generation `plan[1]`. A rank
+    of an older generation of the same chat that still holds it (its host went away and
+    came back with it running: a plan it must never be used with again) is stopped;
+    anyone else's lock stays theirs (LockHeld)."""
+    info = {"what": "disk tier"}
+    if plan is not None:
+        info.update(chat=plan[0], generation=plan[1])
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return hold(lock, info)
+        except LockHeld as held:
+            older = (
+                plan is not None
+                and held.info.get("chat") == plan[0]
+                and isinstance(held.info.get("generation"), int)
+                and held.info["generation"] < plan[1]
+                and held.pid is not None
+                and held.pid != os.getpid()
+            )
+            if not older or time.monotonic() > deadline:
+                raise
+            try:
+                os.kill(held.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            except OSError:
+                pass  # gone already: its lock goes with it
+            time.sleep(0.1)
 
 
 def _in_use(folder: Path) -> bool:

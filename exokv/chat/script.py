@@ -49,7 +49,11 @@ def turn_json(outcome: Outcome) -> dict[str, Any]:
         "cache_bytes": [s.cache_bytes for s in r.rank_stats],
         "events": [e.to_dict() for e in r.events],
         "rank_stats": [s.to_dict() for s in r.rank_stats],
+        "replica_bytes": r.replica_bytes,
+        "replica_s": round(r.replica_s, 3),
     }
+    if r.replica_error:
+        doc["replica_error"] = r.replica_error
     return doc
 
 

@@ -162,12 +162,28 @@ def stats(as_json: bool = typer.Option(False, "--json", help=JSON_HELP)) -> None
     drafted = tables.speculation_line(doc["total"])
     if drafted:
         console.print(drafted)
+    copied = _replica_line(doc["total"])
+    if copied:
+        console.print(copied)
     console.print(
         f"{_plural(doc['total']['turns'], 'turn')}, {_plural(doc['sessions'], 'session')}. "
         "Saved: prompt tokens not prefilled thanks to hits. Ranks take the same cache "
         "decisions, so their hits and evictions match.",
         style="dim",
     )
+
+
+def _replica_line(total: dict[str, Any]) -> str | None:
+    """What the replica copies (--replicas) did, or None when nothing was copied."""
+    copied = int(total.get("replica_bytes") or 0)
+    if not copied:
+        return None
+    turns = int(total.get("replica_turns") or 0)
+    line = f"Replicas: {format_size(copied)} copied in {total.get('replica_s') or 0:.1f} s"
+    median = total.get("replica_median_s")
+    if median is not None:
+        line += f" over {_plural(turns, 'turn')}; median {median:.2f} s a turn"
+    return line + "."
 
 
 @cache_app.command()
@@ -249,6 +265,10 @@ def pressure(
     if _say_empty(has_db, runs):
         return
     many = len(runs) > 1
+    # The disk tier's bytes, the replica copies of other ranks' files apart: shown only
+    # when there are any, and the first columns a narrow terminal drops.
+    disk = any(r.get("disk_bytes") for r in rows)
+    replicas = any(r.get("replica_bytes") for r in rows)
     columns = [
         Column("Run/rank" if many else "Rank", "left"),
         Column("Pressure"),
@@ -259,6 +279,8 @@ def pressure(
         Column("RSS", priority=2),
         Column("MLX", priority=3),
         Column("RAM", priority=2),
+        *([Column("Disk", priority=5)] if disk else []),
+        *([Column("Replicas", priority=5)] if replicas else []),
         Column(f"Last {history}", "left", priority=3),
         Column("At", "left", priority=1),
     ]
@@ -266,6 +288,8 @@ def pressure(
     for r in rows:
         level = r["pressure"] if r["pressure"] is not None else 0.0
         spark = _sparkline([h["pressure"] for h in r["history"]])
+        held, copies = r.get("disk_bytes"), r.get("replica_bytes")
+        own = None if held is None else held - (copies or 0)
         cells.append(
             [
                 _rank_label(r, many),
@@ -277,6 +301,8 @@ def pressure(
                 format_size(r["rss"]),
                 format_size(r["mlx_active"]),
                 format_size(r["ram_total"]),
+                *([format_size(own)] if disk else []),
+                *([format_size(copies)] if replicas else []),
                 Text(spark, style=_level(level)),
                 tables.when(r["time"]),
             ]

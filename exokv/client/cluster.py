@@ -98,6 +98,10 @@ HEARTBEAT_TIMEOUT = 10.0
 CONSEQUENCE = "the chat cannot go on"  # follows a cause that only says how a rank ended
 _POLL_S = 0.25
 REPLICA_PATIENCE_S = 60.0  # closing waits this long for the last turn's replica copies
+# This front end's word for its chat, and the plans' generations: every start of the ranks
+# (a restart, a re-plan) is the next one (exokv.cache.disk.take_over).
+CHAT = f"{os.getpid()}-{random.randrange(16**8):08x}"
+_GENERATIONS = itertools.count(1)
 
 
 class ClusterClient(Client):
@@ -151,6 +155,7 @@ class ClusterClient(Client):
         self._drafts_over = threading.Condition()
         self._draft_over = 0  # the latest draft rank 0 said gets no more steps
         self._draft_cost: DraftCost | None = None  # rank 0's word on the last draft step
+        self.generation = next(_GENERATIONS)  # of the plan these ranks run (CHAT's)
         self.replicator: Replicator | None = None  # copies each turn's files (with a tier)
         self.tier_pool = ""  # the disk tier's pool under each host's kv/ ("" without one)
         self.layer_ranges: list[list[int]] = []  # every rank's [start, end) layers
@@ -472,6 +477,8 @@ class ClusterClient(Client):
             front_end_pid=os.getpid() if local else None,
             wake_host=first.ips[0] if first.ips else first.ssh,
             replica_targets=tuple(self._replica_targets(opts)),
+            plan_chat=CHAT,
+            plan_generation=self.generation,
         )
 
     def _rank_hosts(self) -> list[str | None]:

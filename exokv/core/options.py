@@ -101,6 +101,10 @@ class RankOptions:
     # For each rank, the rank whose host keeps a copy of its disk tier's files (None:
     # none), as exokv.hosts.replicas decided from the hosts: every rank counts them.
     replica_targets: tuple[int | None, ...] = ()
+    # The chat (its front end's own word) and the generation of its plan: each start of
+    # the ranks is a new one; a rank of an older one still holding a disk tier is stopped.
+    plan_chat: str = ""
+    plan_generation: int = 0
 
     def to_arg(self) -> str:
         """The record as one command-line word."""

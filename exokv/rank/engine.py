@@ -81,6 +81,7 @@ class EngineOptions:
     disk_budget: int | None = None
     # For each rank, the rank whose host keeps a copy of its files (exokv.hosts.replicas).
     replica_targets: tuple[int | None, ...] = ()
+    plan: tuple[str, int] | None = None  # the chat and its plan's generation (DiskStore)
     kv: KvQuant = KvQuant()  # a quantized KV cache (mlx-lm's QuantizedKVCache), or not
     # The prompt format (exokv.model.templates): a template spec (None: the model's own
     # or a fallback), stop sequences besides the template's, a context limit (num_ctx).
@@ -191,7 +192,7 @@ class Engine:
         self.layer_ranges = ranges
         try:
             held = [ranges[s] for s in held_by[self.group.rank]]
-            store = DiskStore(Path(self.options.disk_dir), own, held)
+            store = DiskStore(Path(self.options.disk_dir), own, held, self.options.plan)
         except LockHeld as held_lock:
             who = f"pid {held_lock.pid}" if held_lock.pid else "another process"
             why = f"{self.options.disk_dir} is in use by another exokv chat ({who})"

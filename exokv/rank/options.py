@@ -28,5 +28,6 @@ def engine_options(opts: RankOptions, rank: int, layout: str) -> EngineOptions:
         context=cluster.context,
         kv=cluster.kv,
         replica_targets=opts.replica_targets,
+        plan=(opts.plan_chat, opts.plan_generation) if opts.plan_chat else None,
         **tier_options(cluster, rank, layout, opts.ranks_here),
     )

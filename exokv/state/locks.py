@@ -66,11 +66,13 @@ class SessionLocks:
 
 
 class LockHeld(Exception):
-    """Another process holds the lock; `pid` is its process id when it said so."""
+    """Another process holds the lock; `pid` is its process id when it said so, `info`
+    what else it wrote in the lock file."""
 
-    def __init__(self, pid: int | None) -> None:
+    def __init__(self, pid: int | None, info: dict | None = None) -> None:
         super().__init__(f"held by pid {pid}")
         self.pid = pid
+        self.info = info or {}
 
 
 def hold(path: Path, info: dict) -> int:
@@ -81,17 +83,24 @@ def hold(path: Path, info: dict) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder = _holder(fd)
+        info = _info(fd)
         os.close(fd)
-        raise LockHeld(holder) from None
+        raise LockHeld(_pid(info), info) from None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), **info}).encode())
     return fd
 
 
-def _holder(fd: int) -> int | None:
+def _info(fd: int) -> dict:
     try:
         data = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return int(data["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _pid(info: dict) -> int | None:
+    try:
+        return int(info["pid"])
+    except (KeyError, TypeError, ValueError):
         return None

@@ -86,7 +86,7 @@ def _sampled_disk(samples: dict[int, Any], rank: int) -> int:
 def latest_samples(db: sqlite3.Connection, run_id: int) -> list[dict[str, Any]]:
     """Each rank's latest memory sample of a run, as RankStats fields."""
     keys = ("rank", "pressure", "cache_bytes", "entries", "budget", "rss", "mlx_active")
-    keys += ("ram_total", "disk_bytes", "disk_budget")
+    keys += ("ram_total", "disk_bytes", "disk_budget", "replica_bytes")
     rows = _latest_samples(db, run_id)
     return [{k: rows[r][k] for k in keys} for r in sorted(rows)]
 
@@ -102,7 +102,9 @@ def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
     row = db.execute(
         "SELECT COUNT(*), COALESCE(SUM(cached_tokens > 0), 0), COALESCE(SUM(cached_tokens), 0), "
         "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(prefilled_tokens), 0), "
-        "COALESCE(SUM(draft_tokens), 0), COALESCE(SUM(accepted_tokens), 0) "
+        "COALESCE(SUM(draft_tokens), 0), COALESCE(SUM(accepted_tokens), 0), "
+        "COALESCE(SUM(replica_bytes), 0), COALESCE(SUM(replica_s), 0), "
+        "COALESCE(SUM(replica_bytes > 0), 0) "
         "FROM turns WHERE run_id = ?",
         (run_id,),
     ).fetchone()
@@ -131,7 +133,26 @@ def _run_turns(db: sqlite3.Connection, run_id: int) -> dict[str, int]:
         "typeahead_used": typed[2],
         "draft_tokens": row[5],
         "accepted_tokens": row[6],
+        "replica_bytes": row[7],
+        "replica_s": row[8],
+        "replica_turns": row[9],
     }
+
+
+def _replica_seconds(db: sqlite3.Connection, run_id: int) -> list[float]:
+    """The seconds of each turn's replica copies (--replicas), over the turns that copied."""
+    rows = db.execute(
+        "SELECT replica_s FROM turns WHERE run_id = ? AND replica_bytes > 0", (run_id,)
+    ).fetchall()
+    return [float(r[0]) for r in rows]
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _budget_for(run: dict[str, Any], sample: Any, rank: int) -> int | None:
@@ -159,6 +180,9 @@ _SUMMED_KEYS = (
     "typeahead_used",
     "draft_tokens",
     "accepted_tokens",
+    "replica_bytes",
+    "replica_s",
+    "replica_turns",
 )
 _TOTAL_KEYS = (
     "entries",
@@ -181,6 +205,10 @@ _TOTAL_KEYS = (
     "draft_tokens",
     "accepted_tokens",
     "acceptance_rate",
+    "replica_bytes",
+    "replica_s",
+    "replica_turns",
+    "replica_median_s",
 )
 
 
@@ -190,13 +218,18 @@ def stats(db: sqlite3.Connection | None) -> dict[str, Any]:
     ranks: list[dict[str, Any]] = []
     total: dict[str, Any] = dict.fromkeys(_SUMMED_KEYS, 0)
     budgets: list[int | None] = []
+    copies: list[float] = []
     for run in runs:
         ranks += _run_ranks(db, run, total, budgets)
+        copies += _replica_seconds(db, run["id"])
     budget_total = None if not budgets or None in budgets else sum(b or 0 for b in budgets)
     total["budget"] = budget_total
     total["budget_pct"] = _ratio(total["bytes"], budget_total, 100.0, 1)
     total["hit_rate"] = _ratio(total["hits"], total["turns"])
     total["acceptance_rate"] = _ratio(total["accepted_tokens"], total["draft_tokens"])
+    total["replica_s"] = round(total["replica_s"], 3)
+    median = _median(copies)
+    total["replica_median_s"] = round(median, 3) if median is not None else None
     total = {key: total[key] for key in _TOTAL_KEYS}
     sessions = db.execute("SELECT COUNT(*) FROM sessions").fetchone()[0] if db is not None else 0
     return {"runs": runs, "sessions": sessions, "ranks": ranks, "total": total}
@@ -380,6 +413,8 @@ def pressure(
                     "rss": last["rss"] if last else None,
                     "mlx_active": last["mlx_active"] if last else None,
                     "ram_total": last["ram_total"] if last else None,
+                    "disk_bytes": last["disk_bytes"] if last else None,
+                    "replica_bytes": last["replica_bytes"] if last else None,
                     "history": [
                         {
                             "time": iso(s["time"]),

@@ -203,6 +203,19 @@ def _v8_speculation(db: sqlite3.Connection) -> None:
     )
 
 
+def _v9_replicas(db: sqlite3.Connection) -> None:
+    # --replicas: the replica copies that ended with a turn (their bytes and seconds),
+    # and of each rank's disk bytes, the copies of other ranks' files its host keeps.
+    _script(
+        db,
+        """
+        ALTER TABLE turns ADD COLUMN replica_bytes INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE turns ADD COLUMN replica_s REAL NOT NULL DEFAULT 0;
+        ALTER TABLE memory_samples ADD COLUMN replica_bytes INTEGER NOT NULL DEFAULT 0
+        """,
+    )
+
+
 MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v1,
     _v2,
@@ -212,6 +225,7 @@ MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
     _v6_pins,
     _v7_chat_template,
     _v8_speculation,
+    _v9_replicas,
 ]
 LATEST = len(MIGRATIONS)
 

@@ -465,8 +465,8 @@ class Store:
     ) -> None:
         db.executemany(
             "INSERT INTO memory_samples (run_id, turn_id, time, rank, pressure, cache_bytes, "
-            "entries, budget, rss, mlx_active, ram_total, disk_bytes, disk_budget) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "entries, budget, rss, mlx_active, ram_total, disk_bytes, disk_budget, "
+            "replica_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     run_id,
@@ -482,6 +482,7 @@ class Store:
                     s.ram_total,
                     s.disk_bytes,
                     s.disk_budget,
+                    s.replica_bytes,
                 )
                 for s in stats
             ],
@@ -518,8 +519,8 @@ class Store:
             cur = db.execute(
                 "INSERT INTO turns (run_id, session_id, turn, model, prompt_tokens, cached_tokens, "
                 "prefilled_tokens, generated_tokens, ttft_s, decode_tps, overhead_s, evictions, "
-                "decision, finish_reason, created, draft_tokens, accepted_tokens) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "decision, finish_reason, created, draft_tokens, accepted_tokens, replica_bytes, "
+                "replica_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     sid,
@@ -538,6 +539,8 @@ class Store:
                     now,
                     result.draft_tokens,
                     result.accepted_tokens,
+                    result.replica_bytes,
+                    result.replica_s,
                 ),
             )
             turn_id = cur.lastrowid
