@@ -3,8 +3,8 @@ sshd and home (tests/ssh_hosts.py `three_hosts_at`), pipeline ranks on all three
 
 1. Side by side, `--replicas 0` and `--replicas 1` alternating (`--repeat` runs each, a
    fresh disk tier on every host before each run): a chat of `--turns` turns, each line
-   sent the moment the last reply arrives (the copy of a turn overlaps the next turn:
-   the worst case for "it must never delay the next turn's first token"). Per run: the
+   sent `--pause` seconds after the last reply (a user reading it; 0: at once, when a
+   turn's copy is ended by the next turn and run again after it). Per run: the
    median TTFT of turns 2.., the replica bytes and seconds per turn, the disk used on
    the hosts (their kv folders) once the chat ended.
 2. A host gone: the same chat with `--replicas 1`, host C taken away for good once the
@@ -13,7 +13,7 @@ sshd and home (tests/ssh_hosts.py `three_hosts_at`), pipeline ranks on all three
    same turn with no cache on A and B (`--no-cache`: a cold prefill of the same prompt).
 
     python benchmarks/replicas.py [--model builtin:tiny] [--turns 4] [--repeat 3]
-        [--words 150] [--json FILE]
+        [--words 150] [--pause 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -63,7 +63,11 @@ class ScriptChat:
     """`exokv chat --json` fed one line at a time."""
 
     def __init__(self, home: Path, hosts: ThreeHosts, model: str, *args: str) -> None:
-        env = {**os.environ, "EXOKV_HOME": str(home), "PATH": f"{hosts.bin_dir}:{os.environ['PATH']}"}
+        env = {
+            **os.environ,
+            "EXOKV_HOME": str(home),
+            "PATH": f"{hosts.bin_dir}:{os.environ['PATH']}",
+        }
         command = [sys.executable, "-m", "exokv", "chat", "-m", model, "--json", *args]
         self.proc = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
@@ -86,7 +90,13 @@ class ScriptChat:
 
 
 def run_chat(
-    hosts: ThreeHosts, work: Path, model: str, names: list[str], script: list[str], *args: str
+    hosts: ThreeHosts,
+    work: Path,
+    model: str,
+    names: list[str],
+    script: list[str],
+    *args: str,
+    pause: float = 0.0,
 ) -> tuple[ScriptChat, list[dict[str, Any]]]:
     port = str(30600 + random.randrange(0, 300) * 10)
     chat = ScriptChat(
@@ -96,7 +106,12 @@ def run_chat(
         *("--hostfile", str(hostfile(work / "hosts.json", names)), "--starting-port", port),
         *args,
     )
-    return chat, [chat.send(line) for line in script]
+    turns = []
+    for i, line in enumerate(script):
+        if i and pause:
+            time.sleep(pause)
+        turns.append(chat.send(line))
+    return chat, turns
 
 
 def side_by_side(hosts: ThreeHosts, work: Path, opts: argparse.Namespace) -> list[dict[str, Any]]:
@@ -108,7 +123,7 @@ def side_by_side(hosts: ThreeHosts, work: Path, opts: argparse.Namespace) -> lis
             script = lines(opts.turns, opts.words, seed=rep)
             chat, turns = run_chat(
                 hosts, work, opts.model, three, script, "--replicas", str(replicas),
-                "--max-tokens", "16",
+                "--max-tokens", "16", pause=opts.pause,
             )  # fmt: skip
             chat.finish()
             copied = [t["replica_bytes"] for t in turns[1:]]
@@ -127,7 +142,7 @@ def side_by_side(hosts: ThreeHosts, work: Path, opts: argparse.Namespace) -> lis
 
 def host_gone(hosts: ThreeHosts, work: Path, opts: argparse.Namespace) -> dict[str, Any]:
     fresh_tiers(hosts)
-    script = lines(opts.turns + 1, opts.words, seed=99)
+    script = [*lines(opts.turns, opts.words, seed=99), "And then?"]
     chat, turns = run_chat(
         hosts, work, opts.model, ["exokv-a", "exokv-b", "exokv-c"], script[:-1],
         "--max-tokens", "16", "--replicas", "1",
@@ -158,14 +173,21 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--words", type=int, default=150)
+    parser.add_argument("--pause", type=float, default=2.0)
     parser.add_argument("--json", dest="json_out")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="exokv-replicas-") as tmp:
         work = Path(tmp)
+        (work / "ssh").mkdir()
         with three_hosts_at(work / "ssh") as hosts:
             runs = side_by_side(hosts, work, opts)
             gone = host_gone(hosts, work, opts)
-    summary: dict[str, Any] = {"model": opts.model, "turns": opts.turns, "words": opts.words}
+    summary: dict[str, Any] = {
+        "model": opts.model,
+        "turns": opts.turns,
+        "words": opts.words,
+        "pause_s": opts.pause,
+    }
     for r in (0, 1):
         mine = [x for x in runs if x["replicas"] == r]
         summary[f"replicas_{r}"] = {

@@ -350,11 +350,16 @@ class ClusterClient(Client):
     def _in_flight(self) -> Iterator[None]:
         with self._state:
             self._busy += 1
+        if self.replicator is not None:  # no replica copy while the ranks work
+            self.replicator.busy(True)
         try:
             yield
         finally:
             with self._state:
                 self._busy -= 1
+                idle = self._busy == 0
+            if idle and self.replicator is not None:
+                self.replicator.busy(False)
 
     def health(self) -> str | None:
         return self.failure  # no restarts: a failure ends the server

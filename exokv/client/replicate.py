@@ -7,8 +7,11 @@ After a turn's reply, the ranks have written the files of the turn's new nodes
 host to the host of `targets[r]` (exokv.hosts.replicas), over ssh through this
 machine (hosts may not reach each other), with exokv.hosts.kvfiles: the sender waits
 for files its rank is still writing, the receiver writes each one whole or not at
-all. Nothing here waits for a copy: the next turn starts while it runs, and a copy
-that fails is said in the next turn's figures, never ends the chat. The receiving
+all. Copies run only while no request is in flight (`busy`): one under way when the
+next turn starts is ended at once and run again once that turn is over (what it had
+written is whole, and skipped then), so a copy never takes the CPU or the links from
+a turn's prefill or reply (measured: benchmarks/replicas.py). A copy that fails is
+said in the next turn's figures, never ends the chat. The receiving
 rank counts the copies against its disk budget and drops them with their nodes, as
 every rank decides alike from the tree (exokv.cache.disk_tier).
 """
@@ -63,6 +66,9 @@ class Replicator:
         self._lock = threading.Lock()
         self._cost = ReplicaCost()
         self.totals = ReplicaCost()  # every copy since the start
+        self._busy = threading.Event()  # a request in flight: no copy runs meanwhile
+        self._idle = threading.Event()
+        self._idle.set()
         self._thread = threading.Thread(target=self._run, name="exokv-replicas", daemon=True)
         self._thread.start()
 
@@ -74,6 +80,15 @@ class Replicator:
         """Copy the files of `written` nodes (a turn's) behind the chat; returns at once."""
         if written and self.active:
             self._jobs.put(list(written))
+
+    def busy(self, flag: bool) -> None:
+        """A request starts (True) or ends (False): copies wait for the chat to be idle."""
+        if flag:
+            self._idle.clear()
+            self._busy.set()
+        else:
+            self._busy.clear()
+            self._idle.set()
 
     def take(self) -> ReplicaCost:
         """The copies that ended since the last call."""
@@ -99,16 +114,20 @@ class Replicator:
             try:
                 if nodes is None:
                     return
-                if nodes:
-                    self._copy_turn(nodes)
+                while nodes and not self._copy_turn(nodes):
+                    pass  # a request came: run it again once the chat is idle
             finally:
                 self._jobs.task_done()
 
-    def _copy_turn(self, nodes: list[int]) -> None:
-        """Every rank's files of `nodes` to its replica's host, all ranks at once."""
+    def _copy_turn(self, nodes: list[int]) -> bool:
+        """Every rank's files of `nodes` to its replica's host, all ranks at once, once no
+        request is in flight; False when one came meanwhile (the copies were ended)."""
+        self._idle.wait()
         pairs = [(s, t) for s, t in enumerate(self.targets) if t is not None]
         with ThreadPoolExecutor(max_workers=max(len(pairs), 1)) as pool:
             copies = list(pool.map(lambda st: self._copy_rank(nodes, *st), pairs))
+        if any(c.cancelled for c in copies):
+            return False
         with self._lock:
             for cost in (self._cost, self.totals):
                 cost.bytes += sum(c.bytes for c in copies)
@@ -116,6 +135,7 @@ class Replicator:
                 cost.seconds += max((c.seconds for c in copies), default=0.0)
                 failed = [c.error for c in copies if c.error]
                 cost.error = failed[-1] if failed else cost.error
+        return True
 
     def _copy_rank(self, nodes: list[int], source: int, target: int) -> Copied:
         names = [file_name(n, self.layers[source]) for n in nodes]
@@ -127,6 +147,7 @@ class Replicator:
             self.envs,
             wait=WRITE_WAIT_S,
             timeout=COPY_TIMEOUT_S,
+            cancel=self._busy,
         )
         if copied.error:
             copied.error = f"rank {source}'s replica on rank {target}'s host: {copied.error}"

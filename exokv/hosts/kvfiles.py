@@ -431,6 +431,7 @@ class Copied:
     skipped: int = 0
     missing: int = 0
     bad: int = 0
+    cancelled: bool = False  # ended by its caller's `cancel` (it is to be run again)
 
 
 def copy_files(
@@ -441,13 +442,15 @@ def copy_files(
     envs: Sequence[str] = (),
     wait: float = 10.0,
     timeout: float = 300.0,
+    cancel: threading.Event | None = None,
 ) -> Copied:
     """`names` of pool `rel` copied from host `src` to host `dst` (None: this machine),
     through this machine: hosts may not reach each other. Never raises for a failed
     copy (a replica that could not be made must not end a chat): `error` says why.
 
     `wait` is how long, all names together, `src` waits for files its rank is still
-    writing; the whole copy is ended after `timeout` seconds."""
+    writing; the whole copy is ended after `timeout` seconds, or as soon as `cancel` is
+    set (`cancelled`: what was written is whole, the rest is for another try)."""
     if not names or src == dst:
         return Copied(0, 0, 0.0)
     started = time.monotonic()
@@ -459,10 +462,14 @@ def copy_files(
     except OSError as err:
         return Copied(0, 0, time.monotonic() - started, f"could not start a copy: {err}")
     outputs = _drain(sender, receiver)
-    ended = _ended_by(sender, receiver, started + timeout)
+    ended = _ended_by(sender, receiver, started + timeout, cancel)
     for reader in outputs.readers:
         reader.join(timeout=5)
     counts = _counts(b"".join(outputs.receiver_out))
+    if not ended and cancel is not None and cancel.is_set():
+        copied = _copied(counts, time.monotonic() - started, "cancelled")
+        copied.cancelled = True
+        return copied
     if not ended:
         error = f"the copy from {where(src)} to {where(dst)} took over {timeout:.0f} s: ended"
     else:
@@ -530,19 +537,24 @@ def _drain(sender: subprocess.Popen[bytes], receiver: subprocess.Popen[bytes]) -
 
 
 def _ended_by(
-    sender: subprocess.Popen[bytes], receiver: subprocess.Popen[bytes], deadline: float
+    sender: subprocess.Popen[bytes],
+    receiver: subprocess.Popen[bytes],
+    deadline: float,
+    cancel: threading.Event | None = None,
 ) -> bool:
-    """Whether both ended by `deadline` (monotonic); if not, both are killed."""
-    try:
-        for proc in (sender, receiver):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    """Whether both ended by `deadline` (monotonic) and before `cancel` was set; if not,
+    both are killed."""
+    while time.monotonic() < deadline and not (cancel is not None and cancel.is_set()):
+        if sender.poll() is not None and receiver.poll() is not None:
+            return True
+        time.sleep(POLL_S)
+    if sender.poll() is not None and receiver.poll() is not None:
         return True
-    except subprocess.TimeoutExpired:
-        for proc in (sender, receiver):
-            _kill(proc)
-        for proc in (sender, receiver):
-            proc.wait()
-        return False
+    for proc in (sender, receiver):
+        _kill(proc)
+    for proc in (sender, receiver):
+        proc.wait()
+    return False
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
