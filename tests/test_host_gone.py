@@ -28,6 +28,7 @@ SCRIPT = [
     f"Tell me more: {STORY * 2}",
     "Why?",
     "And then?",  # the next day, on the two hosts left
+    "And after that?",  # on host A alone: B, where it ran last, lends its layers' files
 ]
 
 
@@ -109,3 +110,22 @@ def test_a_host_gone_for_good_the_chat_goes_on_with_its_cache(
     assert code == 0, err
     assert fourth["ranks"] == 2 and fourth["reply"] == expected[3]["reply"]
     assert fourth["cached_tokens"] >= 0.9 * fourth["prompt_tokens"], (fourth, err)
+
+    # On host A alone: every layer's files are needed there; B has those A lacks.
+    one = hostfile_of(tmp_path / "one.json", ["exokv-a"])
+    alone = Chat(
+        tmp_path / "front",
+        *("--hostfile", str(one), "--starting-port", "30430", "--session", "notes"),
+        env=env,
+    )
+    fifth = alone.send(SCRIPT[4])
+    code, err = alone.finish(timeout=120)
+    assert code == 0, err
+    assert fifth["ranks"] == 1 and fifth["reply"] == expected[4]["reply"]
+    assert fifth["cached_tokens"] >= 0.9 * fifth["prompt_tokens"], (fifth, err)
+    # Every layer of every entry on A now: its own files, replicas, and what B lent.
+    layers = {p.name.split(".L")[0]: set() for p in _pools(three_hosts, "exokv-a")}
+    for p in _pools(three_hosts, "exokv-a"):
+        start, end = p.name.split(".L")[1].removesuffix(".kv").split("-")
+        layers[p.name.split(".L")[0]] |= set(range(int(start), int(end)))
+    assert all(held == set(range(4)) for held in layers.values()), layers

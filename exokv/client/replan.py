@@ -30,7 +30,7 @@ from exokv.hosts.kvfiles import copy_files, list_pools
 from exokv.hosts.placement import DoesNotFit, even_split
 from exokv.hosts.plan import place
 from exokv.hosts.replicas import kv_moves, layer_ranges
-from exokv.launch.command import LOOPBACK
+from exokv.launch.command import LOOPBACK, unreachable
 
 
 @dataclass
@@ -109,7 +109,10 @@ def spread_kv(opts: ClusterOptions, say: Callable[[str], None] | None = None) ->
     envs = opts.hosts.envs
     prefix = model_folder_prefix(opts.model)
     layout = layout_folder(opts, "pipeline")
-    distinct = list(dict.fromkeys(hosts))
+    # The hosts a resumed session ran on last, those that answer: sources, not targets.
+    earlier = [h for h in opts.kv_sources if h not in hosts]
+    gone = unreachable(earlier, timeout=3.0) if earlier else {}
+    distinct = list(dict.fromkeys([*hosts, *(h for h in earlier if h not in gone)]))
     with ThreadPoolExecutor(max_workers=len(distinct)) as pool:
         listed = pool.map(lambda h: list_pools(h, prefix, layout, envs), distinct)
         found = dict(zip(distinct, listed, strict=True))

@@ -70,6 +70,9 @@ class ClusterOptions:
     # --replicas: copies of each rank's on-disk KV on other hosts (0 or 1); None: 1 over
     # several hosts, 0 on one (exokv.hosts.replicas).
     replicas: int | None = None
+    # Hosts outside this launch that may hold KV files of its layers: the hosts a resumed
+    # session ran on last (exokv.client.replan.spread_kv copies from them too).
+    kv_sources: tuple[str, ...] = ()
 
     @property
     def keep_cache(self) -> bool:
@@ -117,6 +120,7 @@ class RankOptions:
         doc: dict[str, Any] = json.loads(base64.urlsafe_b64decode(arg.encode()))
         cluster = dict(doc.pop("cluster"))
         cluster.update(kv=KvQuant(**cluster["kv"]), stops=tuple(cluster["stops"]))
+        cluster["kv_sources"] = tuple(cluster.get("kv_sources", ()))
         doc["replica_targets"] = tuple(doc.get("replica_targets", ()))
         return cls(ClusterOptions(**cluster), **doc)
 

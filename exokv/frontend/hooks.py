@@ -66,6 +66,7 @@ class StoreHooks(ChatHooks):
         # session -> the context (prompt + reply tokens) after each exchange of this run,
         # so /sessions is right after /undo; None where not known (before a resume)
         self._context: dict[str, list[int | None]] = {}
+        self._hosts: list[str] = []  # the run's hosts as last stored (after a re-plan)
 
     # -- where messages for the user go ------------------------------------------------
 
@@ -169,6 +170,7 @@ class StoreHooks(ChatHooks):
         context.append(result.prompt_tokens + result.generated_tokens)
         self._sync_system(conv)
         self.store.record_turn(self.run_id, conv.name, conv.messages, result, self.model)
+        self._note_hosts()
         if conv.name not in self._options_written:
             # The session's first turn created it: it remembers this run's settings.
             self.store.set_session_options(conv.name, self.max_kv_size, self.chat_template)
@@ -176,6 +178,16 @@ class StoreHooks(ChatHooks):
         if conv.name in self._pins:
             self.set_pinned(conv.name, True)
         self._dirty.add(conv.name)
+
+    def _note_hosts(self) -> None:
+        """The run's hosts as they are now: a re-plan (a host gone, /hosts) changes them,
+        and a session resumed later asks them for its KV files."""
+        if self.client is None:
+            return
+        hosts = [h.host for h in self.client.hosts() if h.state == "up"]
+        if hosts and hosts != self._hosts:
+            self.store.set_run_hosts(self.run_id, hosts)
+            self._hosts = hosts
 
     def forget(self, name: str) -> None:
         """Drop what is kept in memory about a session; its stored rows stay. A server

@@ -5,6 +5,7 @@ the ranks started; undone in reverse when the front end ends."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from collections.abc import Iterator
@@ -214,13 +215,15 @@ def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> I
     try:
         if opts.session:
             locks.acquire(opts.session)  # a session open elsewhere fails before the ranks start
+            cluster = with_earlier_hosts(cluster, store.last_hosts(opts.session))
         fetch_onto_hosts(
             cluster.model, cluster.hosts, cluster.split, cluster.parallel, draft=cluster.draft_model
         )
         client = make_client(cluster, progress=_startup_progress())
         run_id: int | None = None
         try:
-            run_id = store.start_run(opts.model, client.ranks, list(client.budgets))
+            hosts = [h.ssh for h in cluster.hosts.hosts] if cluster.hosts else []
+            run_id = store.start_run(opts.model, client.ranks, list(client.budgets), hosts)
             with register_chat(
                 store.home,
                 model=opts.model,
@@ -239,6 +242,16 @@ def started(opts: ChatOptions, cluster: ClusterOptions, kind: str = "chat") -> I
     finally:
         locks.release_all()
         store.close()
+
+
+def with_earlier_hosts(cluster: ClusterOptions, earlier: list[str]) -> ClusterOptions:
+    """A session resumed on other hosts: those it ran on last may hold the KV files of
+    the layers this launch's hosts will run (exokv.client.replan.spread_kv)."""
+    if cluster.hosts is None:
+        return cluster
+    now = {h.ssh for h in cluster.hosts.hosts}
+    sources = tuple(h for h in earlier if h not in now)
+    return dataclasses.replace(cluster, kv_sources=sources) if sources else cluster
 
 
 def store_hooks(run: Started, opts: ChatOptions, locks: bool = True) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import queue
 import sys
 import threading
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before the ring: until every rank has let its stdin go, the launcher spins.
         boot = read_bootstrap() if rank == 0 else None
         release_stdin()
-        world = mx.distributed.init(backend=options.cluster.backend, strict=True)
+        world = _join(options)
         rank = world.rank()
         if boot is not None:
             link = channel.connect(boot["addresses"], boot["token"], {"ranks": world.size()})
@@ -164,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if options.front_end_pid is not None and not alive(options.front_end_pid):
             remove_scratch()  # the front end was killed: nobody else will
+
+
+def _join(options: RankOptions) -> mx.distributed.Group:
+    """This rank's group. One rank alone on a host of a hostfile (a session moved to one
+    Mac, a re-plan that left one) is a group of one: mlx.launch's ring writes that rank
+    an empty ring description, which the backend cannot read."""
+    if options.cluster.rank_count == 1:
+        os.environ.pop("MLX_HOSTFILE", None)  # else the backend reads it, and fails
+        return mx.distributed.init()
+    return mx.distributed.init(backend=options.cluster.backend, strict=True)
 
 
 def load_shard(name: str, world: mx.distributed.Group, parallel: str, split: list[int] | None):

@@ -205,13 +205,16 @@ def _v8_speculation(db: sqlite3.Connection) -> None:
 
 def _v9_replicas(db: sqlite3.Connection) -> None:
     # --replicas: the replica copies that ended with a turn (their bytes and seconds),
-    # and of each rank's disk bytes, the copies of other ranks' files its host keeps.
+    # and of each rank's disk bytes, the copies of other ranks' files its host keeps;
+    # the hosts a run's ranks ran on (a session resumed on other hosts asks them for
+    # the KV files of its layers: exokv.client.replan.spread_kv).
     _script(
         db,
         """
         ALTER TABLE turns ADD COLUMN replica_bytes INTEGER NOT NULL DEFAULT 0;
         ALTER TABLE turns ADD COLUMN replica_s REAL NOT NULL DEFAULT 0;
-        ALTER TABLE memory_samples ADD COLUMN replica_bytes INTEGER NOT NULL DEFAULT 0
+        ALTER TABLE memory_samples ADD COLUMN replica_bytes INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE runs ADD COLUMN hosts TEXT NOT NULL DEFAULT '[]'
         """,
     )
 

@@ -164,15 +164,46 @@ class Store:
 
     # -- runs --------------------------------------------------------------
 
-    def start_run(self, model: str, ranks: int, budgets: list[int | None]) -> int:
-        """One row per chat process; cache entries and events belong to it."""
+    def start_run(
+        self, model: str, ranks: int, budgets: list[int | None], hosts: Sequence[str] = ()
+    ) -> int:
+        """One row per chat process; cache entries and events belong to it. `hosts`: the
+        ssh names its ranks run on (none on this machine alone)."""
         with self._write() as db:
             cur = db.execute(
-                "INSERT INTO runs (pid, host, model, ranks, budgets, started) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (os.getpid(), socket.gethostname(), model, ranks, _dumps(budgets), time.time()),
+                "INSERT INTO runs (pid, host, model, ranks, budgets, started, hosts) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    os.getpid(),
+                    socket.gethostname(),
+                    model,
+                    ranks,
+                    _dumps(budgets),
+                    time.time(),
+                    _dumps(list(hosts)),
+                ),
             )
             return int(cur.lastrowid)
+
+    def set_run_hosts(self, run_id: int, hosts: Sequence[str]) -> None:
+        """The hosts the run's ranks run on now (a re-plan changed them)."""
+        with self._write() as db:
+            db.execute("UPDATE runs SET hosts = ? WHERE id = ?", (_dumps(list(hosts)), run_id))
+
+    def last_hosts(self, session: str) -> list[str]:
+        """The hosts the latest run with a turn of `session` ran on ([] on one machine)."""
+        with self.snapshot() as db:
+            row = db.execute(
+                "SELECT r.hosts FROM turns t JOIN runs r ON r.id = t.run_id "
+                "JOIN sessions s ON s.id = t.session_id WHERE s.name = ? "
+                "ORDER BY t.id DESC LIMIT 1",
+                (session,),
+            ).fetchone()
+        try:
+            hosts = json.loads(row[0]) if row else []
+        except (TypeError, ValueError):
+            return []
+        return [str(h) for h in hosts] if isinstance(hosts, list) else []
 
     def end_run(self, run_id: int) -> None:
         with self._write() as db:
