@@ -250,7 +250,12 @@ class HealingClient:
         self._left.update(dict.fromkeys(gone, "gone"))
         self.opts = moved.opts
         self._started(inner, moved.said)
-        self._replanned = moved.said
+        with self._lock:
+            busy = self._busy
+        if busy:  # said once the turn in flight ends, with how much of it was cached
+            self._replanned = moved.said
+        else:  # found while idle (a server between requests): said now
+            self._say(moved.said)
 
     # -- /hosts: the hosts, and one taken on or left out between turns ------------------
 
