@@ -355,10 +355,14 @@ SCRIPT = "Hello there, tell me about the weather in Paris today\n/retry\nAnd tom
 def test_two_pipeline_ranks_verify_rank_0s_drafts(
     name: str, port: str, models_dir: Path, zoo_home: Path, tmp_path: Path
 ) -> None:
-    home = home_with_models(tmp_path / "home", models_dir, link=True)
+    models = models_dir
     if name != "builtin:tiny":
         _load(zoo_home, name)  # generated into zoo_home/models
-        home = home_with_models(tmp_path / "zhome", zoo_home / "models", link=True)
+        models = zoo_home / "models"
+    home = home_with_models(tmp_path / "home", models, link=True)
+    # Each run starts cold: the disk tier is read by any split, so the two ranks would
+    # find the plain run's cache in its home.
+    spec_home = home_with_models(tmp_path / "spec-home", models, link=True)
     args = ["chat", "--model", name, "--json", "--max-tokens", "24"]
     plain = _turns(run_exokv([*args, "--no-speculate"], home, SCRIPT))
     assert all(t["draft_tokens"] == 0 == t["accepted_tokens"] for t in plain)
@@ -370,7 +374,8 @@ def test_two_pipeline_ranks_verify_rank_0s_drafts(
     drafts = tmp_path / "drafts.json"
     drafts.write_text(json.dumps(engine.reply_tokens(first.reply)))
     ranks = ["-n", "2", "--parallel", "pipeline", "--starting-port", port]
-    spec = _turns(run_exokv([*args, *ranks], home, SCRIPT, env={"EXOKV_TEST_DRAFTS": str(drafts)}))
+    env = {"EXOKV_TEST_DRAFTS": str(drafts)}
+    spec = _turns(run_exokv([*args, *ranks], spec_home, SCRIPT, env=env))
     assert [t["reply"] for t in spec] == [t["reply"] for t in plain]
     assert [t["cached_tokens"] for t in spec] == [t["cached_tokens"] for t in plain]
     assert 0 < spec[0]["accepted_tokens"] < spec[0]["draft_tokens"]
