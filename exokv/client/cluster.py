@@ -57,9 +57,9 @@ from exokv.core.records import (
     TurnResult,
 )
 from exokv.errors import ExokvError, PromptTooLong, UsageError
+from exokv.hosts.placement import layers_text
 from exokv.hosts.replicas import default_replicas, replica_targets
 from exokv.launch.command import (
-    LOOPBACK,
     SCRATCH_PREFIX,
     LaunchPlan,
     channel_addresses,
@@ -67,6 +67,7 @@ from exokv.launch.command import (
     make_scratch,
     plan_launch,
     rank_command,
+    ssh_names,
 )
 from exokv.launch.supervise import Cause, Supervisor
 from exokv.wire import channel
@@ -373,8 +374,7 @@ class ClusterClient(Client):
             state = out.setdefault(host.ssh, HostState(host.ssh, "up"))
             state.ranks.append(rank)
             if rank < len(self.layer_ranges) and self.opts.parallel == "pipeline":
-                start, end = self.layer_ranges[rank]
-                shown = f"{start}" if end - start == 1 else f"{start}-{end - 1}"
+                shown = layers_text(self.layer_ranges[rank])
                 state.layers = f"{state.layers}, {shown}" if state.layers else shown
         return list(out.values())
 
@@ -488,7 +488,7 @@ class ClusterClient(Client):
 
     def _rank_hosts(self) -> list[str | None]:
         """Each rank's ssh name (None: this machine)."""
-        return [None if h.ssh == LOOPBACK else h.ssh for h in self.plan.hosts]
+        return ssh_names(self.plan.hosts)
 
     def _replica_targets(self, opts: ClusterOptions) -> list[int | None]:
         """Where each rank's files are copied (exokv.hosts.replicas): a pipeline's, over

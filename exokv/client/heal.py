@@ -283,9 +283,7 @@ class HealingClient:
                 inner = self._start_with(moved.opts)
             except ExokvError as err:
                 self._started(self._start_with(self.opts), "the hosts as they were")
-                raise ExokvError(
-                    f"{moved.said.split(';')[0]}: its ranks did not start: {err}"
-                ) from None
+                raise ExokvError(f"{moved.what}, but its ranks did not start: {err}") from None
             self.opts = moved.opts
             self._started(inner, moved.said)
         if drop:

@@ -30,7 +30,7 @@ from exokv.hosts.kvfiles import copy_files, list_pools
 from exokv.hosts.placement import DoesNotFit, even_split
 from exokv.hosts.plan import place
 from exokv.hosts.replicas import kv_moves, layer_ranges
-from exokv.launch.command import LOOPBACK, unreachable
+from exokv.launch.command import ssh_names, unreachable
 
 
 @dataclass
@@ -39,6 +39,7 @@ class Replanned:
 
     opts: ClusterOptions
     said: str  # "exokv-c is gone; the chat goes on on exokv-a, exokv-b (layers 2-3, 0-1)"
+    what: str = ""  # what happened alone: "exokv-c is gone", "exokv-d joins"
 
 
 def replan(opts: ClusterOptions, gone: Sequence[str], dropped: bool = False) -> Replanned:
@@ -78,7 +79,7 @@ def place_on(opts: ClusterOptions, hosts: list[Host], what: str, after: str) -> 
     fetch_onto_hosts(placed.model, placed.hosts, placed.split, placed.parallel)
     shown = ", ".join(row.layers_text() for row in plan.rows) if plan is not None else ""
     said = f"{what}; the chat goes on on {where}" + (f" (layers {shown})" if shown else "")
-    return Replanned(placed, said)
+    return Replanned(placed, said, what)
 
 
 def _even_ranges(opts: ClusterOptions, ranks: int) -> list[tuple[int, int]]:
@@ -103,7 +104,7 @@ def spread_kv(opts: ClusterOptions, say: Callable[[str], None] | None = None) ->
     if opts.hosts is None or opts.parallel != "pipeline" or opts.disk_budget is None:
         return moved
     ranges = layer_ranges(opts.split) if opts.split else _even_ranges(opts, opts.rank_count)
-    hosts = [None if h.ssh == LOOPBACK else h.ssh for h in opts.hosts.hosts]
+    hosts = ssh_names(opts.hosts.hosts)
     if not ranges:
         return moved
     envs = opts.hosts.envs

@@ -43,6 +43,12 @@ def local_range(split: Sequence[int], rank: int) -> tuple[int, int]:
     return start, start + split[rank]
 
 
+def layers_text(layers: Sequence[int]) -> str:
+    """Layers [start, end) as a plan shows them: `3`, `0-10`."""
+    start, end = layers
+    return f"{start}" if end - start == 1 else f"{start}-{end - 1}"
+
+
 def cache_budget(threshold: float, memory: int, weights: int) -> int:
     """The bytes of cache a rank may hold: its share of memory at the threshold, less
     its weights (never below 0)."""
@@ -91,10 +97,7 @@ class PlanRow:
         return self.memory - self.weights - self.budget
 
     def layers_text(self) -> str:
-        if self.layers is None:
-            return "all (a slice)"
-        start, end = self.layers
-        return f"{start}" if end - start == 1 else f"{start}-{end - 1}"
+        return "all (a slice)" if self.layers is None else layers_text(self.layers)
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)

@@ -182,6 +182,11 @@ def check_reachable(plan: LaunchPlan, timeout: float = 5.0) -> None:
             raise ExokvError(f"rank {rank}'s host {name!r} cannot be reached over ssh: {error}")
 
 
+def ssh_names(hosts: Sequence[Host]) -> list[str | None]:
+    """Each host's ssh name, None for this machine (what exokv.launch.remote runs here)."""
+    return [None if h.ssh == LOOPBACK else h.ssh for h in hosts]
+
+
 def unreachable(names: Sequence[str], timeout: float = 5.0) -> dict[str, str]:
     """The hosts among `names` whose ssh server does not answer now, with why; all
     tried at once (the front end deciding that a host is gone)."""
