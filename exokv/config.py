@@ -146,7 +146,7 @@ TEST_WEDGED_S = Setting(
 )
 TEST_HOST_MEMORY = Setting(
     "EXOKV_TEST_HOST_MEMORY",
-    "sizes, one per rank (24GB,8GB) or one for all",
+    "sizes, one per rank (24GB,8GB), one for all, or per host (mac-a=24GB,mac-b=8GB)",
     "each host's own",
     "the memory placement sees for each rank, each a host of its own: uneven Macs on one machine",
     test=True,

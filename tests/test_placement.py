@@ -198,3 +198,14 @@ def test_the_plan_as_json():
     assert doc["split"] == [2, 2] and doc["source"] == "auto"
     assert [r["layers"] for r in doc["ranks"]] == [[2, 4], [0, 2]]
     assert {"host", "weights", "budget", "free_after", "memory"} <= set(doc["ranks"][0])
+
+
+def test_the_memory_hook_names_hosts_so_a_replan_keeps_each_hosts(monkeypatch) -> None:
+    from exokv.config import TEST_HOOKS
+
+    monkeypatch.setenv("EXOKV_TEST_HOST_MEMORY", "mac-a=2GB,mac-b=1GB,mac-c=2GB")
+    assert TEST_HOOKS.host_memory(["mac-a", "mac-b", "mac-c"]) == [2 * 10**9, 10**9, 2 * 10**9]
+    assert TEST_HOOKS.host_memory(["mac-b", "mac-a"]) == [10**9, 2 * 10**9]
+    monkeypatch.setenv("EXOKV_TEST_HOST_MEMORY", "mac-a=2GB")
+    with pytest.raises(UsageError, match="HOST=SIZE"):
+        TEST_HOOKS.host_memory(["mac-a", "mac-d"])
