@@ -136,3 +136,32 @@ def test_retry_after_a_long_message_is_served_whole_on_uneven_ranks_and_budgets(
     _within_budgets_alike(logs, budgets)
     reasons = [e["reason"] for t in logs[0] for e in t["events"] if e["kind"] == "evict"]
     assert "budget rank 1" in reasons and all(r.startswith("budget rank ") for r in reasons)
+
+
+@pytest.mark.timeout(240)
+def test_quantized_kv_on_two_pipeline_ranks_hits_as_one_rank(tmp_path, models_dir):
+    """--kv-bits on two ranks: mlx-lm's pipeline makes a stage's quantized cache depend on
+    its send, which turns its (weights, scales, biases) into a list; a hit on it must
+    rebuild it all the same (it failed on rank 1 with a TypeError in concatenate)."""
+    import json
+
+    from chat_helpers import run_exokv
+
+    script = "Hello there\nAnd more?\n/undo\nAnd more?\n"
+    args = ["chat", "--model", "builtin:small", "--json", "--max-tokens", "8"]
+    args += ["--kv-bits", "8", "--kv-group-size", "32"]
+
+    def turns(home: Path, *extra: str) -> list[dict]:
+        proc = run_exokv([*args, *extra], home, script)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        docs = [json.loads(x) for x in proc.stdout.decode().splitlines() if x.strip()]
+        return [d for d in docs if "turn" in d]
+
+    one = turns(home_with_models(tmp_path / "one", models_dir, link=True))
+    two = turns(
+        home_with_models(tmp_path / "two", models_dir, link=True),
+        *("-n", "2", "--restarts", "0", "--starting-port", "27330"),
+    )
+    assert [t["reply"] for t in two] == [t["reply"] for t in one]
+    assert [t["cached_tokens"] for t in two] == [t["cached_tokens"] for t in one]
+    assert two[-1]["cached_tokens"] > 0

@@ -94,7 +94,9 @@ def take(kv: Any, start: int, end: int | None) -> Any:
 
 
 def concat(parts: list[Any]) -> Any:
-    if isinstance(parts[0], tuple):  # quantized: (weights, scales, biases)
+    # Quantized: (weights, scales, biases); a list once a pipeline stage has made the
+    # cache depend on its send (mx.depends returns one), as mlx-lm's own pipelines do.
+    if isinstance(parts[0], (tuple, list)):
         return tuple(concat([p[i] for p in parts]) for i in range(len(parts[0])))
     if len(parts) == 1:
         return own(parts[0])
