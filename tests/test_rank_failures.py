@@ -43,3 +43,27 @@ def test_a_failure_on_one_rank_ends_the_turn_on_all(
         f"exokv: error: rank {rank} failed: RuntimeError: injected failure in {phase} "
         "(EXOKV_TEST_FAIL_AT)"
     ]
+
+
+@pytest.mark.timeout(180)
+def test_a_request_that_fails_the_ranks_each_time_is_not_run_for_ever(
+    tmp_path: Path, models_dir: Path
+) -> None:
+    """With restarts on, the ranks are started again and the request runs again; a
+    request that fails them every time (a rank's own error on it) ends the chat after
+    --restarts more runs, instead of starting the ranks again for ever."""
+    proc = run_exokv(
+        ["chat", "--model", "builtin:tiny", "--json", "--max-tokens", "4", "-n", "2"]
+        + ["--starting-port", "25680", "--restarts", "1"],
+        home_with_models(tmp_path, models_dir),
+        "Hello there, how are you?\n",
+        timeout=160,
+        env={"EXOKV_TEST_FAIL_AT": "1:decode"},
+    )
+    err = proc.stderr.decode().strip()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith("exokv: error: rank 1 failed: RuntimeError: injected failure"), err
+    assert last.endswith("; the request failed the ranks 2 times in a row"), err
+    assert sum("starting the ranks again" in x for x in err.splitlines()) == 1, err

@@ -193,15 +193,23 @@ class HealingClient:
         with self._lock:
             self._busy = True
         try:
+            runs = 0
             while True:
+                runs += 1
                 with self._heal_lock:  # a restart the watch began is waited for
                     inner = self._inner
                 try:
                     return call(inner)
-                except ExokvError:
+                except ExokvError as err:
                     cause = inner.cause
                     if cause is None:
                         raise  # not the ranks: a refused turn, a message too large
+                    if runs > self.restarts:
+                        # The request itself fails the ranks (a rank's own error on it):
+                        # starting them again would go on for ever.
+                        raise ExokvError(
+                            f"{err}; the request failed the ranks {runs} times in a row"
+                        ) from None
                 self._heal(cause, inner)
         finally:
             with self._lock:
