@@ -54,7 +54,7 @@ def test_a_request_that_fails_the_ranks_each_time_is_not_run_for_ever(
     --restarts more runs, instead of starting the ranks again for ever."""
     proc = run_exokv(
         ["chat", "--model", "builtin:tiny", "--json", "--max-tokens", "4", "-n", "2"]
-        + ["--starting-port", "25680", "--restarts", "1"],
+        + ["--starting-port", "25690", "--restarts", "1"],
         home_with_models(tmp_path, models_dir),
         "Hello there, how are you?\n",
         timeout=160,
