@@ -16,6 +16,8 @@ import pytest
 from chat_helpers import Chat
 from ssh_hosts import THREE_HOSTS, ThreeHosts
 
+from exokv.hosts.replicas import parse_file_name
+
 pytestmark = pytest.mark.slow  # starts ranks over ssh: see tests/conftest.py
 
 # A chat whose earlier turns are most of the third turn's prompt, as in a long chat.
@@ -99,33 +101,30 @@ def test_a_host_gone_for_good_the_chat_goes_on_with_its_cache(
     assert "cache kept" in said[0], err
 
     # The next day: the same session on the two hosts left, from a hostfile of its own.
-    two = hostfile_of(tmp_path / "two.json", ["exokv-a", "exokv-b"])
-    resumed = Chat(
-        tmp_path / "front",
-        *("--hostfile", str(two), "--starting-port", "30420", "--session", "notes"),
-        env=env,
-    )
-    fourth = resumed.send(SCRIPT[3])
-    code, err = resumed.finish(timeout=120)
-    assert code == 0, err
-    assert fourth["ranks"] == 2 and fourth["reply"] == expected[3]["reply"]
-    assert fourth["cached_tokens"] >= 0.9 * fourth["prompt_tokens"], (fourth, err)
-
+    _resumed(tmp_path, env, ["exokv-a", "exokv-b"], "30420", SCRIPT[3], expected[3])
     # On host A alone: every layer's files are needed there; B has those A lacks.
-    one = hostfile_of(tmp_path / "one.json", ["exokv-a"])
-    alone = Chat(
+    _resumed(tmp_path, env, ["exokv-a"], "30430", SCRIPT[4], expected[4])
+    # Every layer of every entry on A now: its own files, replicas, and what B lent.
+    layers: dict[int, set[int]] = {}
+    for p in _pools(three_hosts, "exokv-a"):
+        parsed = parse_file_name(p.name)
+        assert parsed is not None, p.name
+        layers.setdefault(parsed[0], set()).update(range(*parsed[1]))
+    assert all(held == set(range(4)) for held in layers.values()), layers
+
+
+def _resumed(
+    tmp_path: Path, env: dict[str, str], names: list[str], port: str, line: str, expected: Any
+) -> None:
+    """Session `notes` resumed on `names` alone: one turn, warm, as one rank answers it."""
+    hostfile = hostfile_of(tmp_path / f"{len(names)}-hosts.json", names)
+    chat = Chat(
         tmp_path / "front",
-        *("--hostfile", str(one), "--starting-port", "30430", "--session", "notes"),
+        *("--hostfile", str(hostfile), "--starting-port", port, "--session", "notes"),
         env=env,
     )
-    fifth = alone.send(SCRIPT[4])
-    code, err = alone.finish(timeout=120)
+    turn = chat.send(line)
+    code, err = chat.finish(timeout=120)
     assert code == 0, err
-    assert fifth["ranks"] == 1 and fifth["reply"] == expected[4]["reply"]
-    assert fifth["cached_tokens"] >= 0.9 * fifth["prompt_tokens"], (fifth, err)
-    # Every layer of every entry on A now: its own files, replicas, and what B lent.
-    layers = {p.name.split(".L")[0]: set() for p in _pools(three_hosts, "exokv-a")}
-    for p in _pools(three_hosts, "exokv-a"):
-        start, end = p.name.split(".L")[1].removesuffix(".kv").split("-")
-        layers[p.name.split(".L")[0]] |= set(range(int(start), int(end)))
-    assert all(held == set(range(4)) for held in layers.values()), layers
+    assert turn["ranks"] == len(names) and turn["reply"] == expected["reply"]
+    assert turn["cached_tokens"] >= 0.9 * turn["prompt_tokens"], (turn, err)
