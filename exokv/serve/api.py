@@ -401,6 +401,7 @@ class ReplyShape:
     and errors in OpenAI's shape (an API with its own overrides `error_doc`)."""
 
     PREFIX = ""  # the reply id's
+    media_type = "text/event-stream"  # a stream's (server-sent events, but Ollama's)
 
     def __init__(self, model: str, call: ChatCall) -> None:
         self.model = model
@@ -410,6 +411,10 @@ class ReplyShape:
 
     def error_doc(self, err: ApiError) -> dict[str, Any]:
         return err.doc()
+
+    def keepalive(self) -> bytes:
+        """What a stream sends while nothing else is sent (a long prefill): a comment."""
+        return b": keep-alive\n\n"
 
 
 class ToolsShape(ReplyShape):

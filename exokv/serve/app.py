@@ -2,7 +2,9 @@
 
 POST /v1/chat/completions (OpenAI chat), POST /v1/completions (a prompt in, text
 out), POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens (its
-prompt's tokens, no turn), GET /v1/models, GET /metrics (Prometheus), GET /health.
+prompt's tokens, no turn), POST /v1/responses (OpenAI's Responses API) and GET
+/v1/responses/{id}, Ollama's /api/chat, /api/generate, /api/tags, /api/show, /api/ps
+and /api/version, GET /v1/models, GET /metrics (Prometheus), GET /health.
 Each API only reads its request into a `TurnRequest` and writes the turn's events in
 its own shape (a `Shape`); the job, its queue, its stream, its keep-alives, its
 disconnect and its access line are the same for all.
@@ -25,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from exokv.core.records import TurnRequest, TurnResult
-from exokv.serve import anthropic, api, completions
+from exokv.serve import anthropic, api, completions, ollama, responses
 from exokv.serve.metrics import Metrics
 from exokv.serve.tools import ModelTools
 from exokv.serve.work import Job, TurnQueue
@@ -36,7 +38,6 @@ DRAIN_BYTES = 16 << 20  # of a body over the limit, read and dropped so the 413 
 # is still a 400); a longer prefill is streamed with keep-alive comments meanwhile.
 HEAD_WAIT_S = 1.0
 KEEPALIVE_S = 5.0  # between two SSE comments while nothing else is sent
-KEEPALIVE = b": keep-alive\n\n"
 SHUT_DOWN = "the server shut down before the reply was complete"
 
 
@@ -63,6 +64,8 @@ class Service:
     # A turn's prompt tokens, rendered as its ranks would (exokv.serve.prompts); None:
     # this server cannot count them.
     count: Callable[[TurnRequest], int] | None = None
+    # Responses kept for the Responses API's previous_response_id (bounded, in memory).
+    response_store: responses.ResponseStore = field(default_factory=responses.ResponseStore)
     open: int = 0  # requests with a job not answered yet (the drain counts them)
     halted: bool = False  # the drain limit passed: what still runs was stopped
 
@@ -71,9 +74,13 @@ class Service:
 
 
 class Shape(Protocol):
-    """One API's request read and reply written (api.ChatShape, completions, anthropic)."""
+    """One API's request read and reply written (api.ChatShape, completions, anthropic,
+    responses, ollama)."""
 
     stream: bool
+    media_type: str  # a stream's
+
+    def keepalive(self) -> bytes: ...
 
     def error_doc(self, err: api.ApiError) -> dict[str, Any]: ...
 
@@ -199,10 +206,10 @@ class _Stream(StreamingResponse):
     """Server-sent events that, however they end, say so: a client that disconnects
     cancels the stream (Starlette listens for it), and `on_close` then stops the job."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], None], media_type: str
+    ) -> None:
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -247,6 +254,12 @@ def build_app(service: Service) -> Starlette:
             Route("/v1/completions", turns(_complete, api.ApiError.doc), methods=["POST"]),
             Route("/v1/messages", turns(_messages, anthropic.error_doc), methods=["POST"]),
             Route("/v1/messages/count_tokens", bound(_count_tokens), methods=["POST"]),
+            Route("/v1/responses", turns(_responses, api.ApiError.doc), methods=["POST"]),
+            Route("/v1/responses/{ident}", bound(_stored_response), methods=["GET"]),
+            Route("/api/chat", turns(_ollama_chat, ollama.error_doc), methods=["POST"]),
+            Route("/api/generate", turns(_ollama_generate, ollama.error_doc), methods=["POST"]),
+            Route("/api/show", bound(_ollama_info), methods=["POST"]),
+            *(Route(f"/api/{n}", bound(_ollama_info)) for n in ("tags", "ps", "version")),
         ],
         exception_handlers={HTTPException: not_found},
     )
@@ -312,6 +325,69 @@ def _messages(
     call = anthropic.parse(body, service.names, service.defaults, service.limits, counting)
     shape = anthropic.Shape(service.model, call, _model_tools(service, call))
     return _turn(service, call, shape.turn_messages()), call.stop, shape
+
+
+def _responses(service: Service, body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+    call = responses.parse(
+        body, service.names, service.defaults, service.limits, service.response_store
+    )
+    shape = responses.Shape(
+        service.model, call, _model_tools(service, call), service.response_store
+    )
+    return _turn(service, call, shape.turn_messages()), call.stop, shape
+
+
+async def _stored_response(service: Service, request: Request) -> Response:
+    log = _Request(service, request)
+    log.route = "GET /v1/responses/{id}"  # one metrics series for every id
+    try:
+        _check_key(service, request)
+        doc = service.response_store.doc(request.path_params["ident"])
+    except api.ApiError as err:
+        log.write(err.status)
+        return _refusal(err)
+    log.write(200)
+    return JSONResponse(doc)
+
+
+def _ollama_chat(service: Service, body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+    call = ollama.parse_chat(body, service.names, service.defaults, service.limits)
+    shape = ollama.Shape(service.model, call, _model_tools(service, call))
+    return _turn(service, call, shape.turn_messages()), call.stop, shape
+
+
+def _ollama_generate(service: Service, body: bytes) -> tuple[TurnRequest, list[str], Shape]:
+    call = ollama.parse_generate(body, service.names, service.defaults, service.limits)
+    return _turn(service, call), call.stop, ollama.Shape(service.model, call)
+
+
+async def _ollama_info(service: Service, request: Request) -> Response:
+    """Ollama's /api/tags, /api/ps, /api/version and /api/show: the served model."""
+    log = _Request(service, request)
+    try:
+        _check_key(service, request)
+        what = request.url.path.removeprefix("/api/")
+        if what == "version":
+            doc = {"version": ollama.VERSION}
+        else:
+            # Reading the model's files (and, to show, its template): not in the event loop.
+            card = await asyncio.to_thread(
+                ollama.model_card, service.model, frozenset(service.names)
+            )
+            if what == "show":
+                body = await _body(request, service.limits.body_bytes)
+                tools = await asyncio.to_thread(service.tools)
+                doc = ollama.show(body, card, service.names, tools)
+            else:
+                doc = ollama.tags(card) if what == "tags" else ollama.running(card)
+    except api.ApiError as err:
+        log.write(err.status)
+        return _refusal(err, ollama.error_doc)
+    except ClientDisconnect:
+        log.write(499)
+        return Response(status_code=499)
+    log.write(200)
+    return JSONResponse(doc)
 
 
 async def _count_tokens(service: Service, request: Request) -> Response:
@@ -464,7 +540,7 @@ def _stream(
         event = first
         while event is None or event[0] == "text":
             if event is None:
-                yield KEEPALIVE
+                yield shape.keepalive()
             else:
                 for out in shape.piece(event[1]):
                     yield out
@@ -491,4 +567,4 @@ def _stream(
             service.queue.cancel(job)
             _log_when_over(log, job, stream=True)
 
-    return _Stream(events(), on_close)
+    return _Stream(events(), on_close, shape.media_type)
