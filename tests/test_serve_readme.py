@@ -1,6 +1,7 @@
 """The README's `exokv serve` examples — curl, the OpenAI Python client, llm, the
-Anthropic Python client configured from the environment — run as written against a
-server on builtin:tiny (only the port is changed)."""
+Anthropic and ollama Python clients configured from the environment — run as written
+against a server on builtin:tiny (only the port is changed); Codex's configuration
+names the Responses API."""
 
 from __future__ import annotations
 
@@ -111,3 +112,29 @@ def test_the_agents_are_pointed_at_the_server() -> None:
     agent = block("sh", "claude")
     assert "ANTHROPIC_BASE_URL=http://127.0.0.1:8000 " in agent
     assert "ANTHROPIC_AUTH_TOKEN=" in agent  # Claude Code's bearer key: the server takes it
+
+
+@pytest.mark.slow
+def test_the_ollama_example(server) -> None:
+    setup = on_port(block("sh", "export OLLAMA_HOST"), server)
+    code = block("python", "import ollama")
+    proc = subprocess.run(
+        ["bash", "-c", f'{setup}\n"{sys.executable}" -c "$CODE"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CODE": code},
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed, rest = proc.stdout.split("\n", 1)
+    assert listed == f"['{MODEL}']"
+    said, counts = rest.removesuffix("\n").rsplit("\n", 1)
+    assert said == reference(server, "hello", max_tokens=12)
+    assert re.fullmatch(r"12 tokens, \d+ in the prompt", counts)
+
+
+def test_codex_is_pointed_at_the_responses_api() -> None:
+    config = block("toml", "wire_api")
+    assert 'model_provider = "exokv"' in config and "[model_providers.exokv]" in config
+    assert 'wire_api = "responses"' in config
+    assert 'base_url = "http://127.0.0.1:8000/v1"' in config  # Codex adds /responses
