@@ -235,7 +235,12 @@ def test_errors_are_ollamas_and_a_broken_stream_ends_with_one(served) -> None:
     loaded = http.post("/api/generate", json={"model": "m"})
     assert loaded.status_code == 200 and loaded.json()["done_reason"] == "load"
     assert http.get("/api/version").json() == {"version": shapes.VERSION}
-    assert http.post("/api/show", json={"model": "z"}).json()["error"].startswith("model 'z'")
+    unknown = http.post("/api/show", json={"model": "z"})
+    assert unknown.status_code == 404 and "'z'" in unknown.json()["error"]
+    assert http.post("/api/show", json={"name": "m:latest"}).json()["capabilities"] == [
+        "completion",
+        "tools",
+    ]
 
 
 def test_a_keepalive_is_an_empty_piece_the_client_reads() -> None:

@@ -375,11 +375,8 @@ def show(
     body: bytes, card: dict[str, Any], served: set[str], tools: ModelTools | None
 ) -> dict[str, Any]:
     """/api/show: the model's details; 404 for a name that is not the served model's."""
-    try:
-        doc = json.loads(body or b"{}")
-    except ValueError:
-        raise api.bad("the body is not valid JSON") from None
-    name = doc.get("model", doc.get("name")) if isinstance(doc, dict) else None
+    doc = api.read_doc(body or b"{}", names(served))  # another model: 404
+    name = doc.get("model") or doc.get("name")  # Ollama's older clients send "name"
     if name not in names(served):
         raise api.ApiError(404, f"model {name!r} not found: this server serves {card['name']!r}")
     capabilities = ["completion"] + (["tools"] if tools is not None and tools.template else [])
