@@ -106,10 +106,13 @@ def _refuse_unsupported(doc: dict[str, Any]) -> None:
         if doc.get(name) not in (None, off):
             raise api.bad(f"{name} is not supported by this server", name)
     reasoning = doc.get("reasoning")
-    if isinstance(reasoning, dict) and any(reasoning.get(k) for k in ("effort", "summary")):
+    if reasoning is not None and (
+        not isinstance(reasoning, dict) or any(reasoning.get(k) for k in ("effort", "summary"))
+    ):
         raise api.bad("reasoning: this server's models take no reasoning effort", "reasoning")
     text = doc.get("text") or {}
-    kind = (text.get("format") or {}).get("type", "text") if isinstance(text, dict) else None
+    shape = (text.get("format") or {}) if isinstance(text, dict) else None
+    kind = shape.get("type", "text") if isinstance(shape, dict) else None
     # The hook for structured output: when the grammar lands (issue 44, item 2),
     # json_object and json_schema are applied here as chat's response_format is.
     if kind != "text":
