@@ -37,7 +37,7 @@ DRAIN_BYTES = 16 << 20  # of a body over the limit, read and dropped so the 413 
 # A stream's headers wait this long for the turn's first event (so a refused prompt
 # is still a 400); a longer prefill is streamed with keep-alive comments meanwhile.
 HEAD_WAIT_S = 1.0
-KEEPALIVE_S = 5.0  # between two SSE comments while nothing else is sent
+KEEPALIVE_S = 5.0  # between two keep-alives (SSE comments) while nothing else is sent
 SHUT_DOWN = "the server shut down before the reply was complete"
 
 
