@@ -33,7 +33,18 @@ from typing import Any
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
 from exokv.hosts.hostfile import HostList
-from exokv.hosts.weightfiles import Place, ask, complete, folder_place, lend
+from exokv.hosts.weightfiles import (
+    Holding,
+    Lent,
+    Place,
+    ask,
+    complete,
+    folder_place,
+    held,
+    lend,
+    needed,
+    want_from,
+)
 from exokv.launch.remote import RemoteRun, run_on_each
 from exokv.model import hub
 
@@ -129,7 +140,8 @@ def _folder_onto_hosts(
     machines = list(wants)
     with ThreadPoolExecutor(max_workers=len(machines)) as pool:
         asked = pool.map(lambda h: ask(h, place, wants[h], hosts.envs), machines)
-        holdings = dict(zip(machines, asked, strict=True))
+        holdings: dict[str | None, Holding] = dict(zip(machines, asked, strict=True))
+    holdings[None] = Holding(held(place)[0])  # this machine: the folder the chat reads
     # The whole ones first: a file is copied from the first source that holds it.
     holders = sorted(
         (h for h in machines if not holdings[h].error), key=lambda h: not complete(holdings[h])
@@ -141,7 +153,12 @@ def _folder_onto_hosts(
             why = (
                 "no model folder there" if holding.needed is None else "the folder there lacks them"
             )
-            _lend(host, place, wants[host], [*holders, None], hosts.envs, why, say)
+            # This machine's copy of the model says which files the host's ranks load.
+            wanted = needed(place, want_from(wants[host]))
+            lent = lend(
+                host, place, wants[host], [*holders, None], hosts.envs, why, holdings, wanted
+            )
+            _said(lent, host, say)
 
 
 def _lend(
@@ -153,7 +170,10 @@ def _lend(
     why: str,
     say: Callable[[str], None],
 ) -> None:
-    lent = lend(host, place, want_args, sources, envs, why)
+    _said(lend(host, place, want_args, sources, envs, why), host, say)
+
+
+def _said(lent: Lent, host: str, say: Callable[[str], None]) -> None:
     if lent.files:
         size = format_size(lent.bytes, "decimal")
         origin = ", ".join(dict.fromkeys(lent.sources))

@@ -39,7 +39,7 @@ import re
 import struct
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,6 +393,11 @@ def place_of(args: argparse.Namespace) -> Place:
     return Place(args.folder, args.repo, args.commit, args.revision or None)
 
 
+def want_from(want_args: Sequence[str]) -> hub.Want:
+    """The ranks `have`'s arguments describe (--ranks N --host-ranks 0,2 ...)."""
+    return want_of(parser().parse_args(["have", "--folder", ".", *want_args]))
+
+
 def want_of(args: argparse.Namespace) -> hub.Want:
     return hub.Want(
         ranks=args.ranks,
@@ -527,18 +532,29 @@ def lend(
     sources: Sequence[str | None],
     envs: Sequence[str] = (),
     why: str = "",
+    known: Mapping[str | None, Holding] | None = None,
+    wanted: list[str] | None = None,
 ) -> Lent:
     """The files of `place` that host `target`'s ranks (`want_args`) load and it lacks,
     copied to it from `sources` (None: this machine), the first holding each file.
     `why` says why `target` could not get them itself. Raises ExokvError (one line)
-    naming the host, the files it lacks and why, when they cannot all be copied."""
+    naming the host, the files it lacks and why, when they cannot all be copied.
+
+    `known`: what hosts were found to hold already (not asked again); `wanted`: the
+    files `target`'s ranks load, when the caller knows (else the sources' copies of
+    the model say)."""
     others = [s for s in dict.fromkeys(sources) if s != target]
-    with ThreadPoolExecutor(max_workers=len(others) + 1) as pool:
-        asked = list(pool.map(lambda h: ask(h, place, want_args, envs), [target, *others]))
-    mine, theirs = asked[0], list(zip(others, asked[1:], strict=True))
+    holdings = dict(known or {}) if wanted is not None else {}
+    unasked = [h for h in [target, *others] if h not in holdings]
+    if unasked:
+        with ThreadPoolExecutor(max_workers=len(unasked)) as pool:
+            asked = pool.map(lambda h: ask(h, place, want_args, envs), unasked)
+            holdings.update(zip(unasked, asked, strict=True))
+    mine, theirs = holdings[target], [(h, holdings[h]) for h in others]
     if mine.error:
         raise ExokvError(f"{target} cannot get the files of {place.name}: {why or mine.error}")
-    wanted = next((h.needed for _, h in theirs if h.needed is not None), None)
+    if wanted is None:
+        wanted = next((h.needed for _, h in theirs if h.needed is not None), None)
     if wanted is None:
         raise _lacks(target, place, ["config.json"], why, "no host that answers has the model")
     copies, nowhere = plan_copies(wanted, mine.files, theirs)
