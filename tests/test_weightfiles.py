@@ -295,7 +295,7 @@ def test_a_host_without_the_model_folder_is_lent_its_files(
     # from h2 (which holds the whole folder); only what h3 lacks.
     two = HostList([Host("h2"), Host("h3")])
     fetch.fetch_onto_hosts("~/models/tiny", two, [2, 2], "pipeline", say=said.append)
-    assert " 1 files " in said[-1] and "from h2 to h3" in said[-1], said
+    assert said[-1].startswith("weights: 1 file (") and "from h2 to h3" in said[-1], said
     assert (got / shard(3)).read_bytes() == files[shard(3)]
 
 
@@ -312,7 +312,7 @@ def test_a_host_that_cannot_be_lent_the_files_says_which_and_why(
     with pytest.raises(ExokvError) as err:
         fetch.fetch_onto_hosts("~/models/tiny", listed, split, "pipeline", say=print)
     text = str(err.value)
-    assert "\n" not in text and text.startswith("h3 lacks 1 files of ~/models/tiny"), text
+    assert "\n" not in text and text.startswith("h3 lacks 1 file of ~/models/tiny"), text
     assert shard(2) in text and "no model folder there" in text and "no host" in text
 
 
@@ -354,3 +354,19 @@ def test_a_host_whose_fetch_failed_is_lent_the_snapshot_by_a_host_that_fetched(
     monkeypatch.setattr(fetch, "run_on_each", unreachable)
     with pytest.raises(ExokvError, match="fetching acme/tiny onto h1: ssh: connect refused"):
         fetch.fetch_onto_hosts(REPO, listed, split, "pipeline", say=said.append)
+
+
+def test_a_snapshot_with_a_file_damaged_on_the_way_is_not_named_by_the_revision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_snapshot(tmp_path / "src-cache", model_files())
+    place = Place(repo=REPO, commit=COMMIT, revision="main")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "src-cache"))
+    data = bytearray(streamed(place, ["config.json", shard(1)]))
+    data[-10] ^= 0xFF  # a byte of the shard's data
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "dst-cache"))
+    counts = Received()
+    weightfiles.receive(place, io.BytesIO(bytes(data)), counts)
+    assert (counts.written, counts.bad) == (1, 1)
+    assert not (tmp_path / "dst-cache" / "models--acme--tiny" / "refs" / "main").exists()
+    assert hub.cached_snapshot(REPO, None) is None

@@ -34,7 +34,7 @@ SMALL = {
     "tokenizer_config.json",
 }
 COPIED = re.compile(
-    r"exokv: weights: (\d+) files \((.+?)\) copied from (\S+) to (\S+) in ([\d.]+) s"
+    r"exokv: weights: (\d+) files? \((.+?)\) copied from (\S+) to (\S+) in ([\d.]+) s"
 )
 
 

@@ -39,6 +39,7 @@ from exokv.hosts.weightfiles import (
     Place,
     ask,
     complete,
+    file_count,
     folder_place,
     held,
     lend,
@@ -178,7 +179,7 @@ def _said(lent: Lent, host: str, say: Callable[[str], None]) -> None:
         size = format_size(lent.bytes, "decimal")
         origin = ", ".join(dict.fromkeys(lent.sources))
         took = f"in {lent.seconds:.1f} s"
-        say(f"weights: {lent.files} files ({size}) copied from {origin} to {host} {took}")
+        say(f"weights: {file_count(lent.files)} ({size}) copied from {origin} to {host} {took}")
 
 
 @contextlib.contextmanager

@@ -347,7 +347,9 @@ def receive(place: Place, stream: BinaryIO, counts: Received) -> None:
             counts.bytes += size
         else:
             counts.bad += 1
-    if place.repo is not None and place.commit is not None and place.revision:
+    # The revision names the commit only once its snapshot holds all that was sent.
+    whole = counts.bad == counts.missing == 0
+    if whole and place.repo is not None and place.commit is not None and place.revision:
         hub.write_ref(place.repo, place.revision, place.commit)
 
 
@@ -584,11 +586,15 @@ def lend(
     return lent
 
 
+def file_count(count: int) -> str:
+    return f"{count} file" + ("" if count == 1 else "s")
+
+
 def _lacks(target: str, place: Place, names: Sequence[str], why: str, how: str) -> ExokvError:
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     because = f" ({why})" if why else ""
     return ExokvError(
-        f"{target} lacks {len(names)} files of {place.name} ({shown}) it cannot get itself"
+        f"{target} lacks {file_count(len(names))} of {place.name} ({shown}) it cannot get itself"
         f"{because}, and {how}"[:600]
     )
 
