@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "exokv.hosts.facts",
             "exokv.hosts.linktest",
             "exokv.hosts.kvfiles",  # KV files listed, sent and received on a host
+            "exokv.hosts.weightfiles",  # a model's files lent to a host by another
         ),
     ),
     ("rank", ("exokv.rank", "exokv.hosts.link_main")),

@@ -11,6 +11,12 @@ progress. A host that fails ends the start with one line naming it.
 
 A hub ``--draft-model`` is fetched the same way, whole and onto rank 0's host alone:
 rank 0 loads it (exokv.rank.draft_model), the front end reads its tokenizer.
+
+A host that cannot get the model's files itself (the hub out of its reach, a model
+folder that is not there) is lent them by the hosts that have them, through this
+machine (exokv.hosts.weightfiles): only the files its ranks load and it lacks, one
+line saying what came from where. Only a host that cannot be lent them either ends
+the start, with one line naming it, the files it lacks and why.
 """
 
 from __future__ import annotations
@@ -19,12 +25,27 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from exokv.core.sizes import format_size
 from exokv.errors import ExokvError
 from exokv.hosts.hostfile import HostList
+from exokv.hosts.weightfiles import (
+    Holding,
+    Lent,
+    Place,
+    ask,
+    complete,
+    file_count,
+    folder_place,
+    held,
+    lend,
+    needed,
+    want_from,
+)
 from exokv.launch.remote import RemoteRun, run_on_each
 from exokv.model import hub
 
@@ -56,9 +77,12 @@ def fetch_onto_hosts(
     draft: str | None = None,
 ) -> None:
     """Every host holds the files of ``model`` its ranks load, and rank 0's host the whole
-    of ``draft``; nothing to do for a name that is a local model rather than a hub repo
-    (``org/name[@revision]``)."""
+    of ``draft``: a hub repo (``org/name[@revision]``) fetched by each host, lent by the
+    others to one that cannot; a model folder lent to a host that lacks it there; nothing
+    to do for other local models (builtins, GGUF files: each host makes its own)."""
     repos = {name: hub.repo_of(name) for name in (model, draft) if name is not None}
+    if hosts is not None and repos[model] is None and Path(model.strip()).expanduser().is_dir():
+        _folder_onto_hosts(model, hosts, split, parallel, say)
     if not any(repos.values()):
         return
     # Every name is checked (its config and tokenizer fetched here) before any weights.
@@ -88,9 +112,74 @@ def fetch_onto_hosts(
         envs=hosts.envs,
     )
     shown.close()
+    lacking: list[tuple[_Job, str]] = []
     for job, run in zip(jobs, runs, strict=True):
-        if not run.ok:
+        if run.ok:
+            continue
+        if job.model != model or run.error:  # a draft model, or a host ssh cannot reach
             raise ExokvError(f"fetching {job.model} onto {job.host}: {_why(run)}")
+        lacking.append((job, _why(run)))
+    if lacking:
+        parsed = repos[model]
+        assert parsed is not None and commits[model] is not None
+        place = Place(
+            repo=parsed[0], commit=commits[model], revision=parsed[1] or hub.DEFAULT_REVISION
+        )
+        fetched = [j.host for j, r in zip(jobs, runs, strict=True) if r.ok and j.model == model]
+        for job, why in lacking:
+            _lend(job.host, place, _want_args(job.args), [*fetched, None], hosts.envs, why, say)
+
+
+def _folder_onto_hosts(
+    model: str, hosts: HostList, split: list[int] | None, parallel: str, say: Callable[[str], None]
+) -> None:
+    """A model folder on every host: each host that lacks the files its ranks load there
+    (where they read it: `~` is the host's home) is lent them by the hosts that hold
+    them, or by this machine."""
+    place = folder_place(model)
+    wants = {host: _want_args(args) for host, args in _host_args(hosts, split, parallel)}
+    machines = list(wants)
+    with ThreadPoolExecutor(max_workers=len(machines)) as pool:
+        asked = pool.map(lambda h: ask(h, place, wants[h], hosts.envs), machines)
+        holdings: dict[str | None, Holding] = dict(zip(machines, asked, strict=True))
+    holdings[None] = Holding(held(place)[0])  # this machine: the folder the chat reads
+    # The whole ones first: a file is copied from the first source that holds it.
+    holders = sorted(
+        (h for h in machines if not holdings[h].error), key=lambda h: not complete(holdings[h])
+    )
+    for host in machines:
+        holding = holdings[host]
+        # A host that does not answer is the launch's to name, in its own words.
+        if not holding.error and not complete(holding):
+            why = (
+                "no model folder there" if holding.needed is None else "the folder there lacks them"
+            )
+            # This machine's copy of the model says which files the host's ranks load.
+            wanted = needed(place, want_from(wants[host]))
+            lent = lend(
+                host, place, wants[host], [*holders, None], hosts.envs, why, holdings, wanted
+            )
+            _said(lent, host, say)
+
+
+def _lend(
+    host: str,
+    place: Place,
+    want_args: list[str],
+    sources: list[str | None],
+    envs: list[str],
+    why: str,
+    say: Callable[[str], None],
+) -> None:
+    _said(lend(host, place, want_args, sources, envs, why), host, say)
+
+
+def _said(lent: Lent, host: str, say: Callable[[str], None]) -> None:
+    if lent.files:
+        size = format_size(lent.bytes, "decimal")
+        origin = ", ".join(dict.fromkeys(lent.sources))
+        took = f"in {lent.seconds:.1f} s"
+        say(f"weights: {file_count(lent.files)} ({size}) copied from {origin} to {host} {took}")
 
 
 @contextlib.contextmanager
@@ -119,17 +208,31 @@ def _model_jobs(
     model: str, commit: str, hosts: HostList, split: list[int] | None, parallel: str
 ) -> list[_Job]:
     """One job per machine: the layers of its own ranks, at `commit`."""
+    return [
+        _Job(host, model, ["--model", model, "--commit", commit, *args])
+        for host, args in _host_args(hosts, split, parallel)
+    ]
+
+
+def _host_args(
+    hosts: HostList, split: list[int] | None, parallel: str
+) -> list[tuple[str, list[str]]]:
+    """Each machine and what its ranks load, as the fetcher's arguments (--ranks ...)."""
     machines: dict[str, list[int]] = {}
     for rank, host in enumerate(hosts.hosts):
         machines.setdefault(host.ssh, []).append(rank)
-    jobs = []
+    out = []
     for host, ranks in machines.items():
-        args = ["--model", model, "--commit", commit, "--ranks", str(len(hosts.hosts))]
-        args += ["--host-ranks", ",".join(map(str, ranks)), "--parallel", parallel]
-        jobs.append(
-            _Job(host, model, args + (["--split", ",".join(map(str, split))] if split else []))
-        )
-    return jobs
+        args = ["--ranks", str(len(hosts.hosts)), "--host-ranks", ",".join(map(str, ranks))]
+        args += ["--parallel", parallel, *(["--split", ",".join(map(str, split))] if split else [])]
+        out.append((host, args))
+    return out
+
+
+def _want_args(args: list[str]) -> list[str]:
+    """A fetcher job's arguments without the model's name (what weightfiles' `have` takes)."""
+    start = args.index("--ranks")
+    return args[start:]
 
 
 def _local_progress(repo: str, say: Callable[[str], None], bars: bool) -> hub.Progress:

@@ -453,23 +453,54 @@ def copy_files(
     set (`cancelled`: what was written is whole, the rest is for another try)."""
     if not names or src == dst:
         return Copied(0, 0, 0.0)
-    started = time.monotonic()
     send_args = ["send", rel, "--wait", f"{wait:g}", *names]
-    sender_cmd = remote.module_command(src, MODULE, send_args, envs)
-    receiver_cmd = remote.module_command(dst, MODULE, ["receive", rel], envs)
+    piped = pipe_between(
+        src, dst, MODULE, send_args, ["receive", rel], envs, timeout=timeout, cancel=cancel
+    )
+    copied = _copied(counts_of(piped.out), piped.seconds, piped.error)
+    copied.cancelled = piped.cancelled
+    return copied
+
+
+@dataclass
+class Piped:
+    """What one `send` on a host piped into one `receive` on another left behind."""
+
+    out: bytes  # what the receiving side printed (its counts, as one JSON line)
+    seconds: float
+    error: str = ""  # one line: why it stopped short; "" when both ended well
+    cancelled: bool = False
+
+
+def pipe_between(
+    src: str | None,
+    dst: str | None,
+    module: str,
+    send_args: Sequence[str],
+    receive_args: Sequence[str],
+    envs: Sequence[str] = (),
+    *,
+    timeout: float,
+    cancel: threading.Event | None = None,
+) -> Piped:
+    """`module` with `send_args` on host `src`, its stdout piped through this machine into
+    `module` with `receive_args` on host `dst` (None: this machine), both over ssh; ended
+    after `timeout` seconds or once `cancel` is set. Never raises: `error` says why.
+    exokv.hosts.weightfiles streams a model's files the same way."""
+    started = time.monotonic()
+    sender_cmd = remote.module_command(src, module, send_args, envs)
+    receiver_cmd = remote.module_command(dst, module, receive_args, envs)
     try:
         sender, receiver = _start_pipe(sender_cmd, receiver_cmd)
     except OSError as err:
-        return Copied(0, 0, time.monotonic() - started, f"could not start a copy: {err}")
+        return Piped(b"", time.monotonic() - started, f"could not start a copy: {err}")
     outputs = _drain(sender, receiver)
     ended = _ended_by(sender, receiver, started + timeout, cancel)
     for reader in outputs.readers:
         reader.join(timeout=5)
-    counts = _counts(b"".join(outputs.receiver_out))
+    out = b"".join(outputs.receiver_out)
     if not ended and cancel is not None and cancel.is_set():
-        copied = _copied(counts, time.monotonic() - started, "cancelled")
-        copied.cancelled = True
-        return copied
+        return Piped(out, time.monotonic() - started, "cancelled", cancelled=True)
     if not ended:
         error = f"the copy from {where(src)} to {where(dst)} took over {timeout:.0f} s: ended"
     else:
@@ -477,9 +508,9 @@ def copy_files(
             ("send", src, sender, outputs.sender_err),
             ("receive", dst, receiver, outputs.receiver_err),
         )
-    if not error and counts is None:
+    if not error and counts_of(out) is None:
         error = f"receive on {where(dst)} said nothing of what it wrote"
-    return _copied(counts, time.monotonic() - started, error)
+    return Piped(out, time.monotonic() - started, error)
 
 
 def _start_pipe(
@@ -579,7 +610,8 @@ def _failure(
     return f"{role} on {where(host)}: {line or f'exit status {proc.returncode}'}"
 
 
-def _counts(out: bytes) -> Received | None:
+def counts_of(out: bytes) -> Received | None:
+    """The counts a `receive` printed as its last line; None if it printed none."""
     try:
         said = json.loads(last_line(out.decode(errors="replace")))
         return Received(**{f.name: int(said[f.name]) for f in fields(Received)})

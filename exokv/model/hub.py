@@ -231,7 +231,15 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _weight_map(snapshot: Path) -> dict[str, str] | None:
+def folder_listing(folder: Path) -> dict[str, int]:
+    """A model folder's files as a listing (name -> 0: sizes unknown): those in it, and
+    the shards its index names (a host's snapshot may hold only some of them)."""
+    listing = {p.name: 0 for p in folder.iterdir()}
+    listing.update(dict.fromkeys((weight_map_of(folder) or {}).values(), 0))
+    return listing
+
+
+def weight_map_of(snapshot: Path) -> dict[str, str] | None:
     try:
         index = json.loads((snapshot / INDEX).read_text())
         weight_map = index["weight_map"]
@@ -265,7 +273,7 @@ class Want:
         """The files of ``listing`` this host needs; reads the snapshot's config and index."""
         if self.host_ranks is None:
             return meta_files(listing)
-        weight_map = _weight_map(snapshot)
+        weight_map = weight_map_of(snapshot)
         layers = host_layers(
             _config(snapshot), weight_map, self.split, self.ranks, self.host_ranks, self.parallel
         )
@@ -307,7 +315,7 @@ def fetch(
     if listing is not None and commit is not None:
         done = _present(repo, commit, want, listing)
         if done is not None:
-            _write_ref(repo, rev, commit)
+            write_ref(repo, rev, commit)
             return Fetched(snapshot_dir(repo, commit), commit, [], 0, done)
     if offline():
         kept = _cache_only(repo, rev, want)
@@ -339,7 +347,7 @@ def fetch(
     if progress is not None:
         progress({"event": "plan", "files": missing, "bytes": total, "commit": commit})
     _download(repo, commit, missing, listing, progress, bars)
-    _write_ref(repo, rev, commit)
+    write_ref(repo, rev, commit)
     return Fetched(snapshot, commit, meta + missing, total + _size(listing, meta), needed)
 
 
@@ -350,9 +358,7 @@ def _cache_only(repo: str, revision: str, want: Want) -> Fetched | None:
     snapshot = cached_snapshot(repo, revision)
     if snapshot is None:
         return None
-    listing = {p.name: 0 for p in snapshot.iterdir()}
-    listing.update(dict.fromkeys((_weight_map(snapshot) or {}).values(), 0))
-    needed = want.files(listing, snapshot)
+    needed = want.files(folder_listing(snapshot), snapshot)
     if not all((snapshot / f).is_file() for f in needed):
         return None
     return Fetched(snapshot, snapshot.name, [], 0, needed)
@@ -375,7 +381,7 @@ def _present(repo: str, commit: str, want: Want, listing: dict[str, int]) -> lis
     return needed if all((snapshot / f).is_file() for f in needed) else None
 
 
-def _write_ref(repo: str, revision: str, commit: str) -> None:
+def write_ref(repo: str, revision: str, commit: str) -> None:
     """refs/<revision> -> commit, as huggingface_hub keeps it: ranks look the revision up there."""
     if COMMIT.match(revision):
         return

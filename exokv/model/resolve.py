@@ -159,16 +159,24 @@ def load_model(name: str, *, lazy: bool = False) -> tuple[Any, Any]:
 
 
 def _files_digest(path: Path) -> str:
-    """Content of the small files plus the names and sizes of the weights.
+    """Content of the small files plus what says which weights there are: the index
+    (every shard by name, and their total size) where there is one, else the names
+    and sizes of the weight files.
 
     Weights are not read: hashing gigabytes on every start would be too slow,
-    and a re-converted checkpoint changes its config or its file sizes.
+    and a re-converted checkpoint changes its config or its file sizes. The index,
+    not the shards present, because a host may hold only the shards of its layers
+    (exokv.hosts.weightfiles lends it those): every host names the model alike.
     """
     digest = hashlib.sha256()
     for fname in _IDENTITY_FILES:
         f = path / fname
         if f.is_file():
             digest.update(fname.encode() + b"\0" + f.read_bytes() + b"\0")
+    index = path / hub.INDEX
+    if index.is_file():
+        digest.update(b"index\0" + index.read_bytes())
+        return digest.hexdigest()
     for f in sorted(path.glob("*.safetensors")):
         digest.update(f"{f.name}:{f.stat().st_size}\0".encode())
     return digest.hexdigest()
