@@ -5,6 +5,7 @@ while /health still answers."""
 from __future__ import annotations
 
 import logging
+import resource
 import socket
 import threading
 import time
@@ -82,11 +83,10 @@ def test_a_guard_words_each_cause() -> None:
     ]
 
 
-def test_the_cap_is_under_half_the_file_limit() -> None:
-    import resource  # here: the test reads the limit the module reads
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    assert 16 <= default_max_connections() <= max(16, soft // 2)
+def test_the_cap_and_a_pass_of_accepts_fit_in_the_file_limit(monkeypatch) -> None:
+    for soft, cap in ((2048, 960), (256, 64), (100_000, 1024), (100, 16)):
+        monkeypatch.setattr(resource, "getrlimit", lambda _, soft=soft: (soft, soft))
+        assert default_max_connections() == cap
 
 
 def test_repeated_warnings_are_one_line_per_interval_without_tracebacks() -> None:

@@ -33,6 +33,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 HEAD_S = 10.0  # a request's head (its line and headers) must have come within this
 BODY_S = 65.0  # its body within this of its head: the app answers a 408 at 60 s first
 MAX_CONNECTIONS = 1024  # open at once at most (and half the process's file limit)
+# Connections asyncio accepts at most in one pass of the loop (it takes uvicorn's
+# backlog), before any of those closed to make room frees its file: with the cap,
+# what the process can hold at once (uvicorn's default, 2048, would exceed mlx-lm's
+# file limit of 2048 and fail accepts).
+BACKLOG = 128
 EVERY_S = 10.0  # one line per cause at most this often
 
 # What each cause of a close says, after "closed N connection(s) ".
@@ -45,13 +50,13 @@ WHY = {
 
 
 def default_max_connections() -> int:
-    """MAX_CONNECTIONS, or half the process's open-file limit if that is lower (a Mac's
-    shell often starts at 256): the rest stays for the ranks' channels, the store and
-    the model's files."""
+    """MAX_CONNECTIONS, or half of what the process's open-file limit leaves past one
+    pass of accepts (BACKLOG) if that is lower (mlx-lm sets 2048; a Mac's shell may
+    start at 256): the rest stays for the ranks' channels, the store, the model's files."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
-    return max(16, min(MAX_CONNECTIONS, soft // 2))
+    return max(16, min(MAX_CONNECTIONS, (soft - BACKLOG) // 2))
 
 
 class Notices:

@@ -223,7 +223,13 @@ def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingS
     import uvicorn
 
     # deferred, as uvicorn: they import it
-    from exokv.serve.connections import Guard, Notices, guarded_protocol, hold_logs_to_pace
+    from exokv.serve.connections import (
+        BACKLOG,
+        Guard,
+        Notices,
+        guarded_protocol,
+        hold_logs_to_pace,
+    )
     from exokv.serve.drain import AFTER_STOP_S, DrainingServer
 
     def halt() -> None:
@@ -242,6 +248,7 @@ def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingS
         lifespan="off",
         # Read deadlines and a cap on open connections (exokv.serve.connections).
         http=guarded_protocol(Guard(Notices(_say))),
+        backlog=BACKLOG,
     )
     hold_logs_to_pace()  # after Config, which sets uvicorn's loggers up
     return DrainingServer(
