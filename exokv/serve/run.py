@@ -223,13 +223,7 @@ def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingS
     import uvicorn
 
     # deferred, as uvicorn: they import it
-    from exokv.serve.connections import (
-        BACKLOG,
-        Guard,
-        Notices,
-        guarded_protocol,
-        hold_logs_to_pace,
-    )
+    from exokv.serve import connections
     from exokv.serve.drain import AFTER_STOP_S, DrainingServer
 
     def halt() -> None:
@@ -247,10 +241,10 @@ def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingS
         timeout_graceful_shutdown=AFTER_STOP_S,  # after exokv's own drain
         lifespan="off",
         # Read deadlines and a cap on open connections (exokv.serve.connections).
-        http=guarded_protocol(Guard(Notices(_say))),
-        backlog=BACKLOG,
+        http=connections.guarded_protocol(connections.Guard(connections.Notices(_say))),
+        backlog=connections.BACKLOG,
     )
-    hold_logs_to_pace()  # after Config, which sets uvicorn's loggers up
+    connections.hold_logs_to_pace()  # after Config, which sets uvicorn's loggers up
     return DrainingServer(
         config,
         drain_s=opts.drain_s,
