@@ -15,10 +15,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from exokv.core.records import RankStats, TurnRequest, TurnResult
-from exokv.errors import ExokvError, PromptTooLong
+from exokv.errors import ExokvError, PromptTooLong, UsageError
+from exokv.frontend.start import ChatOptions
 from exokv.serve import app as app_module
 from exokv.serve.app import Service, build_app
 from exokv.serve.metrics import Metrics
+from exokv.serve.run import ServeOptions, check, origins
 from exokv.serve.work import TurnQueue
 from tests.stub_client import StubClient
 
@@ -485,3 +487,14 @@ def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(make, monke
     body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
     assert body["type"] == "error" and "did not arrive within 0.2 s" in body["error"]["message"]
     assert any(f"POST {MESSAGES} 408" in line for line in app.log)
+
+
+def test_allowed_origins_are_read_and_checked() -> None:
+    given = ["http://localhost:3000, https://chat.example:8443", "*"]
+    assert origins(given) == ("http://localhost:3000", "https://chat.example:8443", "*")
+    assert origins(None) == ()
+    tiny = ChatOptions(model="builtin:tiny")
+    assert check(ServeOptions(tiny, allow_origins=origins(given))) == []
+    for bad in ("http://localhost:3000/", "localhost:3000", "http://a.example/path"):
+        with pytest.raises(UsageError, match="--allow-origin"):
+            check(ServeOptions(tiny, allow_origins=(bad,)))
