@@ -486,6 +486,7 @@ def test_a_body_that_stops_coming_is_a_408_and_the_connection_closes(make, monke
     assert (b"connection", b"close") in start["headers"]
     body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
     assert body["type"] == "error" and "did not arrive within 0.2 s" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
     assert any(f"POST {MESSAGES} 408" in line for line in app.log)
 
 

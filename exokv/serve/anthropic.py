@@ -23,6 +23,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",  # the body did not all come in time
     413: "request_too_large",
     499: "invalid_request_error",
     500: "api_error",
