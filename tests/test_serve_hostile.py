@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from exokv.core.records import RankStats, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.frontend.start import ChatOptions
+from exokv.serve import api
 from exokv.serve import app as app_module
 from exokv.serve.app import Service, build_app
 from exokv.serve.metrics import Metrics
@@ -215,6 +216,23 @@ def test_a_request_nested_within_json_but_deeper_than_the_bound_is_refused(make)
     response = app.post(CHAT, {"messages": USER, "tools": [tool]})
     assert response.status_code == 400
     assert "more than 64 deep" in openai_error(response)["message"]
+
+
+@pytest.mark.parametrize(
+    "body, deep",
+    [
+        (b'{"prompt": "' + b"[" * 200 + b'"}', False),  # brackets in a string are text
+        (b'{"prompt": "x\\"[[[[", "b": ' + b"[" * 64 + b"]" * 64 + b"}", False),
+        (b'{"prompt": "x\\\\", "b": ' + b"[" * 65 + b"]" * 65 + b"}", True),
+        (b'{"prompt": "\\\\ud800"}', False),  # an escaped backslash, then text
+    ],
+)
+def test_depth_is_of_arrays_and_objects_not_of_text(body: bytes, deep: bool) -> None:
+    if deep:
+        with pytest.raises(api.ApiError, match="more than 64 deep"):
+            api.read_doc(body, {"m"})
+    else:
+        assert api.read_doc(body, {"m"})["prompt"]
 
 
 # -- parameters taken and not applied ---------------------------------------------------
