@@ -112,6 +112,9 @@ def test_repeated_warnings_are_one_line_per_interval_without_tracebacks() -> Non
     again = record("socket.accept() out of system resource", error)
     assert limit.filter(again)
     assert "(1 more like it in the last 11 s not logged)" in again.getMessage()
+    kept = RateLimited(tracebacks=True)  # EXOKV_DEBUG=1
+    traced = record("socket.accept() out of system resource", error)
+    assert kept.filter(traced) and traced.exc_info is not None
 
 
 # -- a server in this process, idle and half-sent connections against it ---------------

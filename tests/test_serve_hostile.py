@@ -434,6 +434,16 @@ def test_a_handler_fault_is_a_500_in_the_apis_shape_with_its_line(make) -> None:
     assert any("internal error on POST" in line for line in app.log)
 
 
+def test_a_handler_faults_traceback_is_logged_with_exokv_debug(make, monkeypatch) -> None:
+    def broken(request: TurnRequest) -> int:
+        raise RuntimeError("the renderer broke")
+
+    monkeypatch.setenv("EXOKV_DEBUG", "1")
+    app = make(count=broken)
+    assert app.post(COUNT, {"messages": USER}).status_code == 500
+    assert any(line.startswith("Traceback (most recent call last)") for line in app.log)
+
+
 def test_no_cors_headers_unless_an_origin_is_allowed(make) -> None:
     origin = {"origin": "http://localhost:3000"}
     closed = make()

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import hmac
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from exokv.config import debug_enabled
 from exokv.core.records import TurnRequest, TurnResult
 from exokv.serve import anthropic, api, completions
 from exokv.serve.metrics import Metrics
@@ -344,6 +346,8 @@ def _fault(service: Service, request: Request, err: Exception, error_doc: ErrorD
     traceback and a plain-text 500."""
     what = f"{type(err).__name__}: {err}"[:300]
     service.log(f"exokv: internal error on {request.method} {request.url.path}: {what}")
+    if debug_enabled():
+        service.log("".join(traceback.format_exception(err)).rstrip())
     _Request(service, request).write(500)
     return _refusal(api.ApiError(500, f"internal error: {what}"), error_doc)
 

@@ -30,6 +30,8 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from exokv.config import debug_enabled
+
 HEAD_S = 10.0  # a request's head (its line and headers) must have come within this
 BODY_S = 65.0  # its body within this of its head: the app answers a 408 at 60 s first
 MAX_CONNECTIONS = 1024  # open at once at most (and half the process's file limit)
@@ -209,10 +211,13 @@ class RateLimited(logging.Filter):
     a traceback), which a client sending garbage, or files running out, repeats
     thousands of times a second."""
 
-    def __init__(self, every_s: float = EVERY_S, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, every_s: float = EVERY_S, clock: Any = time.monotonic, tracebacks: bool = False
+    ) -> None:
         super().__init__()
         self.every_s = every_s
         self.clock = clock
+        self.tracebacks = tracebacks  # kept (EXOKV_DEBUG=1): the line, then its traceback
         self._last: dict[str, float] = {}
         self._dropped: Counter[str] = Counter()
 
@@ -233,13 +238,15 @@ class RateLimited(logging.Filter):
         if dropped:
             line += f" ({dropped:,} more like it in the last {now - last:.0f} s not logged)"
         record.msg, record.args = line, None
-        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        if not self.tracebacks:
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
 
 
 def hold_logs_to_pace(every_s: float = EVERY_S) -> None:
-    """uvicorn's warnings and asyncio's errors through `RateLimited` (once per process)."""
+    """uvicorn's warnings and asyncio's errors through `RateLimited` (once per process;
+    their tracebacks kept with EXOKV_DEBUG=1)."""
     for name in ("uvicorn.error", "asyncio"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RateLimited) for f in logger.filters):
-            logger.addFilter(RateLimited(every_s))
+            logger.addFilter(RateLimited(every_s, tracebacks=debug_enabled()))
