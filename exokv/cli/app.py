@@ -233,12 +233,18 @@ def serve(
         30.0, "--drain-timeout", help="seconds in-flight requests get on SIGTERM/Ctrl-C"
     ),
     max_body: str = typer.Option("1MB", "--max-body", help="largest request body (413 above)"),
+    allow_origin: list[str] = typer.Option(
+        None,
+        "--allow-origin",
+        metavar="ORIGIN",
+        help="a browser page's origin allowed to call the API (CORS): repeat, or a,b; '*': any",
+    ),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with the chat's ranks and cache."""
     # deferred: the server's start (client, store, exokv.model: ~0.1 s) only for
     # `exokv serve`, not for `--version`, `cache stats` or `_complete`
     from exokv.frontend.start import ChatOptions
-    from exokv.serve.run import ServeOptions, run_serve
+    from exokv.serve.run import ServeOptions, origins, run_serve
 
     _check_layout(backend, parallel, restarts, replicas)
     settled = _settled(None, model, max_kv_size, chat_template)
@@ -262,6 +268,7 @@ def serve(
         batch_wait_ms=batch_wait,
         drain_s=drain_timeout,
         max_body=parse_size(max_body),
+        allow_origins=origins(allow_origin),
     )
     raise typer.Exit(run_serve(opts))
 

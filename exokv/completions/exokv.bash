@@ -68,7 +68,7 @@ _exokv_completion() {
             "exokv hosts:check") path="exokv hosts check" ;;
             "exokv hosts check:--hostfile"|"exokv hosts check:--hosts"|"exokv hosts check:--model"|"exokv hosts check:-m"|"exokv hosts check:--backend"|"exokv hosts check:--starting-port"|"exokv hosts check:--timeout") skip=1 ;;
             "exokv models:--hosts"|"exokv models:--hostfile") skip=1 ;;
-            "exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--chat-template"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--draft-model"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--replicas"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--batch"|"exokv serve:--batch-wait"|"exokv serve:--drain-timeout"|"exokv serve:--max-body") skip=1 ;;
+            "exokv serve:--model"|"exokv serve:-m"|"exokv serve:--max-tokens"|"exokv serve:--temp"|"exokv serve:--chat-template"|"exokv serve:--seed"|"exokv serve:--ranks"|"exokv serve:-n"|"exokv serve:--hosts"|"exokv serve:--hostfile"|"exokv serve:--backend"|"exokv serve:--parallel"|"exokv serve:--split"|"exokv serve:--cache-budget"|"exokv serve:--memory-threshold"|"exokv serve:--max-kv-size"|"exokv serve:--draft-model"|"exokv serve:--disk-budget"|"exokv serve:--kv-bits"|"exokv serve:--kv-group-size"|"exokv serve:--starting-port"|"exokv serve:--restarts"|"exokv serve:--replicas"|"exokv serve:--host"|"exokv serve:--port"|"exokv serve:--api-key"|"exokv serve:--queue"|"exokv serve:--batch"|"exokv serve:--batch-wait"|"exokv serve:--drain-timeout"|"exokv serve:--max-body"|"exokv serve:--allow-origin") skip=1 ;;
             "exokv sessions:list") path="exokv sessions list" ;;
             "exokv sessions:rename") path="exokv sessions rename" ;;
             "exokv sessions:rm") path="exokv sessions rm" ;;
@@ -136,7 +136,7 @@ _exokv_completion() {
         "exokv models") subs=""
             opts="--json --hosts --hostfile --help" ;;
         "exokv serve") subs=""
-            opts="--model -m --max-tokens --temp --chat-template --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-speculate --draft-model --disk-budget --kv-bits --kv-group-size --starting-port --restarts --replicas --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --help" ;;
+            opts="--model -m --max-tokens --temp --chat-template --seed --ranks -n --hosts --hostfile --backend --parallel --split --plan --cache-budget --memory-threshold --max-kv-size --no-cache --no-speculate --draft-model --disk-budget --kv-bits --kv-group-size --starting-port --restarts --replicas --host --port --api-key --queue --batch --batch-wait --drain-timeout --max-body --allow-origin --help" ;;
         "exokv sessions") subs="list rename rm show"
             opts="--help" ;;
         "exokv sessions list") subs=""

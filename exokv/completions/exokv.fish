@@ -52,7 +52,7 @@ function __exokv_path
                 set skip 1
             case "exokv models:--hosts" "exokv models:--hostfile"
                 set skip 1
-            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--draft-model" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--replicas" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body"
+            case "exokv serve:--model" "exokv serve:-m" "exokv serve:--max-tokens" "exokv serve:--temp" "exokv serve:--chat-template" "exokv serve:--seed" "exokv serve:--ranks" "exokv serve:-n" "exokv serve:--hosts" "exokv serve:--hostfile" "exokv serve:--backend" "exokv serve:--parallel" "exokv serve:--split" "exokv serve:--cache-budget" "exokv serve:--memory-threshold" "exokv serve:--max-kv-size" "exokv serve:--draft-model" "exokv serve:--disk-budget" "exokv serve:--kv-bits" "exokv serve:--kv-group-size" "exokv serve:--starting-port" "exokv serve:--restarts" "exokv serve:--replicas" "exokv serve:--host" "exokv serve:--port" "exokv serve:--api-key" "exokv serve:--queue" "exokv serve:--batch" "exokv serve:--batch-wait" "exokv serve:--drain-timeout" "exokv serve:--max-body" "exokv serve:--allow-origin"
                 set skip 1
             case "exokv sessions:list"
                 set p "exokv sessions list"
@@ -202,6 +202,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l batch -x -d 'requests decoded t
 complete -c exokv -n '__exokv_at exokv serve' -l batch-wait -x -d 'ms a batch'\''s first request waits for others (0: none)'
 complete -c exokv -n '__exokv_at exokv serve' -l drain-timeout -x -d 'seconds in-flight requests get on SIGTERM/Ctrl-C'
 complete -c exokv -n '__exokv_at exokv serve' -l max-body -x -d 'largest request body (413 above)'
+complete -c exokv -n '__exokv_at exokv serve' -l allow-origin -x -d 'a browser page'\''s origin allowed to call the API (CORS): repeat, or a,b; '\''*'\'': any'
 complete -c exokv -n '__exokv_at exokv serve' -l help -d 'Show this message and exit'
 complete -c exokv -n '__exokv_at exokv sessions' -a 'list' -d 'Every conversation, most recently used first: turns, tokens, model, last used'
 complete -c exokv -n '__exokv_at exokv sessions' -a 'rename' -d 'Rename a conversation (its KV cache is keyed by its tokens: it follows)'

@@ -34,7 +34,7 @@ from exokv.cache import kinds, memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
-from exokv.rank.engine import cache_room, prefill
+from exokv.rank.engine import cache_room, prefill, within_context
 from exokv.rank.joins import JoinBox
 from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
@@ -243,6 +243,7 @@ class _Batch:
             if self.on_row is not None:  # refused: its answer need not wait
                 self.on_row(i, self.outcomes[i])
             return
+        request = within_context(request, len(tokens), engine.context)
         row = _Row(i, request, tokens, 0, None, start=tic)  # type: ignore[arg-type]
         row.overhead = time.perf_counter() - tic
         self.pending.append(row)

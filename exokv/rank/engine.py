@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,7 @@ class Engine:
         if request.sample_seed is not None:
             mx.random.seed(request.sample_seed)  # every rank alike: the request is broadcast
         tokens = self._prompt(request.messages)
+        request = within_context(request, len(tokens), self.context)
         turn = self._fetch(request, tokens, start)
         try:
             self._gather(turn)
@@ -701,6 +702,15 @@ class _Turn:
             yield
         finally:
             self.overhead += time.perf_counter() - tic
+
+
+def within_context(request: TurnRequest, prompt: int, context: int | None) -> TurnRequest:
+    """`request`, its max_tokens cut to what the model's context leaves after a prompt
+    of `prompt` tokens (at least 1): the reply ends there with finish_reason "length"
+    (as OpenAI's does). Decided from the prompt and the config: alike on every rank."""
+    if context is None or prompt + request.max_tokens <= context:
+        return request
+    return replace(request, max_tokens=max(1, context - prompt))
 
 
 def cache_room(tokens: int) -> int:

@@ -23,6 +23,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",  # the body did not all come in time
     413: "request_too_large",
     499: "invalid_request_error",
     500: "api_error",
@@ -97,6 +98,11 @@ def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]
     reply must call one (tool_choice any or tool), and which (tool: its name)."""
     tools = doc.get("tools")
     if not tools:
+        kind = doc["tool_choice"].get("type") if isinstance(doc.get("tool_choice"), dict) else None
+        if kind in ("any", "tool"):
+            raise api.bad(
+                "tool_choice asks for a tool call, and the request has no tools", "tool_choice"
+            )
         return [], False, None
     if not isinstance(tools, list) or not all(
         isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
@@ -181,9 +187,13 @@ class Shape(api.ToolsShape):
     """The reply: a message, or Anthropic's stream of events."""
 
     PREFIX = "msg_"
+    # message_start's usage says the prompt's tokens: the app counts them (exokv.serve.
+    # prompts) into `prompt_tokens` before the opening, as the ranks render the prompt.
+    opening_counts_prompt = True
 
     def __init__(self, model: str, call: api.ChatCall, tools: ModelTools | None = None) -> None:
         super().__init__(model, call, tools)
+        self.prompt_tokens: int | None = None
         # A forced call's reply starts inside the call: no text block before it.
         self._text_open = not self._prefix  # the text block `_text_index` takes text
         self._blocks = int(self._text_open)  # content blocks opened (a first text block is 0)
@@ -249,7 +259,9 @@ class Shape(api.ToolsShape):
         return [_event("content_block_stop", {"index": self._text_index})]
 
     def opening(self) -> list[bytes]:
-        usage = {"input_tokens": 0, "output_tokens": 0}  # known when the turn ends
+        # The prompt's tokens; how the cache splits them is known when the turn ends
+        # (message_delta's usage).
+        usage = {"input_tokens": self.prompt_tokens or 0, "output_tokens": 0}
         message = {**self._message([]), "stop_reason": None, "stop_sequence": None}
         out = [_event("message_start", {"message": {**message, "usage": usage}})]
         if self._text_open:

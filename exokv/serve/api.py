@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from exokv.serve.tools import ModelTools, ToolText, check, forced_opening
 # tool call's result (exokv.serve.tools).
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 SEED_RANGE = 2**64  # mx.random.seed takes an unsigned 64-bit number
+# Arrays and objects nested in a body at most (a tool's JSON schema is a few levels);
+# json.loads itself fails with a RecursionError only near Python's recursion limit.
+MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,10 @@ def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]
         raise bad("functions is OpenAI's older form: send tools", "functions")
     tools = doc.get("tools")
     if tools is None or tools == []:
+        if doc.get("tool_choice") not in (None, "auto", "none"):
+            raise bad(
+                "tool_choice asks for a tool call, and the request has no tools", "tool_choice"
+            )
         return [], False, None
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
@@ -246,20 +254,116 @@ def read_doc(body: bytes, models: set[str]) -> dict[str, Any]:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise bad(f"the body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise bad(f"the body nests arrays or objects more than {MAX_DEPTH} deep") from None
     if not isinstance(doc, dict):
         raise bad("the body must be a JSON object")
+    check_text(body, doc)
     model = doc.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model")
     if model is not None and model not in models:
-        served = ", ".join(sorted(models))
-        raise ApiError(
-            404,
-            f"The model {model!r} does not exist: this server serves {served}",
-            param="model",
-            code="model_not_found",
-        )
+        raise unknown_model(model, models)
     return doc
+
+
+def unknown_model(name: str, models: set[str]) -> ApiError:
+    """The 404 of a model name that is not the loaded model's, as OpenAI words it."""
+    served = ", ".join(sorted(models))
+    return ApiError(
+        404,
+        f"The model {name!r} does not exist: this server serves {served}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+# For the checks of a body's text, on its bytes (C-speed; a walk of the document in
+# Python takes several times json.loads's time on a body of small arrays): its strings,
+# every byte but a bracket, a pair of brackets with nothing between.
+_STRING = re.compile(rb'"[^"]*"')  # once its escaped backslashes and quotes are gone
+_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+def check_text(body: bytes, doc: dict[str, Any]) -> None:
+    """400 for a body (`doc` as read from `body`) nested more than MAX_DEPTH deep, or
+    with a string (a key or a value) that is not Unicode text: a lone surrogate sent as
+    a JSON escape (`"a\\ud800b"`), which json.loads takes and no tokenizer can encode.
+    The error says where (`messages[0].content`), its `param` the top-level field."""
+    # In valid JSON a backslash is only ever an escape's, in a string: taken left to
+    # right, `\\` pairs first, what is left of the strings has no quote inside.
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _STRING.sub(b"", unescaped).translate(None, _NOT_BRACKET)
+    for _ in range(MAX_DEPTH + 1):  # the body's own object, and MAX_DEPTH inside it
+        if not brackets:
+            break
+        brackets = _EMPTY_PAIR.sub(b"", brackets)  # the innermost level, everywhere
+    if brackets:
+        raise bad(f"the body nests arrays or objects more than {MAX_DEPTH} deep")
+    # A surrogate comes only from an escape \uD800-\uDFFF; a body without one of
+    # \ud... (Hangul's too: then the walk finds nothing) has none.
+    if b"\\ud" in body or b"\\uD" in body:
+        _find_lone_surrogate(doc)
+
+
+def _find_lone_surrogate(doc: dict[str, Any]) -> None:
+    """400 naming the first string of `doc` with a lone surrogate, if any."""
+    # Each container with how it was reached (its parent's entry and its key), so that
+    # a path is built only for the error.
+    stack: list[tuple[Any, Any, Any]] = [(doc, None, None)]
+    while stack:
+        entry = stack.pop()
+        value = entry[0]
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in pairs:
+            if isinstance(key, str) and not key.isascii():
+                _unicode(key, entry, key)
+            if isinstance(item, str):
+                if not item.isascii():
+                    _unicode(item, entry, key)
+            elif isinstance(item, (dict, list)):
+                stack.append((item, entry, key))
+
+
+def _unicode(text: str, parent: tuple[Any, Any, Any], key: Any) -> None:
+    """400 naming where `text` is (`parent`'s `key`) if it cannot be encoded as UTF-8;
+    its `param`: the top-level field it is in."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        keys = [key]
+        while parent[1] is not None:  # up to the body
+            keys.append(parent[2])
+            parent = parent[1]
+        keys.reverse()
+        where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys)[1:]
+        where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold it
+        raise bad(
+            f"{where} has a lone surrogate (U+{ord(text[err.start]):04X}) at character "
+            f"{err.start}: not valid Unicode text",
+            str(keys[0]).encode("utf-8", "backslashreplace").decode(),
+        ) from None
+
+
+def refuse_unapplied(doc: dict[str, Any]) -> None:
+    """400 for a parameter this server takes but does not apply, set to anything but
+    the value that changes nothing (0, {}): a reply that ignored it would look as if
+    it had been applied."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(doc, name, -2.0, 2.0, 0.0) != 0:
+            raise bad(f"{name} is not supported by this server (0 or leave it out)", name)
+    bias = doc.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise bad("logit_bias must be an object of token ids and biases", "logit_bias")
+    if bias:
+        raise bad("logit_bias is not supported by this server ({} or leave it out)", "logit_bias")
+    if doc.get("reasoning_effort") is not None:
+        raise bad(
+            "reasoning_effort is not supported by this server: its chat templates take no "
+            "reasoning effort (leave it out)",
+            "reasoning_effort",
+        )
 
 
 def sampling(
@@ -281,6 +385,7 @@ def sampling(
     options = doc.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise bad("stream_options is an object, and only with stream: true", "stream_options")
+    refuse_unapplied(doc)
     return dict(
         max_tokens=max_tokens if max_tokens is not None else defaults.max_tokens,
         temperature=_number(doc, "temperature", 0.0, 2.0, defaults.temperature),
@@ -340,6 +445,15 @@ def usage(result: Any) -> dict[str, Any]:
         "total_tokens": prompt + generated,
         "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
     }
+
+
+def usage_of_broken(job: Any) -> dict[str, Any]:
+    """The usage a stream that cannot finish ends with (the client asked for one): its
+    turn's, or zeros when the ranks failed before reporting any."""
+    if job.result is not None:
+        return usage(job.result)
+    zero = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    return {**zero, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def envelope(ident: str, kind: str, model: str) -> dict[str, Any]:
@@ -501,6 +615,6 @@ class ChatShape(ToolsShape):
         # The error event first (OpenAI's clients raise on it), then the end a reader
         # that ignores it still sees: a finish_reason (cut short: "length"), [DONE].
         out = [sse(err.doc()), sse(chunk(self.ident, self.model, {}, "length"))]
-        if self.call.include_usage and job.result is not None:
-            out.append(sse(chunk(self.ident, self.model, None, used=usage(job.result))))
+        if self.call.include_usage:
+            out.append(sse(chunk(self.ident, self.model, None, used=usage_of_broken(job))))
         return out + [sse("[DONE]")]

@@ -4,10 +4,11 @@ POST /v1/chat/completions (OpenAI chat), POST /v1/completions (a prompt in, text
 out), POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens (its
 prompt's tokens, no turn), POST /v1/responses (OpenAI's Responses API) and GET
 /v1/responses/{id}, Ollama's /api/chat, /api/generate, /api/tags, /api/show, /api/ps
-and /api/version, GET /v1/models, GET /metrics (Prometheus), GET /health.
-Each API only reads its request into a `TurnRequest` and writes the turn's events in
-its own shape (a `Shape`); the job, its queue, its stream, its keep-alives, its
-disconnect and its access line are the same for all.
+and /api/version, GET /v1/models and /v1/models/{id}, GET /metrics (Prometheus), GET
+/health. Each API only reads its request into a `TurnRequest` and writes the turn's
+events in its own shape (a `Shape`); the job, its queue, its stream, its keep-alives,
+its disconnect and its access line are the same for all. Every route but /health is
+behind the key (`bound`), unknown routes too, each answering in its API's error shape.
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import asyncio
 import functools
 import hmac
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from exokv.config import debug_enabled
 from exokv.core.records import TurnRequest, TurnResult
 from exokv.serve import anthropic, api, completions, ollama, responses
 from exokv.serve.metrics import Metrics
@@ -39,6 +44,15 @@ DRAIN_BYTES = 16 << 20  # of a body over the limit, read and dropped so the 413 
 HEAD_WAIT_S = 1.0
 KEEPALIVE_S = 5.0  # between two keep-alives (SSE comments) while nothing else is sent
 SHUT_DOWN = "the server shut down before the reply was complete"
+# A body must have arrived this long after its request's head (a 408 after; the
+# connection's own deadline, exokv.serve.connections, is a few seconds later).
+BODY_TIMEOUT_S = 60.0
+COUNT_WAIT_S = 10.0  # a stream's opening waits this long for its prompt's count
+# /metrics labels a request by its route's pattern, and by its method only if HTTP has
+# it: a client choosing paths or methods cannot make a series of its own.
+METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+UNMATCHED = "unmatched"  # the route label of every path no route has
+LOGGED_PATH = 200  # characters of a request's path the access line shows at most
 
 
 @dataclass
@@ -66,6 +80,9 @@ class Service:
     count: Callable[[TurnRequest], int] | None = None
     # Responses kept for the Responses API's previous_response_id (bounded, in memory).
     response_store: responses.ResponseStore = field(default_factory=responses.ResponseStore)
+    # Origins a browser page may call the API from (--allow-origin; "*": any); none:
+    # no CORS headers, so browsers keep pages of other origins out.
+    allow_origins: list[str] = field(default_factory=list)
     open: int = 0  # requests with a job not answered yet (the drain counts them)
     halted: bool = False  # the drain limit passed: what still runs was stopped
 
@@ -75,7 +92,8 @@ class Service:
 
 class Shape(Protocol):
     """One API's request read and reply written (api.ChatShape, completions, anthropic,
-    responses, ollama)."""
+    responses, ollama). A shape may name the request's field its prompt is in
+    (`prompt_field`, "messages" unless it says), which a too-long prompt's 400 names."""
 
     stream: bool
     media_type: str  # a stream's
@@ -109,7 +127,8 @@ class _Request:
         self.started = time.perf_counter()
         client = request.client
         self.peer = f"{client.host}:{client.port}" if client else "-"
-        self.route = f"{request.method} {request.url.path}"
+        self.route = f"{request.method[:16]} {_printable(request.scope['path'])}"
+        self.label = _route_label(request)  # the route's /metrics label
         self.counted = False  # in service.open until written
 
     def opened(self) -> None:
@@ -146,7 +165,26 @@ class _Request:
         if stream:
             parts.append("stream")
         self.service.log(" ".join(parts))
-        self.service.metrics.answered(self.route, status, job)
+        self.service.metrics.answered(self.label, status, job)
+
+
+def _printable(path: str) -> str:
+    """A request's path as the log shows it: what it decodes to, of bounded length, its
+    control characters escaped (a decoded %0A or %1B is no new line or terminal code)."""
+    cut = path[:LOGGED_PATH]
+    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in cut)
+    return shown + ("..." if len(path) > LOGGED_PATH else "")
+
+
+def _route_label(request: Request) -> str:
+    """`METHOD /pattern` of the route that took the request (`/v1/models/{model:path}`
+    for any model); UNMATCHED for a path no route has."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None)
+    if path is None:
+        return UNMATCHED
+    method = request.method if request.method in METHODS else "OTHER"
+    return f"{method} {path}"
 
 
 def _check_key(service: Service, request: Request) -> None:
@@ -165,12 +203,25 @@ def _check_key(service: Service, request: Request) -> None:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 once it is over `limit` bytes.
+    """The request body, or 413 once it is over `limit` bytes, or 408 (the connection
+    then closed) if it has not all come within BODY_TIMEOUT_S.
 
     What comes over the limit is read and dropped (up to DRAIN_BYTES more, then the
     connection is given up on): a client still sending when the answer came would see
     its connection reset instead of the 413.
     """
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise api.ApiError(
+            408,
+            f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -229,40 +280,92 @@ ErrorDoc = Callable[[api.ApiError], dict[str, Any]]  # an error in one API's sha
 
 def build_app(service: Service) -> Starlette:
     """The application: each route's handler, and the one for unknown routes, bound to
-    `service`."""
+    `service`; behind CORS headers for the origins it allows, if any."""
 
-    def bound(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def bound(
+        handler: Handler, error_doc: ErrorDoc = api.ApiError.doc, key: bool = True
+    ) -> Callable[[Request], Awaitable[Response]]:
         # A function of its own: Starlette calls a function with the request, but takes
         # anything else (the partial of `turns`) for an ASGI app.
         async def endpoint(request: Request) -> Response:
-            return await handler(service, request)
+            if key:
+                refused = _key_refused(service, request, error_doc)
+                if refused is not None:
+                    return refused
+            try:
+                return await handler(service, request)
+            except Exception as err:  # noqa: BLE001 - a fault answered in the API's shape
+                return _fault(service, request, err, error_doc)
 
         return endpoint
 
     def turns(parse: Parse, error_doc: ErrorDoc) -> Callable[[Request], Awaitable[Response]]:
-        return bound(functools.partial(_call, parse=parse, error_doc=error_doc))
+        return bound(functools.partial(_call, parse=parse, error_doc=error_doc), error_doc)
 
     async def not_found(request: Request, exc: HTTPException) -> Response:
-        return _not_found(service, request, exc)
+        error_doc = _error_doc_of(request.url.path)
+        refused = _key_refused(service, request, error_doc)  # a scan learns no routes
+        return refused or _not_found(service, request, exc, error_doc)
 
+    middleware = []
+    if service.allow_origins:
+        # Browsers ask first (OPTIONS, no key): answered here, before the key is checked.
+        cors = {"allow_methods": ["GET", "POST"], "allow_headers": ["*"], "max_age": 600}
+        middleware.append(Middleware(CORSMiddleware, allow_origins=service.allow_origins, **cors))
+    anthropic_doc = anthropic.error_doc
     return Starlette(
         routes=[
-            Route("/health", bound(_health), methods=["GET"]),
+            Route("/health", bound(_health, key=False), methods=["GET"]),
             Route("/metrics", bound(_metrics), methods=["GET"]),
             Route("/v1/models", bound(_models), methods=["GET"]),
+            Route("/v1/models/{model:path}", bound(_model), methods=["GET"]),
             Route("/v1/chat/completions", turns(_chat, api.ApiError.doc), methods=["POST"]),
             Route("/v1/completions", turns(_complete, api.ApiError.doc), methods=["POST"]),
-            Route("/v1/messages", turns(_messages, anthropic.error_doc), methods=["POST"]),
-            Route("/v1/messages/count_tokens", bound(_count_tokens), methods=["POST"]),
+            Route("/v1/messages", turns(_messages, anthropic_doc), methods=["POST"]),
+            Route(
+                "/v1/messages/count_tokens", bound(_count_tokens, anthropic_doc), methods=["POST"]
+            ),
             Route("/v1/responses", turns(_responses, api.ApiError.doc), methods=["POST"]),
             Route("/v1/responses/{ident}", bound(_stored_response), methods=["GET"]),
             Route("/api/chat", turns(_ollama_chat, ollama.error_doc), methods=["POST"]),
             Route("/api/generate", turns(_ollama_generate, ollama.error_doc), methods=["POST"]),
-            Route("/api/show", bound(_ollama_info), methods=["POST"]),
-            *(Route(f"/api/{n}", bound(_ollama_info)) for n in ("tags", "ps", "version")),
+            Route("/api/show", bound(_ollama_info, ollama.error_doc), methods=["POST"]),
+            *(
+                Route(f"/api/{n}", bound(_ollama_info, ollama.error_doc))
+                for n in ("tags", "ps", "version")
+            ),
         ],
         exception_handlers={HTTPException: not_found},
+        middleware=middleware,
     )
+
+
+def _error_doc_of(path: str) -> ErrorDoc:
+    """The error shape of the API a path is under (an unknown route's)."""
+    if path.startswith("/v1/messages"):
+        return anthropic.error_doc
+    return ollama.error_doc if path.startswith("/api/") else api.ApiError.doc
+
+
+def _key_refused(service: Service, request: Request, error_doc: ErrorDoc) -> Response | None:
+    """The 401 (logged) of a request without the server's key; None: it may go on."""
+    try:
+        _check_key(service, request)
+    except api.ApiError as err:
+        _Request(service, request).write(err.status)
+        return _refusal(err, error_doc)
+    return None
+
+
+def _fault(service: Service, request: Request, err: Exception, error_doc: ErrorDoc) -> Response:
+    """A handler's own failure: one log line and a 500 in the API's shape, not a
+    traceback and a plain-text 500."""
+    what = f"{type(err).__name__}: {err}"[:300]
+    service.log(f"exokv: internal error on {request.method} {request.url.path}: {what}")
+    if debug_enabled():
+        service.log("".join(traceback.format_exception(err)).rstrip())
+    _Request(service, request).write(500)
+    return _refusal(api.ApiError(500, f"internal error: {what}"), error_doc)
 
 
 async def _health(service: Service, request: Request) -> Response:
@@ -281,23 +384,28 @@ async def _health(service: Service, request: Request) -> Response:
     return JSONResponse(doc, status_code=200 if trouble is None else 503)
 
 
+def _model_entry(service: Service) -> dict[str, Any]:
+    return {"id": service.model, "object": "model", "created": 0, "owned_by": "exokv"}
+
+
 async def _models(service: Service, request: Request) -> Response:
+    _Request(service, request).write(200)
+    return JSONResponse({"object": "list", "data": [_model_entry(service)]})
+
+
+async def _model(service: Service, request: Request) -> Response:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the loaded model by
+    any name that selects it; another is a 404 as OpenAI answers one."""
+    name = request.path_params["model"]
     log = _Request(service, request)
-    try:
-        _check_key(service, request)
-    except api.ApiError as err:
-        log.write(err.status)
-        return _refusal(err)
+    if name not in service.names:
+        log.write(404)
+        return _refusal(api.unknown_model(name, service.names))
     log.write(200)
-    entry = {"id": service.model, "object": "model", "created": 0, "owned_by": "exokv"}
-    return JSONResponse({"object": "list", "data": [entry]})
+    return JSONResponse(_model_entry(service))
 
 
 async def _metrics(service: Service, request: Request) -> Response:
-    try:
-        _check_key(service, request)
-    except api.ApiError as err:
-        return _refusal(err)
     text = service.metrics.render(service.queue.waiting, service.in_flight())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -393,7 +501,6 @@ async def _ollama_info(service: Service, request: Request) -> Response:
 async def _count_tokens(service: Service, request: Request) -> Response:
     log = _Request(service, request)
     try:
-        _check_key(service, request)
         body = await _body(request, service.limits.body_bytes)
         turn, _, _ = _messages(service, body, counting=True)
         if service.count is None:
@@ -410,10 +517,13 @@ async def _count_tokens(service: Service, request: Request) -> Response:
     return JSONResponse({"input_tokens": count})
 
 
-def _not_found(service: Service, request: Request, exc: HTTPException) -> Response:
-    err = api.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    _Request(service, request).write(exc.status_code)
-    return _refusal(err)
+def _not_found(
+    service: Service, request: Request, exc: HTTPException, error_doc: ErrorDoc
+) -> Response:
+    log = _Request(service, request)
+    err = api.ApiError(exc.status_code, f"{log.route}: {exc.detail}")
+    log.write(exc.status_code)
+    return _refusal(err, error_doc)
 
 
 def _refusal(err: api.ApiError, error_doc: ErrorDoc = api.ApiError.doc) -> Response:
@@ -452,13 +562,14 @@ async def _call(
         return _refusal(err, error_doc)
 
     try:
-        _check_key(service, request)
         body = await _body(request, service.limits.body_bytes)
         turn, stops, shape = parse(service, body)
-        job = Job(turn, stops, asyncio.get_running_loop())
+        prompt_field = getattr(shape, "prompt_field", "messages")
+        job = Job(turn, stops, asyncio.get_running_loop(), prompt_field)
         service.queue.submit(job)
         log.opened()
         service.metrics.queued(job)
+        counting = _counting(service, turn, shape)
         # Errors (a prompt too long) come before the headers; a stream waits only so long.
         first = await _next_event(job, request, HEAD_WAIT_S if shape.stream else None)
         if first is not None and first[0] == "error":
@@ -473,8 +584,29 @@ async def _call(
             _log_when_over(log, job)
         return Response(status_code=499)
     if shape.stream:
-        return _stream(service, log, job, shape, first)
+        return _stream(service, log, job, shape, first, counting)
     return await _whole(service, log, job, request, first, shape, refused)
+
+
+def _counting(service: Service, turn: TurnRequest, shape: Shape) -> asyncio.Task[int] | None:
+    """For a stream whose opening says its prompt's tokens (`opening_counts_prompt`:
+    Anthropic's message_start), their count, rendered in the front end
+    (exokv.serve.prompts) while the ranks run the turn; None for any other."""
+    if not (shape.stream and getattr(shape, "opening_counts_prompt", False)):
+        return None
+    if service.count is None:
+        return None
+    task = asyncio.get_running_loop().create_task(asyncio.to_thread(service.count, turn))
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # read if unused
+    return task
+
+
+async def _counted(counting: asyncio.Task[int]) -> int | None:
+    """The count, once done (None: it failed or took over COUNT_WAIT_S)."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(counting), COUNT_WAIT_S)
+    except Exception:  # noqa: BLE001 - the opening says what it knows: no count
+        return None
 
 
 _draining: set[asyncio.Task[None]] = set()  # log lines waiting for their stopped turns
@@ -524,7 +656,12 @@ async def _whole(
 
 
 def _stream(
-    service: Service, log: _Request, job: Job, shape: Shape, first: tuple[str, Any] | None
+    service: Service,
+    log: _Request,
+    job: Job,
+    shape: Shape,
+    first: tuple[str, Any] | None,
+    counting: asyncio.Task[int] | None = None,
 ) -> Response:
     status = {"code": 499}  # until the stream ends as it should
 
@@ -535,6 +672,8 @@ def _stream(
             return None  # nothing for a while (a long prefill): say the stream lives
 
     async def events() -> AsyncIterator[bytes]:
+        if counting is not None:
+            shape.prompt_tokens = await _counted(counting)  # type: ignore[attr-defined]
         for out in shape.opening():
             yield out
         event = first

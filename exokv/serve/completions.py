@@ -46,6 +46,7 @@ class Shape(api.ReplyShape):
     """The reply: a text_completion, or its chunks streamed (as OpenAI streams them)."""
 
     PREFIX = "cmpl-"
+    prompt_field = "prompt"  # what a too-long prompt's 400 names
 
     def whole(self, job: Any, result: Any) -> dict[str, Any]:
         finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
@@ -57,17 +58,18 @@ class Shape(api.ReplyShape):
     def piece(self, text: str) -> list[bytes]:
         return [api.sse(_doc(self.ident, self.model, text, None))]
 
-    def _used(self, result: Any) -> list[bytes]:
-        if not self.call.include_usage or result is None:
+    def _used(self, used: dict[str, Any]) -> list[bytes]:
+        if not self.call.include_usage:
             return []
         doc = {**_doc(self.ident, self.model, "", None), "choices": []}
-        return [api.sse({**doc, "usage": api.usage(result)})]
+        return [api.sse({**doc, "usage": used})]
 
     def closing(self, job: Any, result: Any) -> list[bytes]:
         finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
         last = api.sse(_doc(self.ident, self.model, "", finish))
-        return [last, *self._used(result), api.sse("[DONE]")]
+        return [last, *self._used(api.usage(result)), api.sse("[DONE]")]
 
     def broken(self, err: api.ApiError, job: Any) -> list[bytes]:
         last = api.sse(_doc(self.ident, self.model, "", "length"))
-        return [api.sse(err.doc()), last, *self._used(job.result), api.sse("[DONE]")]
+        used = self._used(api.usage_of_broken(job))
+        return [api.sse(err.doc()), last, *used, api.sse("[DONE]")]

@@ -1,7 +1,8 @@
 """GET /metrics: the server's counters in Prometheus's text format (version 0.0.4).
 
 Counted as the access log writes its lines (on the event loop, so no lock): requests
-by route and status, tokens in, out and served by the cache; the ranks' cache bytes,
+by route (its pattern, `GET /v1/models/{model:path}`; every unknown path is one label,
+`unmatched`) and status, tokens in, out and served by the cache; the ranks' cache bytes,
 entries and evictions as the last finished turn reported them (every rank's own
 figures: the tree is one, the bytes are each rank's shard). Queue depth and requests
 in flight are read when scraped.
@@ -56,7 +57,7 @@ class Metrics:
             out.append(f"# HELP {name} {about}")
             out.append(f"# TYPE {name} {kind}")
             for labels, value in samples:
-                out.append(f"{name}{labels} {value:g}")
+                out.append(f"{name}{labels} {_value(value)}")
 
         requests = [
             (f'{{route="{_quote(route)}",status="{status}"}}', n)
@@ -109,6 +110,13 @@ class Metrics:
             per_rank(dict(self.evicted_bytes)),
         )
         return "\n".join(out) + "\n"
+
+
+def _value(value: float) -> str:
+    """A sample's value: a whole number in full (bytes: 1276930, not 1.27693e+06)."""
+    if isinstance(value, int) or value.is_integer():
+        return str(int(value))
+    return repr(value)
 
 
 def _quote(text: str) -> str:

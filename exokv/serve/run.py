@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ DEFAULT_PORT = 8000
 DEFAULT_BATCH = 8
 # How long a batch's first request waits for others sent with it (docs/serve-batching.md).
 DEFAULT_BATCH_WAIT_MS = 10.0
+ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # what a browser's Origin header holds
 
 
 @dataclass
@@ -52,6 +54,7 @@ class ServeOptions:
     max_body: int = api.Limits.body_bytes
     batch: int = DEFAULT_BATCH  # requests decoded together at most (1: one at a time)
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # a batch's first request waits for more
+    allow_origins: tuple[str, ...] = ()  # --allow-origin: browser pages' origins (CORS)
 
 
 def check(opts: ServeOptions) -> list[str]:
@@ -69,12 +72,23 @@ def check(opts: ServeOptions) -> list[str]:
         raise UsageError(f"--drain-timeout {opts.drain_s}: 0 or more seconds")
     if opts.api_key is not None and not opts.api_key.strip():
         raise UsageError("--api-key is empty")
+    for origin in opts.allow_origins:
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise UsageError(
+                f"--allow-origin {origin!r}: an origin is '*' or scheme://host[:port], "
+                "as a browser sends it (no path, no trailing slash)"
+            )
     if not _loopback(opts.host) and opts.api_key is None:
         return [
             f"serving on {opts.host} without --api-key: anyone who can reach this port can "
             "use the model, and requests and replies cross the network in clear (no TLS)"
         ]
     return []
+
+
+def origins(values: list[str] | None) -> tuple[str, ...]:
+    """--allow-origin's values, each one origin or a comma-separated list of them."""
+    return tuple(o.strip() for v in values or [] for o in v.split(",") if o.strip())
 
 
 def _loopback(host: str) -> bool:
@@ -193,6 +207,7 @@ def _service(
         ),
         use_cache=cluster.keep_cache,
         speculate=not front.no_speculate,
+        allow_origins=list(opts.allow_origins),
         log=lambda line: print(line, file=sys.stderr, flush=True),
         failure=lambda: client.failure or (failed[0] if failed else None),
         health=run.client.health,
@@ -207,7 +222,9 @@ def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingS
     # for what imports this module (the front end's check in tests/test_layers.py)
     import uvicorn
 
-    from exokv.serve.drain import AFTER_STOP_S, DrainingServer  # deferred: it imports uvicorn
+    # deferred, as uvicorn: they import it
+    from exokv.serve import connections
+    from exokv.serve.drain import AFTER_STOP_S, DrainingServer
 
     def halt() -> None:
         # The drain limit passed (or nothing runs): what is left is stopped on every
@@ -223,7 +240,11 @@ def _server(opts: ServeOptions, service: Service, queue: TurnQueue) -> DrainingS
         access_log=False,  # ours has the tokens, the cached share and the TTFT
         timeout_graceful_shutdown=AFTER_STOP_S,  # after exokv's own drain
         lifespan="off",
+        # Read deadlines and a cap on open connections (exokv.serve.connections).
+        http=connections.guarded_protocol(connections.Guard(connections.Notices(_say))),
+        backlog=connections.BACKLOG,
     )
+    connections.hold_logs_to_pace()  # after Config, which sets uvicorn's loggers up
     return DrainingServer(
         config,
         drain_s=opts.drain_s,

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from exokv.client import Client
@@ -35,9 +36,14 @@ class Job:
     """One request's turn, between the event loop (which reads `events`) and the worker."""
 
     def __init__(
-        self, request: TurnRequest, stops: list[str], loop: asyncio.AbstractEventLoop
+        self,
+        request: TurnRequest,
+        stops: list[str],
+        loop: asyncio.AbstractEventLoop,
+        prompt_field: str = "messages",
     ) -> None:
         self.request = request
+        self.prompt_field = prompt_field  # the request's field a too-long prompt is in
         self.stop_text = TextStops(stops)
         self.loop = loop
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -269,7 +275,7 @@ class TurnQueue:
                 return
             job.batch = outcome.batch
             if outcome.refused is not None:
-                job.fail(_too_long(outcome.tokens, outcome.context))
+                job.fail(_too_long(job, outcome.tokens, outcome.context))
             elif outcome.result is not None:
                 self._finish(job, outcome.result)
 
@@ -287,7 +293,7 @@ class TurnQueue:
     def _failed(self, job: Job, err: Exception) -> None:
         """A turn that raised: the request's error, and the server's end if the ranks are gone."""
         if isinstance(err, PromptTooLong):
-            job.fail(_too_long(err.tokens, err.context))
+            job.fail(_too_long(job, err.tokens, err.context))
         elif isinstance(err, ExokvError):
             job.fail(ApiError(500, f"the turn failed: {err}"))
             failure = self.client.failure  # the ranks are gone
@@ -298,6 +304,10 @@ class TurnQueue:
 
     def _finish(self, job: Job, result: TurnResult) -> None:
         job.text(job.stop_text.flush())
+        if job.stop_text.hit and result.finish_reason == "interrupted":
+            # The request's stop string ended it (the ranks were stopped for it): the
+            # reply is complete, as one the model ended itself.
+            result = replace(result, finish_reason="stop")
         if self.record is not None:
             try:
                 job.result = result
@@ -339,11 +349,13 @@ def _joinable(job: Job) -> bool:
     return job.request.sample_seed is None or job.request.temp <= 0
 
 
-def _too_long(tokens: int, context: int) -> ApiError:
+def _too_long(job: Job, tokens: int, context: int) -> ApiError:
+    field = job.prompt_field
     return ApiError(
         400,
         f"This model's maximum context length is {context:,} tokens; your "
-        f"messages are {tokens:,} tokens. Shorten them.",
-        param="messages",
+        f"{field} {'are' if field.endswith('s') else 'is'} {tokens:,} tokens. Shorten "
+        f"{'them' if field.endswith('s') else 'it'}.",
+        param=field,
         code="context_length_exceeded",
     )
