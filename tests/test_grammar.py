@@ -9,18 +9,19 @@ samples from. The request side (exokv.serve.structured, generic_tools, api) is p
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from exokv.core.records import TurnRequest
+from exokv.core.records import TurnRequest, TurnResult
 from exokv.prompt import grammar
 from exokv.rank import constrain
 from exokv.rank.batch import run_batch
 from exokv.rank.engine import Engine
-from exokv.serve import api, completions, generic_tools, structured
+from exokv.serve import anthropic, api, completions, generic_tools, structured
 from exokv.serve.errors import ApiError
 from exokv.serve.tools import ModelTools
 
@@ -262,3 +263,27 @@ def test_earlier_calls_and_results_are_written_for_any_template() -> None:
     assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}
     assert "tool_calls" not in out[2]
     assert out[3] == {"role": "user", "content": "The result of tool call c1: 42"}
+
+
+def test_anthropics_messages_take_the_generic_format_too() -> None:
+    weather = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    body = {"max_tokens": 50, "messages": ASK, "tools": [weather], "tool_choice": {"type": "any"}}
+    call = anthropic.parse(json.dumps(body).encode(), {"m"}, api.Defaults(), api.Limits())
+    shape = anthropic.Shape("m", call, ModelTools(template=False))
+    assert '"get_weather"' in shape.turn_messages()[0]["content"] and call.grammar is not None
+    reply = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}]}
+    job = SimpleNamespace(
+        reply=json.dumps(reply),
+        stop_text=SimpleNamespace(hit=False),
+        request=SimpleNamespace(use_cache=True),
+    )
+    result = TurnResult("s", job.reply, 10, 0, 10, 20, 0.0, 0.0, 0.0, 1, finish_reason="stop")
+    doc = shape.whole(job, result)
+    assert doc["stop_reason"] == "tool_use"
+    assert [(b["type"], b.get("input")) for b in doc["content"]] == [
+        ("tool_use", {"city": "Oslo", "unit": "c"})
+    ]
