@@ -248,6 +248,11 @@ def test_a_template_without_tools_gets_the_generic_format() -> None:
     assert '"response"' in shape.turn_messages()[0]["content"]
     assert shape.read_whole('{"response": "It is sunny"}') == ("It is sunny", [])
     assert shape.read_whole('{"tool_calls": [') == ('{"tool_calls": [', [])  # cut short
+    # Parameters the grammar cannot enforce: a 400 naming the keyword, not a 500.
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}
+    with pytest.raises(ApiError, match=r'Unimplemented keys: \["not"\]') as err:
+        api.ChatShape("m", _chat(tools=[odd]), None)
+    assert err.value.status == 400 and err.value.param == "tools"
 
 
 def test_earlier_calls_and_results_are_written_for_any_template() -> None:

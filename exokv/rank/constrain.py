@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 # The tokenizers llguidance has read (about 1 s for a 50k vocabulary), by the tokenizer
-# object and vocabulary size: built at a rank's first constrained reply, kept.
-_LL_TOKENIZERS: dict[tuple[int, int], Any] = {}
+# object, vocabulary size and end tokens: built at a rank's first constrained reply, kept.
+_LL_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], Any] = {}
 
 
 def vocab_size(model: Any, tokenizer: Any) -> int:
@@ -37,10 +37,14 @@ def _hf(tokenizer: Any) -> Any:
     return getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds HF's
 
 
-def _ll_tokenizer(tokenizer: Any, vocab: int) -> Any:
-    key = (id(tokenizer), vocab)
+def _ll_tokenizer(tokenizer: Any, vocab: int, eos: tuple[int, ...]) -> Any:
+    """llguidance's reading of `tokenizer`, whose end tokens are the engine's (the
+    template's end of turn among them), not only the tokenizer's own."""
+    key = (id(tokenizer), vocab, eos)
     if key not in _LL_TOKENIZERS:
-        _LL_TOKENIZERS[key] = llguidance.hf.from_tokenizer(_hf(tokenizer), n_vocab=vocab)
+        hf = _hf(tokenizer)
+        ends = list(eos) or None
+        _LL_TOKENIZERS[key] = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=ends)
     return _LL_TOKENIZERS[key]
 
 
@@ -50,7 +54,9 @@ class Constraint:
     def __init__(self, grammar: str, tokenizer: Any, vocab: int, eos: Iterable[int]) -> None:
         self.vocab = vocab
         self.eos = sorted(t for t in eos if 0 <= t < vocab)
-        self.matcher = llguidance.LLMatcher(_ll_tokenizer(tokenizer, vocab), grammar)
+        self.matcher = llguidance.LLMatcher(
+            _ll_tokenizer(tokenizer, vocab, tuple(self.eos)), grammar
+        )
         self._bits = np.zeros((vocab + 31) // 32, dtype=np.int32)
 
     def advance(self, token: int) -> None:

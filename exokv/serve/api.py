@@ -463,7 +463,11 @@ class ToolsShape(ReplyShape):
         self._marker, self._prefix = [], []
         self._messages = generic_tools.messages(call.messages, call.tools, call.forced)
         if call.tools:
-            call.grammar = grammar.generic_tools(call.tools, call.forced, call.parallel)
+            try:
+                call.grammar = grammar.generic_tools(call.tools, call.forced, call.parallel)
+            except grammar.GrammarError as err:
+                said = f"tools: a function's parameters cannot be enforced: {err}"
+                raise bad(said, "tools") from None
         self._new_text = generic_tools.GenericText  # type: ignore[assignment]
         self._text = generic_tools.GenericText() if call.tools else None
 
