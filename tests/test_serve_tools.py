@@ -256,12 +256,44 @@ def test_the_opening_of_a_call_is_read_from_the_template(model: Path) -> None:
     tools = model_tools(str(model))
     assert tools.opening(None) == '\n<tool_call>\n{"name": "'
     assert tools.opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": {'
+    # Held by a grammar, a named call opens before its arguments' brace, and the rest of
+    # the call is what the template writes after the arguments, up to the end marker.
+    assert (
+        tools.held_opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": '
+    )
+    assert tools.held_opening(None) == tools.opening(None)
+    assert tools.tail == "}\n</tool_call>"
+
+
+def test_a_forced_calls_arguments_and_end_are_held_by_a_grammar(model: Path, tiny) -> None:
+    from exokv.rank.constrain import Constraint, vocab_size  # why: the rank's sampler, here
+
+    tools = model_tools(str(model))
+    weather = {**WEATHER["function"]}
+    weather["parameters"] = {**weather["parameters"], "additionalProperties": False}
+    offered = [CLOCK, {"type": "function", "function": weather}]
+    tiny_model, tokenizer = tiny
+
+    def walk(name: str | None, text: str) -> bool:
+        held = tools.call_grammar(offered, name)
+        c = Constraint(held, tokenizer, vocab_size(tiny_model, tokenizer), [2])
+        for token in tokenizer._tokenizer.encode(text, add_special_tokens=False):
+            if not c.allowed()[token]:
+                return False
+            c.advance(token)
+        return bool(c.allowed()[2])  # may end here
+
+    assert walk("get_weather", '{"city": "Paris"}}\n</tool_call>')
+    assert not walk("get_weather", '{"town": "Paris"}}\n</tool_call>')
+    assert not walk("get_weather", '{"city": "Paris"}} and more')
+    assert walk(None, 'get_time", "arguments": {}}\n</tool_call>')
+    assert not walk(None, 'get_weather", "arguments": {}}\n</tool_call>')  # city required
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
-    url = forced('"city": "Paris"}}\n</tool_call>')  # the model continues the opening
+    url = forced('{"city": "Paris"}}\n</tool_call>')  # the model continues the opening
     named = {"type": "function", "function": {"name": "get_weather"}}
     done = gpt(url).chat.completions.create(
         model="m", messages=ASK, tools=[CLOCK, WEATHER], tool_choice=named
@@ -273,8 +305,9 @@ def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
     (request,) = forced.stubs[-1].requests
     assert request.messages[-1] == {
         "role": PREFIX,
-        "content": '\n<tool_call>\n{"name": "get_weather", "arguments": {',
+        "content": '\n<tool_call>\n{"name": "get_weather", "arguments": ',
     }
+    assert request.grammar is not None  # the arguments held to the tool's parameters
     offered = json.loads(request.messages[0]["content"])
     assert [t["function"]["name"] for t in offered] == ["get_weather"]  # only the named one
 
@@ -302,7 +335,7 @@ def test_required_and_anthropics_any_and_tool_force_a_call_streamed_too(forced) 
     )
     assert done.stop_reason == "tool_use"
     assert [(b.type, b.name) for b in done.content] == [("tool_use", "get_time")]
-    url = forced('"city": "Oslo"}}\n</tool_call>')
+    url = forced('{"city": "Oslo"}}\n</tool_call>')
     with claude(url).messages.stream(
         model="m",
         max_tokens=50,

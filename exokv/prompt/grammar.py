@@ -101,3 +101,28 @@ def generic_tools(tools: list[dict[str, Any]], forced: bool, parallel: bool) -> 
     if not forced:
         schema = {"anyOf": [schema, RESPONSE_SCHEMA]}
     return from_schema(schema)
+
+
+def forced_call(calls: list[tuple[str, dict[str, Any]]], tail: str) -> str:
+    """The grammar of the rest of a call a template writes, after its opening: one of
+    `calls` (each the text before its arguments and its function), the arguments as
+    JSON valid for the function's `parameters`, then `tail` (up to the end marker)."""
+    rules, names = [], []
+    for i, (before, function) in enumerate(calls):
+        parameters = json.dumps(function.get("parameters") or {"type": "object"})
+        head = f"{_literal(before)} " if before else ""
+        rules.append(f"call{i}: {head}%json {parameters}")
+        names.append(f"call{i}")
+    lark = "\n".join([f"start: ({' | '.join(names)}) {_literal(tail)}", *rules])
+    try:
+        text = llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as err:
+        raise GrammarError(str(err)) from None
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    if failed:
+        raise GrammarError(messages[0] if messages else "the call cannot be enforced")
+    return text
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # a Lark string: JSON's escapes

@@ -446,7 +446,12 @@ class ToolsShape(ReplyShape):
         self._marker = [tools_message(call.tools)] if call.tools else []
         # A forced call: the reply starts as the call's opening (rendered after the
         # generation prompt), which the reader of calls reads before the reply's text.
-        opening = forced_opening(tools, model, call) if call.forced else ""
+        held = tools.call_grammar(call.tools, call.forced_name) if call.forced and tools else None
+        if held is not None:  # the arguments and the call's end held by a grammar
+            call.grammar = held
+            opening = tools.held_opening(call.forced_name) or ""
+        else:
+            opening = forced_opening(tools, model, call) if call.forced else ""
         self._prefix = [reply_prefix(opening)] if opening else []
 
         def new_text() -> ToolText:
