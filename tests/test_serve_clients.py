@@ -8,12 +8,14 @@ import json
 from pathlib import Path
 
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
 
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import MODEL, serving
+from tests.test_grammar import PERSON
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -107,12 +109,24 @@ def test_previous_response_id_continues_the_conversation_from_the_cache(server) 
     assert caught.value.body["code"] == "previous_response_not_found"
 
 
+def test_responses_text_format_holds_the_reply_to_a_schema(server) -> None:
+    shape = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    done = gpt(server).responses.create(
+        model=MODEL,
+        input="a person",
+        text={"format": shape},
+        temperature=1.0,
+        max_output_tokens=120,
+    )
+    jsonschema.validate(json.loads(done.output_text), PERSON)
+
+
 def test_responses_refuse_in_openais_shape(server) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         gpt(server).responses.create(
-            model=MODEL, input="x", text={"format": {"type": "json_object"}}
+            model=MODEL, input="x", text={"format": {"type": "json_schema", "schema": {"not": {}}}}
         )
-    assert caught.value.body["param"] == "text.format"
+    assert caught.value.body["param"] == "text.format" and "not" in caught.value.message
     with pytest.raises(openai.AuthenticationError):
         server.client("wrong").responses.create(model=MODEL, input="x")
 
@@ -147,11 +161,23 @@ def test_ollama_chat_streamed_and_not_gives_the_same_text_as_the_openai_chat(ser
     assert said.response == done.message.content  # the same prompt, templated alike
 
 
+def test_ollama_format_holds_the_reply_to_a_schema_or_to_json(server) -> None:
+    ask = [{"role": "user", "content": "a person"}]
+    for seed in (0, 3):
+        options = {"num_predict": 120, "temperature": 1.0, "seed": seed}
+        done = llama(server).chat(model=MODEL, messages=ask, format=PERSON, options=options)
+        jsonschema.validate(json.loads(done.message.content), PERSON)
+    said = llama(server).generate(
+        model=MODEL, prompt="x", format="json", options={"num_predict": 120}
+    )
+    assert said.done_reason == "stop" and isinstance(json.loads(said.response), dict)
+
+
 def test_ollama_refuses_in_its_own_shape(server) -> None:
     ask = [{"role": "user", "content": "x"}]
     with pytest.raises(ollama.ResponseError) as caught:
-        llama(server).chat(model=MODEL, messages=ask, format="json")
-    assert caught.value.status_code == 400 and "format" in caught.value.error
+        llama(server).chat(model=MODEL, messages=ask, format={"not": {"type": "string"}})
+    assert caught.value.status_code == 400 and "not" in caught.value.error
     with pytest.raises(ollama.ResponseError) as caught:
         llama(server, "wrong").chat(model=MODEL, messages=ask)
     assert caught.value.status_code == 401

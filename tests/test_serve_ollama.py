@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 
 from exokv.core.records import TurnRequest, TurnResult
 from exokv.errors import ExokvError
+from exokv.prompt import grammar
 from exokv.prompt.markers import RAW
 from exokv.serve import api
 from exokv.serve import ollama as shapes
@@ -38,6 +39,9 @@ def chat(doc: dict, **defaults: Any) -> shapes.OllamaCall:
 def generate(doc: dict, **defaults: Any) -> shapes.OllamaCall:
     body = json.dumps({"model": "m", **doc}).encode()
     return shapes.parse_generate(body, {"m"}, api.Defaults(**defaults), api.Limits())
+
+
+HI = [{"role": "user", "content": "hi"}]
 
 
 # -- requests -------------------------------------------------------------------------
@@ -66,8 +70,8 @@ def test_runtime_options_and_samplers_set_off_change_nothing_and_are_accepted() 
 @pytest.mark.parametrize(
     "doc, says",
     [
-        ({"format": "json"}, "format"),
-        ({"format": {"type": "object"}}, "format"),
+        ({"format": {"type": "object", "not": {"type": "string"}}}, "not"),
+        ({"format": "yaml"}, "format cannot be enforced"),
         ({"options": {"top_k": 40}}, "options.top_k is not supported"),
         ({"options": {"repeat_penalty": 1.1}}, "options.repeat_penalty"),
         ({"options": {"warp_speed": 9}}, "options.warp_speed is not an option"),
@@ -249,3 +253,17 @@ def test_a_keepalive_is_an_empty_piece_the_client_reads() -> None:
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     read = ollama.ChatResponse(**json.loads(line))
     assert read.message.content == "" and read.done is False
+
+
+@pytest.mark.parametrize("value", ["json", {"type": "object", "properties": {"a": {}}}])
+def test_format_is_the_replys_grammar(value: Any) -> None:
+    for parse in (chat, generate):
+        call = parse({"messages": HI, "prompt": "hi", "format": value})
+        assert call.grammar == grammar.from_format(value)
+    assert chat({"messages": HI}).grammar is None
+
+
+def test_format_and_tools_together_are_refused() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    with pytest.raises(api.ApiError, match="format and tools"):
+        chat({"messages": HI, "format": "json", "tools": [tool]})

@@ -1,6 +1,7 @@
 """OpenAI tool calling on `exokv serve`: tools rendered by the model's own chat template,
 a tool's result accepted, a tool call in the reply parsed (mlx-lm's parser) and
-streamed as OpenAI streams it, and one clear 400 for a template without tools.
+streamed as OpenAI streams it; a forced call the template cannot make goes in the
+generic format (tests/test_serve_structured.py has a template without tools).
 
 The model is builtin:tiny with a tools template (Hermes-style, which mlx-lm reads with
 its json_tools parser). A random model calls no tool by itself, so the parsing and
@@ -255,12 +256,44 @@ def test_the_opening_of_a_call_is_read_from_the_template(model: Path) -> None:
     tools = model_tools(str(model))
     assert tools.opening(None) == '\n<tool_call>\n{"name": "'
     assert tools.opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": {'
+    # Held by a grammar, a named call opens before its arguments' brace, and the rest of
+    # the call is what the template writes after the arguments, up to the end marker.
+    assert (
+        tools.held_opening("get_weather") == '\n<tool_call>\n{"name": "get_weather", "arguments": '
+    )
+    assert tools.held_opening(None) == tools.opening(None)
+    assert tools.tail == "}\n</tool_call>"
+
+
+def test_a_forced_calls_arguments_and_end_are_held_by_a_grammar(model: Path, tiny) -> None:
+    from exokv.rank.constrain import Constraint, vocab_size  # why: the rank's sampler, here
+
+    tools = model_tools(str(model))
+    weather = {**WEATHER["function"]}
+    weather["parameters"] = {**weather["parameters"], "additionalProperties": False}
+    offered = [CLOCK, {"type": "function", "function": weather}]
+    tiny_model, tokenizer = tiny
+
+    def walk(name: str | None, text: str) -> bool:
+        held = tools.call_grammar(offered, name)
+        c = Constraint(held, tokenizer, vocab_size(tiny_model, tokenizer), [2])
+        for token in tokenizer._tokenizer.encode(text, add_special_tokens=False):
+            if not c.allowed()[token]:
+                return False
+            c.advance(token)
+        return bool(c.allowed()[2])  # may end here
+
+    assert walk("get_weather", '{"city": "Paris"}}\n</tool_call>')
+    assert not walk("get_weather", '{"town": "Paris"}}\n</tool_call>')
+    assert not walk("get_weather", '{"city": "Paris"}} and more')
+    assert walk(None, 'get_time", "arguments": {}}\n</tool_call>')
+    assert not walk(None, 'get_weather", "arguments": {}}\n</tool_call>')  # city required
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
-    url = forced('"city": "Paris"}}\n</tool_call>')  # the model continues the opening
+    url = forced('{"city": "Paris"}}\n</tool_call>')  # the model continues the opening
     named = {"type": "function", "function": {"name": "get_weather"}}
     done = gpt(url).chat.completions.create(
         model="m", messages=ASK, tools=[CLOCK, WEATHER], tool_choice=named
@@ -272,8 +305,9 @@ def test_a_named_tool_choice_starts_the_reply_as_that_call(forced) -> None:
     (request,) = forced.stubs[-1].requests
     assert request.messages[-1] == {
         "role": PREFIX,
-        "content": '\n<tool_call>\n{"name": "get_weather", "arguments": {',
+        "content": '\n<tool_call>\n{"name": "get_weather", "arguments": ',
     }
+    assert request.grammar is not None  # the arguments held to the tool's parameters
     offered = json.loads(request.messages[0]["content"])
     assert [t["function"]["name"] for t in offered] == ["get_weather"]  # only the named one
 
@@ -301,7 +335,7 @@ def test_required_and_anthropics_any_and_tool_force_a_call_streamed_too(forced) 
     )
     assert done.stop_reason == "tool_use"
     assert [(b.type, b.name) for b in done.content] == [("tool_use", "get_time")]
-    url = forced('"city": "Oslo"}}\n</tool_call>')
+    url = forced('{"city": "Oslo"}}\n</tool_call>')
     with claude(url).messages.stream(
         model="m",
         max_tokens=50,
@@ -323,12 +357,18 @@ def test_a_call_that_cannot_be_forced_is_a_clear_400(forced, model: Path) -> Non
     assert status == 400 and "'get_wether', which is not among the tools" in doc["error"]["message"]
     body["tool_choice"] = {"type": "tool"}
     assert raw(url + "/v1/chat/completions", json.dumps(body).encode())[0] == 400
-    # A parser the template does not show a call for: the model may only decide.
+    # A parser the template does not show a call for: the call is forced in the
+    # generic format instead (the tools in the system prompt, its JSON by a grammar).
     unknown = ModelTools(template=True, start="<call>", end="</call>", parser=lambda *_: {})
-    url = forced("x", unknown)
+    reply = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+    url = forced(json.dumps(reply), unknown)
     body = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
     status, _, doc = raw(url + "/v1/chat/completions", json.dumps(body).encode())
-    assert status == 400 and doc["error"]["code"] == "tool_choice_not_supported", doc
+    assert status == 200 and doc["choices"][0]["finish_reason"] == "tool_calls", doc
+    (call,) = doc["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    (turn,) = forced.stubs[-1].requests
+    assert turn.grammar is not None and "get_weather" in turn.messages[0]["content"]
 
 
 # -- rendered by the model's template, on the real model -----------------------------
@@ -439,20 +479,3 @@ def test_a_forced_call_runs_on_the_model_with_its_opening_in_the_prompt(
     counted = claude(tools_server.url).messages.count_tokens(**ask)
     done = claude(tools_server.url).messages.create(max_tokens=4, **ask)
     assert counted.input_tokens == prompt(done.usage) == forced.usage.prompt_tokens
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_template_without_tools_is_one_clear_400(tmp_path: Path, models_dir: Path) -> None:
-    home = home_with_models(tmp_path / "h", models_dir, link=True)
-    with serving(home) as s:
-        body = json.dumps({"messages": ASK, "tools": [WEATHER]}).encode()
-        status, _, doc = raw(s.base + "/chat/completions", body)
-        assert status == 400 and doc["error"]["code"] == "tools_not_supported", doc
-        assert "no tools support" in doc["error"]["message"]
-        tool_result = {"role": "tool", "tool_call_id": "c", "content": "x"}
-        body = json.dumps({"messages": [*ASK, tool_result]}).encode()
-        assert raw(s.base + "/chat/completions", body)[0] == 400
-        body = json.dumps({"messages": ASK, "tools": [WEATHER], "tool_choice": "required"})
-        status, _, doc = raw(s.base + "/chat/completions", body.encode())
-        assert status == 400 and doc["error"]["code"] == "tools_not_supported"

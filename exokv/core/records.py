@@ -37,6 +37,12 @@ class TurnRequest:
     # Speculative decoding (exokv.rank.speculate): drafts from the turn's own tokens
     # checked by the model; False: one token at a time (--no-speculate).
     speculate: bool = True
+    # The reply's grammar (exokv.prompt.grammar's text; None: unconstrained), enforced
+    # by every rank's sampler alike (exokv.rank.constrain).
+    grammar: str | None = None
+    # OpenAI's logprobs: report each token's and this many most likely ones' (0-20;
+    # None: none).
+    logprobs: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -176,6 +182,9 @@ class TurnResult:
     # The nodes whose disk tier files the turn wrote: the front end copies each rank's to
     # the host that keeps its replica (exokv.client.replicate). Not shown.
     disk_written: list[int] = field(default_factory=list)
+    # With a request's `logprobs`: per generated token [text, logprob, [[text, logprob],
+    # ...]] (exokv.rank.constrain.entry); None without.
+    logprobs: list[Any] | None = None
     # The replica copies that ended since the turn before (the last turn's, as a rule):
     # their bytes and seconds, and why one failed ("" when none did).
     replica_bytes: int = 0

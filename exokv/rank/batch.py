@@ -34,6 +34,7 @@ from exokv.cache import kinds, memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
+from exokv.rank import constrain
 from exokv.rank.engine import cache_room, prefill, within_context
 from exokv.rank.joins import JoinBox
 from exokv.rank.pace import Pace
@@ -77,6 +78,11 @@ class _Row:
     streamed: int = 0
     detok: Any = None
     stops: TextStops = field(default_factory=lambda: TextStops(()))
+    constraint: constrain.Constraint | None = None  # its request's grammar, if any
+    # With its request's logprobs: each sampled token's (lazy) report, first sampled
+    # first, taken with its token; and the reports of the tokens taken.
+    sampled: list[tuple[mx.array, mx.array, mx.array]] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
 
 
 def batchable(engine: Any) -> bool:
@@ -293,7 +299,7 @@ class _Batch:
                 # row's end needs anyway: its cache, taken out below, holds every token
                 # it was given.
                 assert picked is not None and self.batch is not None
-                following = self._sample(self._step(self.batch, picked), self.active)
+                following = self._sample(self._step(self.batch, picked), self.active, picked)
                 mx.async_eval(following)
                 now = time.perf_counter()
                 for j, (r, token) in enumerate(zip(self.active, picked.tolist(), strict=True)):
@@ -451,6 +457,7 @@ class _Batch:
         row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
         row.detok.reset()
         row.stops = TextStops(self.engine.stops)
+        row.constraint = constrain.for_request(self.engine, row.request.grammar)
         cache = row.hit.cache
         row.hit.cache = None  # merged: the row's own copy is no longer needed
         with mx.stream(generation_stream):
@@ -465,19 +472,43 @@ class _Batch:
         self.active.append(row)
         return picked
 
-    def _sample(self, logprobs: mx.array, active: list[_Row]) -> mx.array:
+    def _sample(self, logprobs: mx.array, active: list[_Row], picked: mx.array) -> mx.array:
         """The next token of each active row: one sampler call for the whole batch when
         every row samples alike (the common case, and the cheapest step), else one call
-        per row with its own temperature and top_p."""
+        per row with its own temperature and top_p. Rows with a grammar sample within
+        its mask (`_constrained`); rows that asked for logprobs keep their report."""
         settings = [(r.request.temp, r.request.top_p) for r in active]
         for s in set(settings) - self.samplers.keys():
             self.samplers[s] = make_sampler(temp=s[0], top_p=s[1])
         with mx.stream(generation_stream):
+            if any(r.constraint is not None for r in active):
+                logprobs = self._constrained(logprobs, active, picked)
             if len(set(settings)) == 1:
-                return self.samplers[settings[0]](logprobs)
-            return mx.concatenate(
-                [self.samplers[s](logprobs[j : j + 1]) for j, s in enumerate(settings)]
-            )
+                tokens = self.samplers[settings[0]](logprobs)
+            else:
+                tokens = mx.concatenate(
+                    [self.samplers[s](logprobs[j : j + 1]) for j, s in enumerate(settings)]
+                )
+            for j, r in enumerate(active):
+                k = r.request.logprobs
+                if k is not None:  # lazy: read when the token is taken (`_take`)
+                    row = logprobs[j]
+                    top = mx.argsort(-row)[:k] if k else mx.array([], dtype=mx.int32)
+                    r.sampled.append((row[tokens[j]], top, row[top]))
+            return tokens
+
+    def _constrained(self, logprobs: mx.array, active: list[_Row], picked: mx.array) -> mx.array:
+        """The step's log-probabilities with each constrained row's grammar applied.
+        A row's grammar first takes the token it was given at this step (the one it
+        sampled last), so this waits for the step before: a batch with a constrained
+        row decodes without queueing its next step ahead."""
+        given = picked.tolist()
+        allowed = []
+        for j, r in enumerate(active):
+            if r.constraint is not None and r.fed_prompt:  # else: its prompt's last token
+                r.constraint.advance(given[j])
+            allowed.append(r.constraint.allowed() if r.constraint is not None else None)
+        return constrain.normalized(constrain.masked(logprobs, allowed))
 
     def _step(self, batch: list[Any], tokens: mx.array) -> mx.array:
         """One token per row run (queued, not evaluated); each row's log-probabilities of
@@ -492,6 +523,10 @@ class _Batch:
             r.first = now
         r.last = now
         r.generated.append(token)
+        if r.sampled:
+            chosen, ids, values = r.sampled.pop(0)
+            report = (chosen.item(), ids.tolist(), values.tolist())
+            r.logprobs.append(constrain.entry(self.engine.tokenizer, token, *report))
         if token in self.engine._eos:
             r.finish = "stop"
             return
@@ -557,6 +592,7 @@ class _Batch:
             entries=entries,
             reply_tokens=spelled,
             disk_written=coord.take_written(),
+            logprobs=row.logprobs if row.request.logprobs is not None else None,
         )
 
 

@@ -53,7 +53,7 @@ from exokv.hosts.replicas import held_for, layer_ranges
 from exokv.model import pipeline, templates
 from exokv.prompt.markers import Marked
 from exokv.prompt.render import PromptRenderer, RepliesByText
-from exokv.rank import speculate, typeahead
+from exokv.rank import constrain, speculate, typeahead
 from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
 from exokv.rank.pace import Pace
 from exokv.rank.speculate import STOP_CHECK_EVERY, Decoded, ReplyText, StepAgreement
@@ -426,6 +426,7 @@ class Engine:
             speculation=self.speculation,
             reply_tokens=turn.reply_tokens,
             disk_written=self.coord.take_written(),
+            logprobs=out.logprobs,
         )
 
     def draft_step_tokens(self) -> int:
@@ -598,6 +599,14 @@ class Engine:
             return check and self._agreed_stop(should_stop)
 
         stops = TextStops(self.stops)
+        grammar = constrain.for_request(self, request.grammar)
+        reported: list[Any] = []
+
+        def report(token: int, logprobs: mx.array) -> None:
+            assert request.logprobs is not None
+            top = constrain.top_logprobs(logprobs, token, request.logprobs)
+            reported.append(constrain.entry(self.tokenizer, token, *top))
+
         tokens_out, reply, finish, ttft, tps = decode(
             self.model,
             self.tokenizer,
@@ -610,12 +619,22 @@ class Engine:
             on_text=on_text,
             stop=stop,
             stops=stops,
+            processors=[grammar.processor()] if grammar is not None else None,
+            on_logprobs=report if request.logprobs is not None else None,
         )
-        return Decoded(tokens_out, reply, finish, ttft, tps, spelled=stops.kept(tokens_out))
+        out = Decoded(tokens_out, reply, finish, ttft, tps, spelled=stops.kept(tokens_out))
+        out.logprobs = reported if request.logprobs is not None else None
+        return out
 
     def _why_not_speculate(self, cache: list[Any], request: TurnRequest) -> str:
         """Why this turn decodes without drafts ("": it drafts), the same on every rank."""
         why = speculate.unsupported(cache) if request.speculate else "off"
+        # A grammar's state and the logprobs follow each token as it is sampled; a
+        # draft's tokens are checked in one pass: such a reply decodes one at a time.
+        if request.grammar is not None:
+            why = why or "a constrained reply decodes one token at a time"
+        if request.logprobs is not None:
+            why = why or "logprobs are read one token at a time"
         # Ranks holding different layer kinds (a window on one, none on another) must
         # all decode the same way: one rank that cannot trim turns drafts off for all.
         if request.speculate and self.group.size > 1:
@@ -765,14 +784,18 @@ def decode(
     stop: Callable[[int], bool] | None = None,
     top_p: float = 1.0,
     stops: TextStops | None = None,
+    processors: list[Callable[[mx.array, mx.array], mx.array]] | None = None,
+    on_logprobs: Callable[[int, mx.array], None] | None = None,
 ) -> tuple[list[int], str, str, float, float]:
     """Generate after `last` with mlx-lm's generate_step.
 
     Returns (token ids incl. an end-of-turn token, reply text, finish reason, TTFT
     measured from `start`, decode tokens/s). stop(tokens generated) is asked after
     each token; `stops` ends the reply at a stop sequence (the reply is the text
-    before it; `stops.kept` gives its tokens). The engine and the bench share this
-    code path.
+    before it; `stops.kept` gives its tokens). `processors` are mlx-lm's logits
+    processors (a grammar's mask, exokv.rank.constrain); on_logprobs(token, its
+    distribution's log-probabilities) is called for each token. The engine and the
+    bench share this code path.
     """
     text = ReplyText(tokenizer, start, on_text, stops)
     finish = "length"
@@ -782,8 +805,11 @@ def decode(
         prompt_cache=cache,
         max_tokens=max_tokens,
         sampler=make_sampler(temp=temp, top_p=top_p),  # top_p 1.0: off
+        logits_processors=processors,
     )
-    for token, _ in steps:
+    for token, logprobs in steps:
+        if on_logprobs is not None:
+            on_logprobs(int(token), logprobs)
         if text.add(int(token)):
             finish = "stop"
             break

@@ -195,6 +195,7 @@ class Decoded:
     accepted: int = 0  # of those, kept in the reply
     spelled: list[int] = field(default_factory=list)  # the tokens the reply's text is
     model_drafted: int = 0  # of `drafted`, those the draft model proposed (rank 0)
+    logprobs: list[Any] | None = None  # a request's logprobs (exokv.rank.constrain.entry)
 
 
 def decode(

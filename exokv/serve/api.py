@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from exokv.prompt import grammar
 from exokv.prompt.markers import reply_prefix, tools_message
+from exokv.serve import generic_tools, structured
 from exokv.serve.errors import ApiError
 from exokv.serve.tools import ModelTools, ToolText, check, forced_opening
 
@@ -64,6 +66,11 @@ class ChatCall:
     # choice: a call of `forced_name`, the one tool left in `tools`.
     forced: bool = False
     forced_name: str | None = None
+    parallel: bool = True  # parallel_tool_calls: several calls in one reply
+    # The reply's grammar (exokv.prompt.grammar): response_format's, or the generic tool
+    # format's (set by ToolsShape); None: free text.
+    grammar: str | None = None
+    logprobs: int | None = None  # top logprobs per token (0-20); None: no logprobs
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -197,8 +204,9 @@ def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]
     if doc.get("functions"):
         raise bad("functions is OpenAI's older form: send tools", "functions")
     tools = doc.get("tools")
+    choice = doc.get("tool_choice", "auto")
     if tools is None or tools == []:
-        if doc.get("tool_choice") not in (None, "auto", "none"):
+        if choice not in ("auto", "none", None):
             raise bad(
                 "tool_choice asks for a tool call, and the request has no tools", "tool_choice"
             )
@@ -211,7 +219,6 @@ def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]
         for t in tools
     ):
         raise bad("tools: a list of {type: function, function: {name, ...}}", "tools")
-    choice = doc.get("tool_choice", "auto")
     if choice == "none":
         return [], False, None
     if choice == "auto":
@@ -402,8 +409,15 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
     if (whole(doc, "n") or 1) != 1:
         raise bad("n: only one choice per request is supported", "n")
     tools, forced, forced_name = _tools(doc)
-    if doc.get("logprobs"):
-        raise bad("logprobs are not supported by this server", "logprobs")
+    parallel = doc.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    constraint = structured.response_format(doc)
+    if constraint is not None and tools:
+        raise bad(
+            "response_format with tools: send one or the other (tool_choice none drops the tools)",
+            "response_format",
+        )
     messages = _messages(doc, limits)
     if defaults.system and messages[0]["role"] != "system":
         # As `ollama run` does: the model's SYSTEM when the request brings none.
@@ -416,6 +430,9 @@ def parse_chat(body: bytes, models: set[str], defaults: Defaults, limits: Limits
         tool_messages=calls_tools(messages),
         forced=forced,
         forced_name=forced_name,
+        parallel=parallel,
+        grammar=constraint,
+        logprobs=structured.chat_logprobs(doc),
         **fields,
     )
 
@@ -537,11 +554,21 @@ class ToolsShape(ReplyShape):
 
     def __init__(self, model: str, call: ChatCall, tools: ModelTools | None = None) -> None:
         super().__init__(model, call)
-        check(tools, model, bool(call.tools) or call.tool_messages)
+        asked = bool(call.tools) or call.tool_messages
+        self._messages = call.messages
+        if asked and generic_tools.needed(tools, call.forced, call.forced_name):
+            self._generic(call)
+            return
+        check(tools, model, asked)
         self._marker = [tools_message(call.tools)] if call.tools else []
         # A forced call: the reply starts as the call's opening (rendered after the
         # generation prompt), which the reader of calls reads before the reply's text.
-        opening = forced_opening(tools, model, call) if call.forced else ""
+        held = tools.call_grammar(call.tools, call.forced_name) if call.forced and tools else None
+        if held is not None:  # the arguments and the call's end held by a grammar
+            call.grammar = held
+            opening = tools.held_opening(call.forced_name) or ""
+        else:
+            opening = forced_opening(tools, model, call) if call.forced else ""
         self._prefix = [reply_prefix(opening)] if opening else []
 
         def new_text() -> ToolText:
@@ -552,9 +579,23 @@ class ToolsShape(ReplyShape):
         self._text = new_text() if call.tools else None
         self._new_text = new_text
 
+    def _generic(self, call: ChatCall) -> None:
+        """Tools in the generic format (exokv.serve.generic_tools): offered in the
+        system prompt, the reply held to their JSON by the call's grammar."""
+        self._marker, self._prefix = [], []
+        self._messages = generic_tools.messages(call.messages, call.tools, call.forced)
+        if call.tools:
+            try:
+                call.grammar = grammar.generic_tools(call.tools, call.forced, call.parallel)
+            except grammar.GrammarError as err:
+                said = f"tools: a function's parameters cannot be enforced: {err}"
+                raise bad(said, "tools") from None
+        self._new_text = generic_tools.GenericText  # type: ignore[assignment]
+        self._text = generic_tools.GenericText() if call.tools else None
+
     def turn_messages(self) -> list[dict[str, Any]]:
         """The messages the turn renders: the request's, with the markers it needs."""
-        return self._marker + self.call.messages + self._prefix
+        return self._marker + self._messages + self._prefix
 
     def read_whole(self, reply: str) -> tuple[str, list[dict[str, Any]]]:
         """A whole reply's text and the tool calls it makes (none without tools), read
@@ -579,6 +620,8 @@ class ChatShape(ToolsShape):
         text, calls = self.read_whole(job.reply)
         finish = self._finish(job, result, bool(calls))
         doc = completion(self.ident, self.model, text, finish, usage(result))
+        if result.logprobs is not None:
+            doc["choices"][0]["logprobs"] = structured.chat_content(result.logprobs)
         if calls:
             doc["choices"][0]["message"]["tool_calls"] = calls
             doc["choices"][0]["message"]["content"] = text or None
@@ -606,7 +649,10 @@ class ChatShape(ToolsShape):
         if self._text is not None:
             out = self._deltas(*self._text.flush())
         calls = self._text is not None and bool(self._text.calls)
-        out.append(sse(chunk(self.ident, self.model, {}, self._finish(job, result, calls))))
+        last = chunk(self.ident, self.model, {}, self._finish(job, result, calls))
+        if result.logprobs is not None:  # the ranks report them with the turn's result
+            last["choices"][0]["logprobs"] = structured.chat_content(result.logprobs)
+        out.append(sse(last))
         if self.call.include_usage:
             out.append(sse(chunk(self.ident, self.model, None, used=usage(result))))
         return out + [sse("[DONE]")]

@@ -544,6 +544,8 @@ def _turn(service: Service, call: Any, messages: list[dict[str, Any]] | None = N
         speculate=service.speculate,
         top_p=call.top_p,
         sample_seed=call.seed,
+        grammar=call.grammar,
+        logprobs=call.logprobs,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from exokv.prompt.markers import raw_prompt
-from exokv.serve import api
+from exokv.serve import api, structured
 
 
 def parse(
@@ -28,11 +28,16 @@ def parse(
         )
     if (api.whole(doc, "n") or 1) != 1 or (api.whole(doc, "best_of") or 1) != 1:
         raise api.bad("n and best_of: only one choice per request is supported", "n")
-    for name in ("echo", "logprobs", "suffix"):
+    for name in ("echo", "suffix"):
         if doc.get(name):
             raise api.bad(f"{name} is not supported by this server", name)
     fields = api.sampling(doc, defaults, limits, ("max_tokens",))
-    return api.ChatCall(messages=raw_prompt(prompt), stop=api.stops(doc, limits), **fields)
+    return api.ChatCall(
+        messages=raw_prompt(prompt),
+        stop=api.stops(doc, limits),
+        logprobs=structured.completion_logprobs(doc),
+        **fields,
+    )
 
 
 def _doc(ident: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
@@ -50,7 +55,10 @@ class Shape(api.ReplyShape):
 
     def whole(self, job: Any, result: Any) -> dict[str, Any]:
         finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
-        return {**_doc(self.ident, self.model, job.reply, finish), "usage": api.usage(result)}
+        doc = _doc(self.ident, self.model, job.reply, finish)
+        if result.logprobs is not None:
+            doc["choices"][0]["logprobs"] = structured.completion_content(result.logprobs)
+        return {**doc, "usage": api.usage(result)}
 
     def opening(self) -> list[bytes]:
         return []
@@ -66,8 +74,10 @@ class Shape(api.ReplyShape):
 
     def closing(self, job: Any, result: Any) -> list[bytes]:
         finish = api.finish_reason(result.finish_reason, job.stop_text.hit)
-        last = api.sse(_doc(self.ident, self.model, "", finish))
-        return [last, *self._used(api.usage(result)), api.sse("[DONE]")]
+        doc = _doc(self.ident, self.model, "", finish)
+        if result.logprobs is not None:  # the ranks report them with the turn's result
+            doc["choices"][0]["logprobs"] = structured.completion_content(result.logprobs)
+        return [api.sse(doc), *self._used(api.usage(result)), api.sse("[DONE]")]
 
     def broken(self, err: api.ApiError, job: Any) -> list[bytes]:
         last = api.sse(_doc(self.ident, self.model, "", "length"))

@@ -8,8 +8,8 @@ Replies stream as Ollama writes them, newline-delimited JSON: lines of
 num_predict, temperature, top_p, seed and stop are applied; num_ctx and the options
 of Ollama's own runtime (threads, GPU layers, ...) are accepted and change nothing
 (the context is the model's); the sampler options this server does not have are
-refused unless they say "off". `format` (JSON or a schema) is refused until
-grammar-constrained output lands (the hook: `_format`). Errors are {"error": "..."}.
+refused unless they say "off". `format` ("json" or a JSON schema) holds the reply to
+it with the grammar chat's response_format uses. Errors are {"error": "..."}.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from exokv.prompt import grammar
 from exokv.prompt.markers import raw_prompt
 from exokv.serve import api
 from exokv.serve.tools import ModelTools, model_files
@@ -84,22 +85,25 @@ class OllamaCall(api.ChatCall):
     chat: bool = True  # /api/chat's "message" lines; else /api/generate's "response"
 
 
-def _format(doc: dict[str, Any]) -> None:
-    """`format` ("json" or a JSON schema): the hook for grammar-constrained output
-    (issue 44, item 2), which maps it to chat's response_format. Until then it is
-    refused, never ignored."""
-    if doc.get("format") not in (None, ""):
-        raise api.bad(
-            "format (JSON mode and schemas) is not supported yet by this server; "
-            "send the request without format"
-        )
+def _format(doc: dict[str, Any]) -> str | None:
+    """The grammar `format` ("json" or a JSON schema) holds the reply to; None: free
+    text. A schema the grammar cannot enforce is a 400 naming the keyword."""
+    value = doc.get("format")
+    if value in (None, ""):
+        return None
+    if doc.get("tools"):
+        raise api.bad("format and tools cannot be asked together: send one")
+    try:
+        return grammar.from_format(value)
+    except grammar.GrammarError as err:
+        raise api.bad(f"format cannot be enforced: {err}") from None
 
 
 def _checked(doc: dict[str, Any], defaults: api.Defaults, limits: api.Limits) -> dict[str, Any]:
     """The fields every Ollama request shares, checked: ChatCall's keyword arguments
     but messages and tools, from `options`, `stream` (true unless said), `format`,
     `think` and `keep_alive` (accepted: the model stays loaded while the server runs)."""
-    _format(doc)
+    held = _format(doc)
     if doc.get("think"):
         raise api.bad("think is not supported by this server's models")
     if not isinstance(doc.get("keep_alive", 0), (int, float, str)):
@@ -122,6 +126,7 @@ def _checked(doc: dict[str, Any], defaults: api.Defaults, limits: api.Limits) ->
         {**sampled, "stream": doc.get("stream", True)}, defaults, limits, ("num_predict",)
     )
     fields["stop"] = api.stops(sampled, limits)
+    fields["grammar"] = held
     return fields
 
 

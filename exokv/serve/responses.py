@@ -24,7 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from exokv.serve import api
+from exokv.serve import api, structured
+from exokv.serve.errors import ApiError
 from exokv.serve.tools import ModelTools
 
 STORE_RESPONSES = 1024  # responses kept for previous_response_id, the oldest dropped
@@ -111,19 +112,38 @@ def _refuse_unsupported(doc: dict[str, Any]) -> None:
     ):
         raise api.bad("reasoning: this server's models take no reasoning effort", "reasoning")
     text = doc.get("text") or {}
-    shape = (text.get("format") or {}) if isinstance(text, dict) else None
-    kind = shape.get("type", "text") if isinstance(shape, dict) else None
-    # The hook for structured output: when the grammar lands (issue 44, item 2),
-    # json_object and json_schema are applied here as chat's response_format is.
-    if kind != "text":
-        raise api.bad(
-            f"text.format {kind!r} is not supported yet by this server (plain text only)",
-            "text.format",
-        )
+    if not isinstance(text, dict):
+        raise api.bad("text must be an object (text.format, text.verbosity)", "text")
     if text.get("verbosity") not in (None, "medium"):
         raise api.bad("text.verbosity: only 'medium' is supported", "text.verbosity")
     if doc.get("truncation") not in (None, "disabled"):
         raise api.bad("truncation: only 'disabled' (a prompt too long is a 400)", "truncation")
+
+
+def _text_format(doc: dict[str, Any]) -> str | None:
+    """The grammar `text.format` holds the reply to, as chat's response_format does
+    (the Responses API puts json_schema's name, schema and strict beside its type)."""
+    shape = (doc.get("text") or {}).get("format")
+    if shape is None:
+        return None
+    if not isinstance(shape, dict):
+        raise api.bad("text.format must be an object", "text.format")
+    kind = shape.get("type", "text")
+    if kind == "json_schema":
+        if not isinstance(shape.get("schema"), dict):
+            raise api.bad("text.format json_schema needs its schema (an object)", "text.format")
+        spec = {k: shape[k] for k in ("name", "schema", "strict") if k in shape}
+        shape = {"type": "json_schema", "json_schema": spec}
+    elif kind not in ("text", "json_object"):
+        raise api.bad("text.format: text, json_object or json_schema", "text.format")
+    if kind != "text" and doc.get("tools"):
+        raise api.bad("text.format and tools cannot be asked together", "text.format")
+    try:
+        return structured.response_format({"response_format": shape})
+    except ApiError as err:
+        raise api.bad(
+            err.message.replace("response_format", "text.format"), "text.format"
+        ) from None
 
 
 def _tools(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], bool, str | None]:
@@ -262,6 +282,7 @@ def parse(
         raise api.bad("store is true or false, metadata an object", "store")
     fields = api.sampling(doc, defaults, limits, ("max_output_tokens",))
     fields["include_usage"] = True
+    fields["grammar"] = _text_format(doc)
     return ResponsesCall(
         messages=messages,
         tools=tools,

@@ -27,6 +27,7 @@ from typing import Any
 
 from exokv.model import hub, templates
 from exokv.model.resolve import resolve_model
+from exokv.prompt import grammar
 from exokv.prompt.markers import has_tools_support
 from exokv.serve.errors import ApiError
 
@@ -43,6 +44,9 @@ class ModelTools:
     # the name and the arguments (None: not found; a call cannot be forced).
     head: str | None = None
     mid: str | None = None
+    # What the template writes after a call's arguments, up to its end marker (None:
+    # not read): with it, a forced call's arguments are held by a grammar.
+    tail: str | None = None
 
     def opening(self, name: str | None) -> str | None:
         """The text a reply that must call a tool starts with (the function `name`'s, or
@@ -50,6 +54,31 @@ class ModelTools:
         if self.head is None or self.mid is None or not (self.end and self.parser):
             return None
         return self.head if name is None else self.head + name + self.mid
+
+    def held_opening(self, name: str | None) -> str | None:
+        """The opening of a forced call whose rest a grammar holds (`call_grammar`): as
+        `opening`, without the arguments' first brace (the grammar's JSON starts there)."""
+        opening = self.opening(name)
+        if opening is None or self.tail is None:
+            return None
+        return opening[:-1] if name is not None else opening
+
+    def call_grammar(self, tools: list[dict[str, Any]], name: str | None) -> str | None:
+        """The grammar of what a forced call writes after `held_opening`: the function's
+        name (unless named), its arguments valid for its parameters, and the template's
+        text up to the call's end marker. None: not known, or not enforceable."""
+        if self.mid is None or self.tail is None or self.held_opening(name) is None:
+            return None
+        mid = self.mid[:-1]
+        calls = [
+            ("" if name is not None else t["function"]["name"] + mid, t["function"])
+            for t in tools
+            if name is None or t["function"]["name"] == name
+        ]
+        try:
+            return grammar.forced_call(calls, self.tail)
+        except grammar.GrammarError:
+            return None
 
 
 def model_tools(name: str, spec: str | None = None) -> ModelTools:
@@ -69,9 +98,11 @@ def model_tools(name: str, spec: str | None = None) -> ModelTools:
     if template is None and isinstance(tokenizer.chat_template, str):
         template = tokenizer.chat_template
     start = tokenizer.tool_call_start
-    head, mid = None, None
+    head, mid, after = None, None, None
     if has_tools_support(template) and start:
-        head, mid = _call_text(tokenizer, start, settled.text)
+        head, mid, after = _call_text(tokenizer, start, settled.text)
+    end = tokenizer.tool_call_end
+    at = after.find(end) if after is not None and end else -1
     return ModelTools(
         template=has_tools_support(template),
         start=start,
@@ -79,6 +110,7 @@ def model_tools(name: str, spec: str | None = None) -> ModelTools:
         parser=tokenizer.tool_parser,
         head=head,
         mid=mid,
+        tail=after[: at + len(end)] if after is not None and at >= 0 else None,
     )
 
 
@@ -88,10 +120,13 @@ _NAMES = ("alpha_exokv_probe", "omega_exokv_probe")
 _ARGUMENTS = ({}, {"exokv_probe": "x"})
 
 
-def _call_text(tokenizer: Any, start: str, template: str | None) -> tuple[str | None, str | None]:
+def _call_text(
+    tokenizer: Any, start: str, template: str | None
+) -> tuple[str | None, str | None, str | None]:
     """How the template writes an assistant's call, read from its own renders: the
     text after the generation prompt up to the function's name (`head`, which holds
-    the start marker), and from the name up to where the arguments differ (`mid`)."""
+    the start marker), from the name up to where the arguments differ (`mid`), and
+    what follows empty arguments written `{}` (None: not written so)."""
     user = [{"role": "user", "content": "x"}]
     tools = [
         {
@@ -126,17 +161,19 @@ def _call_text(tokenizer: Any, start: str, template: str | None) -> tuple[str | 
         calls = [call(_NAMES[0], _ARGUMENTS[0]), call(_NAMES[1], _ARGUMENTS[0])]
         other = call(_NAMES[0], _ARGUMENTS[1])
     except Exception:  # noqa: BLE001 - a template that cannot render a call: none forced
-        return None, None
+        return None, None, None
     if calls[0] is None or calls[1] is None or other is None:
-        return None, None
+        return None, None, None
     head = os.path.commonprefix([calls[0], calls[1]])
     if start not in head or not all(c.startswith(head + _NAMES[0]) for c in (calls[0], other)):
-        return None, None
+        return None, None, None
     after = len(head) + len(_NAMES[0])
     mid = os.path.commonprefix([calls[0][after:], other[after:]])
     if "exokv_probe" in mid:
-        return None, None
-    return head, mid
+        return None, None, None
+    rest = calls[0][after + len(mid) - 1 :]
+    empty = mid.endswith("{") and rest.startswith("{}")
+    return head, mid, rest[2:] if empty else None
 
 
 def model_files(name: str) -> Path:
