@@ -40,12 +40,45 @@ def _bench(args: list[str], home: Path, prelude: str = "") -> subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def bench_doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
     home = tmp_path_factory.mktemp("home")
     args = ["--model", "builtin:tiny", "--turns", "3", "--context", "200", "--reply-tokens", "8"]
     proc = _bench([*args, "--scenario", "all", "--json"], home)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bench_doc(bench_run: subprocess.CompletedProcess[str]) -> dict:
+    return json.loads(bench_run.stdout)
+
+
+@pytest.mark.slow
+def test_the_time_is_estimated_before_the_run(bench_run: subprocess.CompletedProcess[str]) -> None:
+    """One line on stderr before the first measurement (stdout is the JSON alone)."""
+    lines = bench_run.stderr.splitlines()
+    said = [line for line in lines if line.startswith("exokv: bench: about ")]
+    assert len(said) == 1, bench_run.stderr
+    # 5 scenarios of 3 turns: linear 3 steps, switch 3*4, branch 6 (a retry, an undo and an
+    # edit), shared-prefix 3*8, restart 3*4; each step once per strategy and for the limit.
+    assert f"for {57 * 6:,} measured turns" in said[0]
+
+
+@pytest.mark.slow
+def test_the_tables_fit_80_columns_and_never_cut_a_name(bench_doc: dict) -> None:
+    from rich.console import Console
+
+    from exokv.bench.report import MISSED_MEANS, print_tables
+
+    console = Console(record=True, width=80, color_system=None)
+    print_tables(bench_doc, console)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text
+    rows = [line.split()[0] for line in text.splitlines() if line.strip()]
+    for name in STRATEGIES:
+        assert rows.count(name) >= len(SCENARIOS), name  # whole, in every scenario's table
+    assert " ".join(MISSED_MEANS.split()) in " ".join(text.split())  # what missed means
 
 
 @pytest.mark.slow
@@ -228,3 +261,34 @@ def test_scenario_shapes() -> None:
     assert [s.conversation for s in shared[:9]] == [f"user{c}" for c in range(1, 9)] + ["user1"]
     systems = {s.messages[0]["content"] for s in shared}
     assert len(systems) == 1 and len(next(iter(systems)).split()) > 100
+
+
+# -- the estimate and --quick, without a model ------------------------------------------
+
+
+def test_the_estimate_counts_every_step_at_about_its_prompt() -> None:
+    from exokv.bench import estimate
+
+    prompts = estimate.step_prompts(list(SCENARIOS), 4, 400, 0, _render)
+    assert len(prompts) == sum(len(_play(name)) for name in SCENARIOS)
+    played = [len(_render(s.messages)) for name in SCENARIOS for s in _play(name)]
+    # A step's target is what its prompt reaches, about (a retry or an edit: no longer).
+    assert all(p <= 400 for p in prompts) and sum(prompts) >= 0.8 * sum(played)
+    rates = estimate.Rates(prefill_tps=10_000.0, decode_tps=500.0)
+    one = estimate.seconds(prompts, 8, 1, rates)
+    steps = len(prompts) * estimate.MEASUREMENTS
+    want = estimate.PREFILLS_PER_STEP * sum(prompts) / 10_000 + steps * (8 / 500 + 0.02)
+    assert one == pytest.approx(want)
+    assert estimate.seconds(prompts, 8, 3, rates) == pytest.approx(3 * one)  # --repeat 3
+    said = estimate.say(one, len(prompts), 1, rates)
+    assert said.startswith(f"about {round(one)} s for {steps:,} measured turns")
+    assert "--quick" not in said  # a short run is not told to be shorter
+    assert "--quick runs a short version" in estimate.say(600, len(prompts), 1, rates)
+
+
+def test_quick_changes_only_the_sizes_not_given() -> None:
+    from exokv.cli.bench import QUICK_SIZES, SIZES, _sizes
+
+    assert _sizes(False, None, None, None) == SIZES == (8, 2000, 32)
+    assert _sizes(True, None, None, None) == QUICK_SIZES
+    assert _sizes(True, 5, None, 16) == (5, QUICK_SIZES[1], 16)

@@ -22,7 +22,7 @@ def _one_line_error(proc) -> str:
     ("args", "code", "words"),
     [
         (["--model", "builtin:nope"], 2, "builtin"),
-        (["--model", "/no/such/model/dir"], 1, "not found"),
+        (["--model", "/no/such/model/dir"], 2, "not found"),
         (["--model", "nobody/no-such-model-xyz"], 1, "not found"),
         (["--model", "builtin:tiny", "--cache-budget", "lots"], 2, "size"),
         (["--model", "builtin:tiny", "--cache-budget", "1MB,2MB"], 2, "ranks"),

@@ -167,7 +167,7 @@ def test_chat_drafts_with_the_draft_model_and_refuses_a_bad_one(
     other = _other_vocabulary(models_dir / "tiny", tmp_path / "other")
     for bad, says in [
         (["--draft-model", str(other)], "its tokenizer differs from the model's"),
-        (["--draft-model", "builtin:nope"], "--draft-model: unknown builtin model"),
+        (["--draft-model", "builtin:nope"], "--draft-model: model 'builtin:nope' not found"),
         (["--draft-model", "builtin:tiny", "--no-speculate"], "not with --no-speculate"),
     ]:
         proc = run_exokv([*args, *bad, PROMPT], home)

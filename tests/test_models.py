@@ -264,24 +264,37 @@ def test_load_model_builtin(home: Path) -> None:
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-def test_unknown_builtin_is_a_usage_error(home: Path) -> None:
+# Every kind of name --model takes, as the refusal lists them (issue 45).
+KINDS = ("smollm2", "gemma3-270m", "builtin:", "directory", ".gguf file", "ollama:", "org/name")
+
+
+@pytest.mark.parametrize(
+    ("name", "nearest", "missing"),
+    [
+        ("nosuch", None, "no such directory or file"),
+        ("smolm2", "smollm2", "no such directory or file"),
+        ("gemma3", "gemma3-270m", "no such directory or file"),
+        ("nosuch.gguf", None, "no such file)"),
+        ("builtin:tinny", "builtin:tiny", "no such builtin"),
+        ("builtin:nope", None, "no such builtin"),
+        ("tinny", "builtin:tiny", "no such directory or file"),
+        ("./no/such/model", None, "no such directory or file"),
+        ("/no/such/model", None, "no such directory or file"),
+    ],
+)
+def test_a_wrong_model_is_one_usage_line_naming_what_exists(
+    home: Path, name: str, nearest: str | None, missing: str
+) -> None:
     with pytest.raises(UsageError) as info:
-        resolve_model("builtin:nope")
-    message = str(info.value)
-    assert "\n" not in message
-    for name in BUILTIN_NAMES:
-        assert f"builtin:{name}" in message
-    with pytest.raises(UsageError):
-        model_id("builtin:nope")
-
-
-@pytest.mark.parametrize("name", ["./no/such/model", "/no/such/model", "nosuchmodel"])
-def test_missing_path_is_a_one_line_error(home: Path, name: str) -> None:
-    with pytest.raises(ExokvError) as info:
         resolve_model(name)
     message = str(info.value)
-    assert "\n" not in message and "not found" in message and name in message
-    assert not isinstance(info.value, UsageError)
+    assert "\n" not in message and f"model '{name}' not found ({missing}" in message
+    assert all(kind in message for kind in KINDS), message
+    assert ("did you mean" in message) == (nearest is not None)
+    if nearest is not None:
+        assert f"did you mean {nearest}?" in message
+    with pytest.raises(UsageError):
+        model_id(name)
 
 
 def test_missing_hf_repo_is_a_one_line_error(home: Path) -> None:

@@ -209,3 +209,25 @@ def test_the_memory_hook_names_hosts_so_a_replan_keeps_each_hosts(monkeypatch) -
     monkeypatch.setenv("EXOKV_TEST_HOST_MEMORY", "mac-a=2GB")
     with pytest.raises(UsageError, match="HOST=SIZE"):
         TEST_HOOKS.host_memory(["mac-a", "mac-d"])
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_the_plan_fits_the_terminal_without_cutting_words(
+    width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caption once was one 180-column line, cut mid-word by an 80-column terminal."""
+    import io
+
+    from exokv.hosts.plan import plan_caption, show_plan
+
+    monkeypatch.setenv("COLUMNS", str(width))  # rich's width for a file as for a terminal
+    sizes = uniform(30, 100 * MB, shared=300 * MB, kv=10)
+    plan = place([RankRoom("studio.local", 192 * GB), RankRoom("mini", 16 * GB)], sizes, 0.9)
+    out = io.StringIO()
+    show_plan(plan, out)
+    text = out.getvalue()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width, text
+    # Every word of the caption whole, in order, after the table.
+    words = plan_caption(plan).split()
+    assert " ".join(" ".join(lines).split()).endswith(" ".join(words)), text

@@ -542,3 +542,29 @@ def test_sessions_shows_the_20_most_recent() -> None:
     recent = chat.command("/sessions")
     assert len(recent.data) == 20 and recent.message == "5 older sessions: /sessions all"
     assert len(chat.command("/sessions all").data) == 25
+
+
+@pytest.mark.parametrize(
+    ("keys", "line"),
+    [
+        ("/sw\ts1\r", "/switch s1"),  # one completion: applied at once
+        ("/switch \t\r", "/switch s1"),  # one session besides the current
+        ("/pin \t\t\t\r\r", "/pin s2"),  # a menu: Tab moves through it, Enter takes it
+        ("hello\tthere\r", "hellothere"),  # nothing to complete: Tab adds nothing
+    ],
+)
+def test_tab_in_the_same_burst_as_the_text_completes(keys: str, line: str) -> None:
+    """prompt-toolkit's Tab starts its completion in the background and dropped it while
+    the one typing started still ran: `/sw` and Tab in one read came back as `/sw`."""
+    from types import SimpleNamespace
+
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    from exokv.chat.repl import _prompt_session
+
+    chat = SimpleNamespace(known_sessions=lambda: ["s1", "s2"], current=SimpleNamespace(name="s2"))
+    with create_pipe_input() as keyboard:
+        session = _prompt_session(chat, keyboard, DummyOutput())  # type: ignore[arg-type]
+        keyboard.send_text(keys)  # one burst, as a fast typist or a paste sends it
+        assert session.prompt("> ") == line

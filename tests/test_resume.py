@@ -403,3 +403,22 @@ def test_save_writes_the_path_to_disk_and_keeps_it_in_ram(engine, tmp_path: Path
     # Without a disk tier there is one way less to keep KV: /save says so.
     off = kvsave.save_session(cold, "s", conv)
     assert off.tokens == 0 and off.skipped == kvsave.TIER_OFF
+
+
+def test_save_and_resume_count_the_conversations_tokens_alike(engine, tmp_path: Path) -> None:
+    """After /undo the tree still holds the undone turn past the conversation: /save
+    counted those too (222 for a 218-token conversation), resuming did not."""
+    from exokv.core.records import TurnRequest
+
+    e = engine(disk_dir=str(tmp_path / "tier"), disk_budget=1 << 30)
+    conv = [{"role": "user", "content": "Hello, who are you?"}]
+    first = e.turn(TurnRequest("s", conv, max_tokens=10))
+    conv += [{"role": "assistant", "content": first.reply}]
+    undone = [*conv, {"role": "user", "content": "And what is the weather like today?"}]
+    e.turn(TurnRequest("s", undone, max_tokens=10))
+    # /undo: the conversation is the first exchange again; the tree keeps the second.
+    saved = kvsave.save_session(e, "s", conv)
+    held = kvsave.on_disk(e, "s", conv)
+    assert saved.warning is None and saved.tokens > 0
+    assert saved.tokens == held.tokens == e.cache.tree.match(e.render(conv)).length
+    assert saved.tokens <= len(e.render(conv))

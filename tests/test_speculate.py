@@ -408,3 +408,64 @@ def test_stats_show_the_acceptance_rate(tiny, models_dir: Path, tmp_path: Path) 
     text = run_exokv(["cache", "stats"], home, env={"COLUMNS": "120"}).stdout.decode()
     rate = f"{100 * turn['accepted_tokens'] / turn['draft_tokens']:.0f}%"
     assert f"{turn['accepted_tokens']} of {turn['draft_tokens']} drafted kept ({rate})" in text
+
+
+# -- the decode's rate with drafts (issue 45) ----------------------------------------------
+
+
+class _PassClock:
+    """A model whose every forward pass takes one second of a fake clock."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.now, self.passes = model, 0.0, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.now += 1.0
+        self.passes += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _RightDrafter(ScriptedDrafter):
+    """Drafts the reply itself: every draft token is kept."""
+
+    def propose(self, k: int) -> list[int]:
+        at = len(self.lookup.tokens) - self.prompt
+        return self.script[at : at + k]
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "drafts"), [(4, _RightDrafter), (12, ScriptedDrafter)], ids=["right", "partly"]
+)
+def test_decode_tps_is_the_tokens_over_the_decodes_time(
+    tiny, monkeypatch: pytest.MonkeyPatch, max_tokens: int, drafts: type[ScriptedDrafter]
+) -> None:
+    """Tokens a verify pass keeps arrive at once: the rate is every generated token
+    over the decode's passes, not the tokens after the first over almost no time."""
+    from types import SimpleNamespace
+
+    from exokv.rank import speculate
+    from exokv.rank.engine import prefill
+
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer)
+    plain = engine.turn(TurnRequest(session="p", messages=QUESTION, max_tokens=max_tokens))
+    reply = engine.reply_tokens(plain.reply)
+    tokens = engine.render(QUESTION)
+    cache = engine._new_cache()
+    prefill(model, cache, tokens[:-1])
+    clock = _PassClock(model)
+    monkeypatch.setattr(speculate, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    steps = speculate.StepAgreement(engine.group, None)
+    drafter = drafts(tokens, reply, most=8)
+    out = speculate.decode(clock, tokenizer, tokens[-1], cache, max_tokens, 0.0, drafter, steps)
+    assert out.accepted > 0  # some passes gave several tokens
+    n, passes = len(out.tokens), clock.passes
+    assert n > passes
+    # A last pass may only run the last token into the cache, after the reply is timed.
+    assert n / passes <= out.tps <= n / (passes - 1)

@@ -324,10 +324,41 @@ def test_a_damaged_file_is_reported_and_left_alone(tmp_path: Path, damage: str) 
     assert not Path(str(path) + "-wal").exists()
 
 
-def test_an_empty_file_becomes_a_new_database(tmp_path: Path) -> None:
+def test_an_empty_file_becomes_a_new_database_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0 bytes hold nothing to recover, but a store that lost its content is no new one:
+    one warning, then a new database (said once: it is no longer empty)."""
     db_path(tmp_path).write_bytes(b"")
     with Store.open(tmp_path) as s:
         assert s.session_names() == []
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("exokv: warning: the state database "), err
+    assert "was empty (0 bytes)" in err[0] and "they were lost" in err[0]
+    with Store.open(tmp_path):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_an_empty_read_only_home_says_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No database yet in a folder nobody can write (a read-only mount: even root gets
+    EROFS, which os.access reports): say so and what to do, not SQLite's "unable to open"."""
+    from exokv.state import connection
+
+    home = tmp_path / "ro"
+    home.mkdir()
+    writable = os.access
+    monkeypatch.setattr(
+        connection.os, "access", lambda p, mode: mode != os.W_OK and writable(p, mode)
+    )
+    with pytest.raises(ExokvError) as err:
+        Store.open(home)
+    message = str(err.value)
+    assert "\n" not in message and "read-only" in message and str(home) in message
+    assert "set EXOKV_HOME to a writable directory" in message
+    assert not db_path(home).exists()
 
 
 def test_open_existing_creates_nothing(tmp_path: Path) -> None:

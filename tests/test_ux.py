@@ -278,3 +278,25 @@ def test_a_v3_database_keeps_its_sessions_and_gains_max_kv_size(tmp_path: Path) 
         )
         store.set_session_options("old", 256)
         assert store.session_info("old")["max_kv_size"] == 256
+
+
+def test_a_busy_session_is_refused_before_resuming_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line, the refusal: not `resuming 'lk' on ...` and then the error."""
+    from exokv.cli.app import _settled
+    from exokv.frontend import resume
+    from exokv.state.locks import SessionBusy, SessionLocks
+
+    monkeypatch.setenv("EXOKV_HOME", str(tmp_path))
+    monkeypatch.setattr(resume, "stored_session", lambda name: {"model": "builtin:tiny"})
+    held = SessionLocks(tmp_path)
+    held.acquire("lk")
+    try:
+        with pytest.raises(SessionBusy, match="session 'lk' is open in another exokv chat"):
+            _settled("lk", None, None, None)
+        assert capsys.readouterr().err == ""
+    finally:
+        held.release_all()
+    assert _settled("lk", None, None, None).model == "builtin:tiny"
+    assert capsys.readouterr().err == "exokv: resuming 'lk' on builtin:tiny\n"

@@ -88,8 +88,8 @@ class StreamProgress:
     def __init__(self, out: IO[str]) -> None:
         self.out = out
 
-    def start(self, total: int) -> None:
-        self._send({"total": total})
+    def start(self, total: int, estimate: str = "") -> None:
+        self._send({"total": total, "estimate": estimate})
 
     def advance(self, description: str) -> None:
         self._send({"advance": description})

@@ -145,7 +145,7 @@ class RankRun:
         except ValueError:
             return
         if "total" in message:
-            self.progress.start(int(message["total"]))
+            self.progress.start(int(message["total"]), str(message.get("estimate", "")))
         elif "advance" in message:
             self.progress.advance(str(message["advance"]))
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from exokv.bench import STRATEGIES
@@ -26,6 +34,7 @@ class RichProgress(bench_runner.Progress):
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
             TextColumn("{task.description}"),
             console=self.console,
             transient=True,
@@ -40,8 +49,10 @@ class RichProgress(bench_runner.Progress):
     def __exit__(self, *exc: object) -> None:
         self.bar.__exit__(*exc)
 
-    def start(self, total: int) -> None:
-        self.task = self.bar.add_task("warming up", total=total)
+    def start(self, total: int, estimate: str = "") -> None:
+        if estimate:  # before the first measurement, on a terminal or not (stdout: JSON)
+            self.console.print(f"exokv: bench: {estimate}", highlight=False, soft_wrap=True)
+        self.task = self.bar.add_task("starting", total=total)
         self._running = False
 
     def advance(self, description: str) -> None:
@@ -96,21 +107,34 @@ def print_tables(doc: dict[str, Any], console: Console | None = None) -> None:
         console.print(f"[red]replies differ in {len(doc['mismatches'])} turn(s)[/]")
 
 
+# Lighter than rich's default box: the columns' room goes to their figures.
+_TABLE: dict[str, Any] = {
+    "box": box.SIMPLE_HEAD,
+    "pad_edge": False,
+    "show_edge": False,
+    "padding": (0, 1, 0, 1),
+    "caption_justify": "left",
+}
+
+# What `met`/`missed` tell someone running the bench, under the targets table.
+MISSED_MEANS = (
+    "missed: exokv did not reach the project's goal for that figure on this machine and "
+    "these sizes; the replies and caches are still right (the exit code is 0). Timings "
+    "depend on the load, and small --context or --turns make fixed costs dominate."
+)
+
+
 def _scenario_table(name: str, s: dict[str, Any]) -> Table:
-    """Each strategy's totals on one scenario, and the limit's."""
+    """Each strategy's totals on one scenario, and the limit's. Names are never cut:
+    the headers of the figures wrap instead."""
     table = Table(
-        title=f"{name} ({len(s['turns'])} turns, last prompt {s['last_prompt_tokens']} tokens)"
+        title=f"{name} ({len(s['turns'])} turns, last prompt {s['last_prompt_tokens']} tokens)",
+        **_TABLE,
     )
-    for col in (
-        "strategy",
-        "total TTFT",
-        "cached",
-        "peak cache",
-        "decode tok/s",
-        "evicted",
-        "exokv speedup",
-    ):
-        table.add_column(col, justify="left" if col == "strategy" else "right")
+    names = [*STRATEGIES, "limit"]
+    table.add_column("strategy", no_wrap=True, min_width=max(map(len, names)))
+    for col in ("total TTFT", "cached", "peak cache", "decode tok/s", "evicted", "exokv speedup"):
+        table.add_column(col, justify="right", no_wrap=False)
     for strat in STRATEGIES:
         e = s["strategies"][strat]
         speed = s["speedup"].get(strat)
@@ -127,19 +151,26 @@ def _scenario_table(name: str, s: dict[str, Any]) -> Table:
     table.add_row(
         "[dim]limit[/]",
         _s(lim["total_ttft_s"]),
-        f"{lim['cached_fraction']:.3f} (ideal {lim['ideal_cached_fraction']:.3f})",
+        f"{lim['cached_fraction']:.3f}",
         _bytes(s["ideal_cache_bytes"][0]),
         "",
         "",
         "",
     )
+    table.caption = (
+        "limit: the best any prefix cache could do (every earlier sequence kept); "
+        f"ideal cached fraction {lim['ideal_cached_fraction']:.3f}"
+    )
     return table
 
 
 def _targets_table(targets: list[dict[str, Any]]) -> Table:
-    table = Table(title="targets")
-    for col in ("target", "value", "threshold", "met", "detail"):
-        table.add_column(col)
+    table = Table(title="targets", caption=MISSED_MEANS, **_TABLE)
+    table.add_column("target", ratio=3)
+    for col in ("value", "threshold"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("met", no_wrap=True)
+    table.add_column("detail", ratio=4)
     for t in targets:
         table.add_row(
             t["target"],
@@ -175,8 +206,9 @@ def _sizes_line(doc: dict[str, Any], s: dict[str, Any]) -> str:
 
 
 def _print_budget(console: Console, name: str, s: dict[str, Any], budget: int) -> None:
-    table = Table(title=f"{name}: within the cache budget of {_bytes(budget)}?")
-    for col in ("strategy", "peak of what its policy bounds", "within", "what is bounded"):
+    table = Table(title=f"{name}: within the cache budget of {_bytes(budget)}?", **_TABLE)
+    table.add_column("strategy", no_wrap=True, min_width=max(map(len, STRATEGIES)))
+    for col in ("peak of what its policy bounds", "within", "what is bounded"):
         table.add_column(col, justify="right" if col.startswith("peak") else "left")
     for strat, e in s["strategies"].items():
         if "budget_peak_bytes" not in e:

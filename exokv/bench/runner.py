@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from exokv.bench import QUANTIZED, STRATEGIES, scenarios, targets
+from exokv.bench import QUANTIZED, STRATEGIES, estimate, scenarios, targets
 from exokv.bench.strategies import (
     BUDGETED,
     Cold,
@@ -107,8 +107,8 @@ def budget_note(budget: int | None) -> str:
 class Progress:
     """What the runner reports to: the number of measurements, then one call per measurement."""
 
-    def start(self, total: int) -> None:
-        pass
+    def start(self, total: int, estimate: str = "") -> None:
+        """`total` measurements; `estimate` says how long they will take, about."""
 
     def advance(self, description: str) -> None:
         pass
@@ -136,8 +136,11 @@ def run(
     progress = progress or Progress()
     load_start = _loadavg()
     lengths = plan_lengths(config, tokenizer)
-    progress.start(sum(lengths.values()) * config.repeat * (len(STRATEGIES) + 1))
     _warm_up(model, tokenizer)
+    progress.start(
+        sum(lengths.values()) * config.repeat * (len(STRATEGIES) + 1),
+        _estimate(config, model, tokenizer),
+    )
     results: dict[str, Any] = {}
     mismatches: list[dict[str, Any]] = []
     for name in config.scenarios:
@@ -387,6 +390,21 @@ def _trie_add(trie: dict[int, Any], tokens: Sequence[int]) -> int:
             added += 1
         node = nxt
     return added
+
+
+def _estimate(config: BenchConfig, model: Any, tokenizer: Any) -> str:
+    """How long the run will take, about (exokv.bench.estimate): one cold turn measured."""
+
+    def r(messages: Sequence[dict[str, str]]) -> list[int]:
+        return render(tokenizer, messages)
+
+    def turn(messages: list[dict[str, str]], max_tokens: int) -> Any:
+        return Cold(model, tokenizer).turn("rates", messages, max_tokens)
+
+    rates = estimate.measure(turn, r, config.context, config.reply_tokens)
+    prompts = estimate.step_prompts(config.scenarios, config.turns, config.context, config.seed, r)
+    total = estimate.seconds(prompts, config.reply_tokens, config.repeat, rates)
+    return estimate.say(total, len(prompts), config.repeat, rates)
 
 
 def _warm_up(model: Any, tokenizer: Any) -> None:

@@ -31,6 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exokv.chat.conversation import COMMANDS, Outcome
+from exokv.chat.eta import PrefillClock, clock_text
 from exokv.chat.markdown import MarkdownStream
 from exokv.config import TEST_HOOKS
 from exokv.core import tables
@@ -99,6 +100,15 @@ class RateColumn(ProgressColumn):
         return Text(f"{speed:,.0f} tok/s" if speed else "", style="dim")
 
 
+class LeftColumn(ProgressColumn):
+    """The prefill's time left, as exokv.chat.eta prices the rest of the prompt (the
+    rate falls as the prompt grows: rich's average rate would promise too little)."""
+
+    def render(self, task: Task) -> Text:
+        left = task.fields.get("left")
+        return Text(f"{clock_text(left)} left" if left is not None else "", style="dim")
+
+
 class Renderer:
     def __init__(
         self, console: Console | None = None, err: Console | None = None, plain: bool = False
@@ -114,6 +124,7 @@ class Renderer:
         self._spin_timer: threading.Timer | None = None
         self._live = threading.Lock()  # the spinner starts on a timer's thread
         self._cached: int | None = None
+        self._eta = PrefillClock()
         self._turn_start = 0.0
         self._streamed = False
         self._last = "\n"
@@ -167,6 +178,7 @@ class Renderer:
 
     def begin_turn(self) -> None:
         self._turn_start = time.perf_counter()
+        self._eta = PrefillClock()
         self._streamed = False
         self._cached = None
         self._last = "\n"
@@ -206,6 +218,7 @@ class Renderer:
         """mlx-lm's prompt progress: `done` of `total` prompt tokens are in the cache."""
         if self._streamed or not self.console.is_terminal:
             return
+        self._eta.report(time.perf_counter(), done)
         if self._progress is None:
             if self._cached is None:
                 self._cached = done  # the first call: what the cache held before prefill
@@ -221,14 +234,15 @@ class Renderer:
                 TextColumn("[dim]({task.fields[cached]:,} cached)"),
                 RateColumn(),
                 TimeElapsedColumn(),
+                LeftColumn(),
                 console=self.console,
                 transient=True,
             )
             self._progress.start()
             self._task = self._progress.add_task(
-                "prefill", total=total, completed=done, cached=self._cached
+                "prefill", total=total, completed=done, cached=self._cached, left=None
             )
-        self._progress.update(self._task, completed=done, total=total)
+        self._progress.update(self._task, completed=done, total=total, left=self._eta.left(total))
 
     def _stop_progress(self) -> None:
         self._stop_spinner()

@@ -33,7 +33,13 @@ from typing import IO, Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
-from prompt_toolkit.completion import Completer, Completion
+from prompt_toolkit.buffer import CompletionState
+from prompt_toolkit.completion import (
+    CompleteEvent,
+    Completer,
+    Completion,
+    get_common_complete_suffix,
+)
 from prompt_toolkit.document import Document
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.input import Input
@@ -119,7 +125,40 @@ def key_bindings() -> KeyBindings:
     def _newline(event: KeyPressEvent) -> None:
         event.current_buffer.insert_text("\n")
 
+    @kb.add("tab")
+    def _tab(event: KeyPressEvent) -> None:
+        complete_now(event.current_buffer)
+
     return kb
+
+
+def complete_now(buf: Any) -> None:
+    """Tab, completed at once from the completer (which reads no more than the store).
+
+    prompt-toolkit's own Tab starts a completion in the background, and drops it while
+    the one typing started is still running: a Tab typed in the same burst as `/sw`
+    was lost. Here one completion is applied; several extend the line by what they
+    share and open the menu; a menu open already moves to its next entry."""
+    if buf.complete_state is not None:
+        buf.complete_next()
+        return
+    found = _completions(buf)
+    if len(found) == 1:
+        buf.apply_completion(found[0])
+    elif found:
+        common = get_common_complete_suffix(buf.document, found)
+        if common:
+            buf.insert_text(common)
+            found = _completions(buf)
+        buf.complete_state = CompletionState(buf.document, found)
+
+
+def _completions(buf: Any) -> list[Completion]:
+    if buf.completer is None:
+        return []
+    return list(
+        buf.completer.get_completions(buf.document, CompleteEvent(completion_requested=True))
+    )
 
 
 def _history() -> History:

@@ -7,6 +7,7 @@ import sys
 from typing import IO, Any
 
 from exokv.chat.conversation import ChatController, Outcome
+from exokv.chat.progress_line import ProgressLine, for_stderr
 
 TURN_KEYS = (
     "turn",
@@ -105,6 +106,31 @@ def _leading(first_events: list[dict[str, Any]]) -> Any:
     return to_json
 
 
+def _writer(out: IO[str], progress: ProgressLine | None) -> Any:
+    """on_text: the reply straight to `out`, once the progress line is gone."""
+
+    def on_text(text: str) -> None:
+        if progress is not None:
+            progress.clear()
+        out.write(text)
+        out.flush()
+
+    return on_text
+
+
+def _handle(
+    chat: ChatController, line: str, on_text: Any, progress: ProgressLine | None
+) -> Outcome | None:
+    """One line through the chat, a long prefill shown on stderr's progress line."""
+    if progress is None:
+        return chat.handle(line, on_text=on_text)
+    progress.start()
+    try:
+        return chat.handle(line, on_text=on_text, on_progress=progress)
+    finally:
+        progress.clear()
+
+
 def run_one(
     chat: ChatController,
     prompt: str,
@@ -113,17 +139,14 @@ def run_one(
 ) -> int:
     """`exokv chat PROMPT`: one turn (or one slash command), printed; 1 if it failed."""
     out = sys.stdout
+    line = for_stderr(sys.stderr)
     if as_json:
-        outcome = chat.handle(prompt)
+        outcome = _handle(chat, prompt, None, line)
         if outcome is not None:
             out.write(json.dumps(_leading(first_events or [])(outcome)) + "\n")
         return 1 if outcome is not None and outcome.error else 0
 
-    def on_text(text: str) -> None:
-        out.write(text)
-        out.flush()
-
-    outcome = chat.handle(prompt, on_text=on_text)
+    outcome = _handle(chat, prompt, _writer(out, line), line)
     if outcome is None:
         return 0
     if outcome.result is not None:
@@ -147,13 +170,11 @@ def run_script(
     stream = stream or sys.stdin.buffer
     out = sys.stdout
     to_json = _leading(first_events or [])
-
-    def on_text(text: str) -> None:
-        out.write(text)
-        out.flush()
+    progress = for_stderr(sys.stderr)
+    on_text = None if as_json else _writer(out, progress)
 
     for line in read_lines(stream):
-        outcome = chat.handle(line, on_text=None if as_json else on_text)
+        outcome = _handle(chat, line, on_text, progress)
         if outcome is None:
             continue
         if as_json:

@@ -176,7 +176,10 @@ def _settled(
     notes said on stderr."""
     # deferred: exokv.frontend.resume imports exokv.model (~0.1 s): only chat and serve
     from exokv.frontend.resume import resolve
+    from exokv.state.locks import SessionLocks
 
+    if session:  # a session open elsewhere is refused in one line, before "resuming ..."
+        SessionLocks().check(session)
     settled = resolve(session, model, max_kv_size, chat_template)
     for note in settled.notes:
         print(f"exokv: {note}", file=sys.stderr)

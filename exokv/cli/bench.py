@@ -17,6 +17,10 @@ from exokv.core.sizes import parse_size
 from exokv.errors import ExokvError, UsageError
 
 BENCH_DEFAULT_MODEL = "builtin:base"
+# (--turns, --context, --reply-tokens) by default and with --quick (a minute or so on
+# builtin:base instead of several): what is not given explicitly.
+SIZES = (8, 2000, 32)
+QUICK_SIZES = (3, 600, 8)
 
 
 # Long for its 15 option declarations: the body is short (issue 42).
@@ -36,9 +40,18 @@ def bench(
     starting_port: int = typer.Option(
         None, "--starting-port", help="first port of the ranks' ring (default: free ports)"
     ),
-    turns: int = typer.Option(8, "--turns", help="turns per conversation"),
-    context: int = typer.Option(2000, "--context", help="prompt tokens of the last turn"),
-    reply_tokens: int = typer.Option(32, "--reply-tokens", help="most tokens per reply"),
+    turns: int = typer.Option(None, "--turns", help="turns per conversation (8; 3 with --quick)"),
+    context: int = typer.Option(
+        None, "--context", help="prompt tokens of the last turn (2000; 600 with --quick)"
+    ),
+    reply_tokens: int = typer.Option(
+        None, "--reply-tokens", help="most tokens per reply (32; 8 with --quick)"
+    ),
+    quick: bool = typer.Option(
+        False,
+        "--quick",
+        help="a short run: the sizes above that are not given take their --quick value",
+    ),
     scenario: str = typer.Option(
         "all", "--scenario", help="linear|switch|branch|shared-prefix|restart|all (or a comma list)"
     ),
@@ -58,6 +71,7 @@ def bench(
     kv_group_size: int = flags.KV_GROUP_SIZE,
 ) -> None:
     """Compare cold, carried, mlx-lm-lru and exokv on the same conversations."""
+    turns, context, reply_tokens = _sizes(quick, turns, context, reply_tokens)
     names = _scenarios(scenario, SCENARIOS)
     _check_counts(turns, reply_tokens, repeat, ranks)
     budget = _cache_budget(cache_budget)
@@ -87,6 +101,15 @@ def bench(
         kv=KvQuant(kv_bits, kv_group_size),
     )
     _report(_run(config, starting_port), json_out, plot)
+
+
+def _sizes(
+    quick: bool, turns: int | None, context: int | None, reply_tokens: int | None
+) -> tuple[int, int, int]:
+    """--turns, --context and --reply-tokens: as given, else the defaults (--quick's)."""
+    given = (turns, context, reply_tokens)
+    defaults = QUICK_SIZES if quick else SIZES
+    return tuple(d if g is None else g for g, d in zip(given, defaults, strict=True))  # type: ignore[return-value]
 
 
 def _check_counts(turns: int, reply_tokens: int, repeat: int, ranks: int) -> None:

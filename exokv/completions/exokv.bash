@@ -112,7 +112,7 @@ _exokv_completion() {
         "exokv") subs="bench cache chat completions hosts models serve sessions"
             opts="--version -V --help" ;;
         "exokv bench") subs=""
-            opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --scenario --repeat --seed --json --plot --cache-budget --kv-bits --kv-group-size --help" ;;
+            opts="--model -m --ranks -n --parallel --starting-port --turns --context --reply-tokens --quick --scenario --repeat --seed --json --plot --cache-budget --kv-bits --kv-group-size --help" ;;
         "exokv cache") subs="clear entries evictions pressure stats"
             opts="--help" ;;
         "exokv cache clear") subs=""

@@ -149,13 +149,14 @@ def plan_table(plan: Plan, width: int) -> Any:
 
 
 def plan_caption(plan: Plan) -> str:
+    """What the table does not say, a clause a line: each fits 80 columns."""
     how = {"auto": "placed from memory", "given": "as given"}[plan.source]
     layout = f"split {_split_text(plan)} ({how})" if plan.split else "tensor parallel"
     budgets = (
         "--cache-budget" if plan.budgets_given else f"{plan.threshold:g} of memory, less weights"
     )
     return (
-        f"{layout}; cache budgets: {budgets}; the cache holds about "
+        f"{layout}; cache budgets: {budgets};\nthe cache holds about "
         f"{plan.cache_tokens:,} tokens before its tightest rank is full"
     )
 
@@ -167,7 +168,7 @@ def show_plan(plan: Plan, file: IO[str] | None = None) -> None:
 
     console = Console(file=file or sys.stderr, highlight=False, soft_wrap=True)
     console.print(plan_table(plan, console.width))
-    console.print(plan_caption(plan))
+    console.print(plan_caption(plan), soft_wrap=False)  # narrower than 80: at spaces
 
 
 def print_plan(plan: Plan | None, as_json: bool) -> int:

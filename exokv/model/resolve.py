@@ -10,6 +10,7 @@ fetches first, onto each host only what its ranks load, see exokv.hosts.fetch).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +38,33 @@ _IDENTITY_FILES = (
 OLLAMA_PREFIX = "ollama:"
 
 
-def _builtin_list() -> str:
-    return ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES) + " or builtin:<family>-tiny"
+# What --model takes, for the line that refuses a name it cannot find.
+MODEL_KINDS = (
+    "give smollm2, gemma3-270m, builtin:tiny|small|base or builtin:<family>-tiny, "
+    "a model directory, a .gguf file, ollama:NAME[:TAG] or a Hugging Face repo id "
+    "org/name[@revision] (`exokv models` lists them)"
+)
+
+
+def nearest_name(name: str) -> str | None:
+    """The name --model always takes closest to `name`, if one is close: a packaged
+    (real) model first, else a builtin or the zoo's. Builtins are compared without
+    their common prefix, which would make any two of them look alike."""
+    if not name.startswith(BUILTIN_PREFIX):
+        near = difflib.get_close_matches(name, list(PACKAGED), n=1)
+        if near:
+            return near[0]
+    short = name.removeprefix(BUILTIN_PREFIX)
+    near = difflib.get_close_matches(short, [*BUILTIN_NAMES, *zoo.zoo_names()], n=1)
+    return BUILTIN_PREFIX + near[0] if near else None
+
+
+def unknown_model(name: str, why: str) -> UsageError:
+    """The one line for a --model value that names nothing: why, the nearest known
+    name if one is close, and every kind of name accepted."""
+    near = nearest_name(name)
+    guess = f"did you mean {near}? " if near else ""
+    return UsageError(f"model '{name}' not found ({why}): {guess}{MODEL_KINDS}")
 
 
 def builtin_name(name: str) -> str | None:
@@ -47,11 +73,7 @@ def builtin_name(name: str) -> str | None:
         return None
     short = name[len(BUILTIN_PREFIX) :]
     if short not in BUILTIN_NAMES and zoo.family_of(short) is None:
-        zoo_list = ", ".join(BUILTIN_PREFIX + n for n in zoo.zoo_names())
-        raise UsageError(
-            f"unknown builtin model {name!r}: choose one of "
-            f"{', '.join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)} or of the zoo: {zoo_list}"
-        )
+        raise unknown_model(name, "no such builtin")
     return short
 
 
@@ -72,7 +94,7 @@ def resolve_model(name: str) -> Path:
     """The directory of model ``name``, generating a builtin on first use."""
     name = name.strip()
     if not name:
-        raise UsageError(f"empty model name: give a directory, a repo id or {_builtin_list()}")
+        raise UsageError(f"empty model name: {MODEL_KINDS}")
     if name in PACKAGED:
         packaged = PACKAGED[name]
         return _converted(name, lambda: ensure_model(packaged), packaged.converted())
@@ -106,15 +128,17 @@ def resolve_model(name: str) -> Path:
 
     repo = hub.parse_name(name)
     if repo is None:
-        raise ExokvError(
-            f"model '{name}' not found: no such directory; pass a model directory, a Hugging "
-            f"Face repo id (org/name or org/name@revision), or one of {_builtin_list()}"
-        )
+        raise unknown_model(name, f"no such {_path_kind(local)}")
     snapshot = hub.cached_snapshot(*repo)
     if snapshot is not None:
         # What it holds may be one host's part: the loader names a file it lacks.
         return snapshot
     return hub.fetch(*repo).path
+
+
+def _path_kind(path: Path) -> str:
+    """What a missing path was meant to be: a GGUF's name says file, else a directory."""
+    return "file" if path.suffix.lower() == ".gguf" else "directory or file"
 
 
 def _converted(name: str, ensure: Callable[[], Path], where: Path) -> Path:

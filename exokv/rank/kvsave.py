@@ -47,13 +47,17 @@ def save_session(engine: Any, session: str, messages: list[dict[str, str]]) -> C
     if tier is None:
         return report
     tokens = engine.render(messages)
-    path = engine.cache.tree.match(tokens).path
+    match = engine.cache.tree.match(tokens)
+    path = match.path
     if not path:
         report.skipped = "nothing of this conversation is in the cache"
         return report
     reached, why = tier.save(path)
     saved = [n for n in path if n.depth <= reached]
-    report.tokens = min(reached, len(tokens))
+    # The conversation's tokens it holds, as resuming counts them (`on_disk`): its last
+    # node may run on past them (an undone turn, a reply's end the next prompt spells
+    # otherwise), and those are no part of this conversation.
+    report.tokens = min(reached, match.length)
     report.bytes = [sum(col) for col in zip(*(tier.node_bytes(n) for n in saved), strict=True)]
     report.paths = [str(tier.store.root)]
     report.disk_bytes = tier.disk_bytes()  # copies included: what /stats shows next

@@ -143,13 +143,16 @@ class ReplyText:
         self.streamed = 0  # characters passed to on_text
         self.tokens: list[int] = []
         self.ttft = 0.0
-        self.first = self.last = time.perf_counter()
+        # The decode starts now (its first pass is the first token's): with drafts a
+        # pass gives several tokens at once, so the rate is tokens over this whole
+        # time, not the tokens after the first over the time since it came.
+        self.begun = self.last = time.perf_counter()
 
     def add(self, token: int) -> bool:
         """Add one token; True when it ends the reply (end-of-turn token, stop text)."""
         self.last = time.perf_counter()
         if not self.tokens:
-            self.ttft, self.first = self.last - self.start, self.last
+            self.ttft = self.last - self.start
         self.tokens.append(token)
         if token in self.eos:
             return True
@@ -175,9 +178,12 @@ class ReplyText:
         # a cut UTF-8 sequence), and what was streamed must be the reply.
         if self.on_text and len(reply) > self.streamed:
             self.on_text(reply[self.streamed :])
-        n = len(self.tokens)
-        tps = (n - 1) / (self.last - self.first) if n > 1 and self.last > self.first else 0.0
-        return reply, self.ttft, tps
+        return reply, self.ttft, self.rate()
+
+    def rate(self) -> float:
+        """Decode tokens/s: the tokens generated over the decode's wall time."""
+        took = self.last - self.begun
+        return len(self.tokens) / took if self.tokens and took > 0 else 0.0
 
     def spelled(self) -> list[int]:
         """The tokens that spell the reply (all but a stop sequence's)."""

@@ -98,6 +98,29 @@ def read_only_error(path: Path) -> ExokvError:
     )
 
 
+def new_home_error(path: Path) -> ExokvError:
+    """A home with no database yet, in a folder nobody can write (a read-only mount)."""
+    return ExokvError(
+        f"the state database {path} cannot be created: {path.parent} is read-only (nothing "
+        "is stored there yet, so there is nothing to read either); set EXOKV_HOME to a "
+        "writable directory"
+    )
+
+
+def _warn_if_emptied(path: Path) -> None:
+    """A 0-byte database is started as a new one, but said: exokv never leaves one
+    empty past its first open, so the file lost what it held (a truncated copy, a full
+    disk), or a first open was cut short. Refusing would not help: 0 bytes hold
+    nothing to recover, so moving the file aside would end the same way."""
+    if path.stat().st_size == 0:
+        print(
+            f"exokv: warning: the state database {path} was empty (0 bytes); a new one "
+            "was started in its place: if it held sessions, they were lost before this run",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _check_header(path: Path) -> None:
     try:
         with path.open("rb") as f:
@@ -140,6 +163,9 @@ def connect(path: Path, read_only_ok: bool = False) -> sqlite3.Connection:
             if not read_only_ok:
                 raise read_only_error(path)
             return _connect_read_only(path)
+        _warn_if_emptied(path)
+    elif path.parent.is_dir() and not os.access(path.parent, os.W_OK):
+        raise new_home_error(path)
     try:
         db = sqlite3.connect(
             str(path),

@@ -39,9 +39,21 @@ class SessionLocks:
         """Hold `session` for this chat, or raise SessionBusy naming the holder's pid."""
         if session in self._held:
             return
+        fd = self._take(session)
+        if fd is not None:
+            self._held[session] = fd
+
+    def check(self, session: str) -> None:
+        """Raise SessionBusy now if another chat has `session`, before anything is said
+        about resuming it; holds nothing (`acquire` takes it when the chat starts)."""
+        if session not in self._held and (fd := self._take(session)) is not None:
+            os.close(fd)
+
+    def _take(self, session: str) -> int | None:
+        """The lock's descriptor; None on a read-only home (nobody can write it anyway)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            fd = hold(self._path(session), {"session": session})
+            return hold(self._path(session), {"session": session})
         except LockHeld as held:
             who = f"another exokv chat (pid {held.pid})" if held.pid else "another exokv chat"
             raise SessionBusy(
@@ -49,8 +61,7 @@ class SessionLocks:
                 "or pick another --session"
             ) from None
         except OSError:
-            return  # a read-only home: nothing can be written to it by anyone anyway
-        self._held[session] = fd
+            return None
 
     def release_all(self) -> None:
         for fd in self._held.values():
