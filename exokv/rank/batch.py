@@ -35,6 +35,7 @@ from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
 from exokv.rank.engine import cache_room, prefill
+from exokv.rank.joinfill import prefill_together, waits_for, widths
 from exokv.rank.joins import JoinBox
 from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
@@ -407,30 +408,50 @@ class _Batch:
 
     def _prefill_chunks(self, size: int) -> list[_Row]:
         """One chunk of `size` tokens (rank 0's pace) of the prefilling rows' prompts, the
-        first come first (a row's rest, then the next row's): how long the active rows
-        wait at this step. Returns the rows whose prefill is done, in order."""
+        first come first, several rows' slices in one pass (exokv.rank.joinfill): how
+        long the active rows wait at this step. Returns the rows whose prefill is done,
+        in order."""
         engine = self.engine
-        left, ready, tic = max(1, size), [], time.perf_counter()
-        while left > 0 and self.pending:
-            row = self.pending[0]
+        size, ready, tic = max(1, size), [], time.perf_counter()
+        going: list[_Row] = []  # the rows prefilling at this step, first come first
+        for row in list(self.pending):
+            if len(going) >= size:
+                break
             if row.hit is None:
+                started = [r.tokens for r in self.pending if r.hit is not None]
+                if waits_for(row.tokens, engine.cache.held(row.tokens), started):
+                    continue  # it fetches what an earlier row stores, once stored
                 self._begin(row)
-            end = min(row.done + left, len(row.tokens) - 1)
-            if end > row.done:
-                with mx.stream(generation_stream):
-                    prefill(engine.model, row.hit.cache, row.tokens[row.done : end])
-                left -= end - row.done
-                row.done = end
-                if self.on_progress is not None:
-                    self.on_progress(row.index, row.done, len(row.tokens))
+            if row.done >= len(row.tokens) - 1:  # the tree held all of it
+                ready.append(self._prefilled(row))
+            else:
+                going.append(row)
+        sizes = widths([len(r.tokens) - 1 - r.done for r in going], size)
+        going = going[: len(sizes)]
+        with mx.stream(generation_stream):
+            if len(going) == 1:
+                row = going[0]
+                prefill(engine.model, row.hit.cache, row.tokens[row.done : row.done + sizes[0]])
+            elif going:
+                caches = [r.hit.cache for r in going]
+                slices = [r.tokens[r.done : r.done + n] for r, n in zip(going, sizes, strict=True)]
+                done = prefill_together(engine.model, caches, slices)
+                for r, cache in zip(going, done, strict=True):
+                    r.hit.cache = cache
+        for row, n in zip(going, sizes, strict=True):
+            row.done += n
+            if self.on_progress is not None:
+                self.on_progress(row.index, row.done, len(row.tokens))
             if row.done >= len(row.tokens) - 1:
-                self.pending.pop(0)
-                self._store_prompt(row)
-                ready.append(row)
-        ran = max(1, size) - left
-        if ran > 0:
-            self.pace.took(ran, time.perf_counter() - tic)
+                ready.append(self._prefilled(row))
+        if going:
+            self.pace.took(len(going) * max(sizes), time.perf_counter() - tic)
         return ready
+
+    def _prefilled(self, row: _Row) -> _Row:
+        self.pending.remove(row)
+        self._store_prompt(row)
+        return row
 
     def _store_prompt(self, row: _Row) -> None:
         """A prefilled prompt goes into the tree now, not only with its reply at its end:
