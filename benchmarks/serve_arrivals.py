@@ -235,6 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=1, help="ranks of each server (2+: pipeline)")
     p.add_argument("--starting-port", type=int, default=28400)
     p.add_argument("--batch", type=int, help="exokv serve --batch (default: exokv's own)")
+    p.add_argument(
+        "--also-batch", type=int, help="a second exokv server with this --batch, beside the first"
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--staggered", type=counts, default=[16], help="requests: 16 or 16,64")
     p.add_argument("--staggered-gap-ms", type=gaps, default=[50.0], help="50 or 50,250")
@@ -256,8 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in names:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
-    if args.batch is not None and args.batch < 1:
-        p.error(f"--batch {args.batch}: at least 1")
+    for name in ("batch", "also_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     for name in ("staggered", "burst"):
         if min(getattr(args, name)) < 1:
             p.error(f"--{name} {min(getattr(args, name))}: at least 1")
@@ -296,16 +300,16 @@ def main() -> None:
         return
     print(f"{args.ranks} rank(s); load average before {results['load_average_before']}")
     print(
-        f"{'workload':<10} {'server':<8} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
+        f"{'workload':<20} {'server':<10} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
         f"{'longest pause':>14}"
     )
     for work in cases(args):
-        for name in ("exokv", "mlx_lm"):
-            for f in results[work][name]:
+        for name, figs in results[work].items():
+            for f in figs:
                 pause = f["longest_pause_s"]
                 shown = f"{pause * 1000:.0f} ms" if pause >= 0 else "-"
                 print(
-                    f"{work:<10} {name:<8} {f['ttft_mean_s']:>9.2f}s {f['ttft_p90_s']:>9.2f}s "
+                    f"{work:<20} {name:<10} {f['ttft_mean_s']:>9.2f}s {f['ttft_p90_s']:>9.2f}s "
                     f"{f['tokens_per_s']:>8.1f} {shown:>14}"
                 )
     print(f"load average after {results['load_average_after']}")
@@ -320,10 +324,12 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
     results["load_average_before"] = os.getloadavg()
     argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model, "-n", str(ranks)]
     argv += ["--port", "{port}", "--disk-budget", "0"]
+    also = [*argv, "--batch", str(args.also_batch)] if args.also_batch else []
     if args.batch is not None:
         argv += ["--batch", str(args.batch)]
     if ranks > 1:
         argv += ["--starting-port", str(args.starting_port)]
+        also += ["--starting-port", str(args.starting_port + 2 * base.PORT_BLOCK)]
     mlx_argv = [sys.executable, base.__file__, "--mlx-lm-probe"]
     mlx_argv += ["--model", str(path), "--port", "{port}", "--log-level", "INFO"]
     if ranks > 1:
@@ -341,6 +347,14 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
         started.append(mlx)
         mlx.pause_when_idle = ranks > 1
         servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
+        if also:  # its own home: the two exokv servers do not share a store
+            also_home = home / "also"
+            also_home.mkdir()
+            (also_home / "models").symlink_to(home / "models", target_is_directory=True)
+            name = f"exokv-b{args.also_batch}"
+            other = base.Server(name, also, {**env, "EXOKV_HOME": str(also_home)}, "serving ")
+            started.append(other)
+            servers[name] = (other, args.model)
 
         def only(server: base.Server) -> base.Server:
             return base.running_alone(server, servers)
