@@ -52,6 +52,9 @@ Joins = Callable[[], list[TurnRequest]]
 
 # A joining row's prefill runs in chunks of about this much time, one chunk per decode
 # step: what a decoding row waits for a newcomer at a step, however long its prompt.
+# When a decode step of the batch takes longer, a chunk may take as long as the step:
+# a decoding row then waits at most one step more, and newcomers behind many rows are
+# not admitted a sliver at a time (64 rows on two cores: ~0.6 s a step).
 JOIN_CHUNK_S = 0.1
 
 
@@ -202,6 +205,8 @@ class _Batch:
         self.joinable = joinable  # every rank alike: whether the steps carry joins
         self.outcomes: list[RowOutcome] = [RowOutcome() for _ in requests]
         self.pace = join_pace(engine)
+        self.step_s = 0.0  # this rank's last decode step, without its prefill chunk
+        self.chunk_s = 0.0  # this rank's last prefill pass
         self.samplers: dict[tuple[float, float], Callable[[mx.array], mx.array]] = {}
         self.pending: list[_Row] = []  # admitted rows still prefilling, first come first
         self.starting: list[_Row] = []  # the first rows still prefilling
@@ -284,7 +289,7 @@ class _Batch:
         picked: mx.array | None = None  # the active rows' next tokens (queued)
         taken = 0  # the first rows of `picked` whose tokens were already handled
         while self.active or self.pending or self.ready:
-            following = None
+            following, tic, self.chunk_s = None, time.perf_counter(), 0.0
             if self.active:
                 # The next step is queued before Python handles this one's tokens (as
                 # generate_step does), so the model runs meanwhile. Every rank queues it
@@ -329,6 +334,7 @@ class _Batch:
                     # row's end needs.
                     taken = self._take_now(picked)
                 ready = self._prefill_chunks(size)
+            self.step_s = time.perf_counter() - tic - self.chunk_s if self.active else 0.0
             self.starting = [r for r in self.starting if r in self.pending]
             if self.starting:
                 self.ready += ready
@@ -344,6 +350,7 @@ class _Batch:
         joining requests only at a step that has some."""
         local = [int(self._asked(r.index)) for r in self.active + self.pending]
         joined = self.joins() if self.joins is not None and self.joinable else []
+        self.pace.target_s = max(JOIN_CHUNK_S, self.step_s)  # rank 0's decides
         chunk = self.pace.tokens()
         group = self.engine.group
         n = len(local)
@@ -412,7 +419,7 @@ class _Batch:
         long the active rows wait at this step. Returns the rows whose prefill is done,
         in order."""
         engine = self.engine
-        size, ready, tic = max(1, size), [], time.perf_counter()
+        size, ready = max(1, size), []
         going: list[_Row] = []  # the rows prefilling at this step, first come first
         for row in list(self.pending):
             if len(going) >= size:
@@ -428,6 +435,7 @@ class _Batch:
                 going.append(row)
         sizes = widths([len(r.tokens) - 1 - r.done for r in going], size)
         going = going[: len(sizes)]
+        tic = time.perf_counter()  # the pass alone: the rate it gives sizes the next one
         with mx.stream(generation_stream):
             if len(going) == 1:
                 row = going[0]
@@ -438,6 +446,7 @@ class _Batch:
                 done = prefill_together(engine.model, caches, slices)
                 for r, cache in zip(going, done, strict=True):
                     r.hit.cache = cache
+        self.chunk_s = time.perf_counter() - tic
         for row, n in zip(going, sizes, strict=True):
             row.done += n
             if self.on_progress is not None:
@@ -445,7 +454,7 @@ class _Batch:
             if row.done >= len(row.tokens) - 1:
                 ready.append(self._prefilled(row))
         if going:
-            self.pace.took(len(going) * max(sizes), time.perf_counter() - tic)
+            self.pace.took(len(going) * max(sizes), self.chunk_s)
         return ready
 
     def _prefilled(self, row: _Row) -> _Row:
