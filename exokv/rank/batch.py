@@ -340,8 +340,8 @@ class _Batch:
                 self.ready += ready
                 continue
             ready, self.ready = self.ready + ready, []
-            for row in ready:
-                picked = self._merge(row, picked)
+            if ready:
+                picked = self._merge(ready, picked)
 
     def _agree(self) -> tuple[list[bool], list[bool], list[TurnRequest], int]:
         """This step's decisions, rank 0's on every rank: which active and which
@@ -474,24 +474,27 @@ class _Batch:
         coord.store(row.tokens, row.hit.cache, n, session, row.decision, row.events)
         coord.cap(row.decision, engine.cache.path(row.tokens[:n]), n, session, row.events)
 
-    def _merge(self, row: _Row, picked: mx.array | None) -> mx.array:
-        """A row whose prefill is done joins the decoding rows: its cache into the batch
-        (left padded), its last prompt token into the next step's tokens."""
-        row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
-        row.detok.reset()
-        row.stops = TextStops(self.engine.stops)
-        cache = row.hit.cache
-        row.hit.cache = None  # merged: the row's own copy is no longer needed
+    def _merge(self, rows: list[_Row], picked: mx.array | None) -> mx.array:
+        """Rows whose prefill is done join the decoding rows, in order: their caches into
+        the batch (left padded) in one extend, not one each (an extend copies the whole
+        batch), their last prompt tokens into the next step's tokens."""
+        caches = []
+        for row in rows:
+            row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
+            row.detok.reset()
+            row.stops = TextStops(self.engine.stops)
+            caches.append(row.hit.cache)
+            row.hit.cache = None  # merged: the row's own copy is no longer needed
         with mx.stream(generation_stream):
-            own = [BatchKVCache.merge([c]) for c in cache]
+            own = [BatchKVCache.merge(list(layer)) for layer in zip(*caches, strict=True)]
             if self.batch is None:
                 self.batch = own
             else:
                 for c, mine in zip(self.batch, own, strict=True):
                     c.extend(mine)
-            last = mx.array([row.tokens[-1]])
+            last = mx.array([row.tokens[-1] for row in rows])
             picked = last if picked is None else mx.concatenate([picked, last])
-        self.active.append(row)
+        self.active += rows
         return picked
 
     def _sample(self, logprobs: mx.array, active: list[_Row]) -> mx.array:
