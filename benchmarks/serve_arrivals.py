@@ -329,7 +329,8 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
         argv += ["--batch", str(args.batch)]
     if ranks > 1:
         argv += ["--starting-port", str(args.starting_port)]
-        also += ["--starting-port", str(args.starting_port + 2 * base.PORT_BLOCK)]
+        if also:
+            also += ["--starting-port", str(args.starting_port + 2 * base.PORT_BLOCK)]
     mlx_argv = [sys.executable, base.__file__, "--mlx-lm-probe"]
     mlx_argv += ["--model", str(path), "--port", "{port}", "--log-level", "INFO"]
     if ranks > 1:
