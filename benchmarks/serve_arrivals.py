@@ -2,6 +2,8 @@
 
     python benchmarks/serve_arrivals.py --model builtin:base
     python benchmarks/serve_arrivals.py --model builtin:base --ranks 2
+    python benchmarks/serve_arrivals.py --only staggered --only burst \
+        --staggered 16,64 --staggered-gap-ms 50,250 --burst 64
 
 Both servers up at once, measured in turn (servers started as in serve_vs_mlx_lm.py:
 on 2 ranks exokv's pipeline ranks against `mlx.launch ... mlx_lm.server --pipeline`,
@@ -9,7 +11,8 @@ whose idle-spinning ranks are paused while exokv is measured), each driven by th
 `openai` client, every request streamed at temperature 0:
 
 1. **staggered**: --staggered requests (16) with one shared system prompt, one sent
-   every --staggered-gap-ms (50), --staggered-tokens (256) tokens each.
+   every --staggered-gap-ms (50), --staggered-tokens (256) tokens each. Both take a
+   comma list (16,64 and 50,250): every pair is a workload of its own.
 2. **heavy**: --heavy requests (32), one every --heavy-gap-ms (20), prompts of mixed
    lengths up to --longest (2,000) tokens (a fifth of them that long), --heavy-tokens
    (64) tokens each.
@@ -18,6 +21,8 @@ whose idle-spinning ranks are paused while exokv is measured), each driven by th
    (its own system prompt, so nothing of it is cached): the longest pause the running
    streams see while it prefills. In the heavy workload every request arrives before
    any stream decodes, so only this one measures the pause.
+4. **burst**: --burst requests (64; a comma list too), as the staggered ones but all
+   sent at once.
 
 For each: mean and p90 time to first token (request sent -> first content chunk),
 tokens/s (every completion token / first request sent to last token), and the longest
@@ -45,7 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_vs_mlx_lm as base  # noqa: E402 - its Server and the mlx_lm.server wrapper
 
-WORKLOADS = ("staggered", "heavy", "newcomer")
+WORKLOADS = ("staggered", "heavy", "newcomer", "burst")
 
 WORDS = (
     "rack node cable switch power fan disk cache layer token model batch queue shard "
@@ -112,14 +117,14 @@ def figures(runs: list[dict], long_ones: list[int]) -> dict[str, float]:
     return out
 
 
-def staggered(tokenizer: Any, args: argparse.Namespace, trial: int) -> list[list[dict]]:
+def staggered(n: int, trial: int) -> list[list[dict]]:
     system = f"(trial {trial}) " + base.SYSTEM
     return [
         [
             {"role": "system", "content": system},
             {"role": "user", "content": f"request {i}: what does machine {i} in the rack do?"},
         ]
-        for i in range(args.staggered)
+        for i in range(n)
     ]
 
 
@@ -173,12 +178,16 @@ def running_then_newcomer(
     return [r for r in runs if r is not None]
 
 
-def run_staggered(
-    server: base.Server, model: str, tokenizer: Any, args: argparse.Namespace, trial: int
-) -> dict[str, float]:
-    reqs = staggered(tokenizer, args, trial)
-    runs = arrivals(server, model, reqs, args.staggered_gap_ms / 1000, args.staggered_tokens)
-    return figures(runs, [])
+def run_staggered(n: int, gap_ms: float) -> Any:
+    """The staggered workload of `n` requests `gap_ms` apart (0: a burst)."""
+
+    def run(
+        server: base.Server, model: str, tokenizer: Any, args: argparse.Namespace, trial: int
+    ) -> dict[str, float]:
+        runs = arrivals(server, model, staggered(n, trial), gap_ms / 1000, args.staggered_tokens)
+        return figures(runs, [])
+
+    return run
 
 
 def run_heavy(
@@ -196,7 +205,28 @@ def run_newcomer(
     return {**figures(runs, [len(runs) - 1]), "newcomer_prompt_tokens": runs[-1]["prompt"]}
 
 
-WORKLOAD_RUNS = {"staggered": run_staggered, "heavy": run_heavy, "newcomer": run_newcomer}
+def cases(args: argparse.Namespace) -> dict[str, Any]:
+    """Each workload asked for, by the name its results go under, and how it runs."""
+    out: dict[str, Any] = {}
+    for work in args.workloads:
+        if work == "staggered":
+            for n in args.staggered:
+                for gap in args.staggered_gap_ms:
+                    out[f"staggered-{n}x{gap:g}ms"] = run_staggered(n, gap)
+        elif work == "burst":
+            for n in args.burst:
+                out[f"burst-{n}"] = run_staggered(n, 0.0)
+        else:
+            out[work] = {"heavy": run_heavy, "newcomer": run_newcomer}[work]
+    return out
+
+
+def counts(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def gaps(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -204,10 +234,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="builtin:base")
     p.add_argument("--ranks", type=int, default=1, help="ranks of each server (2+: pipeline)")
     p.add_argument("--starting-port", type=int, default=28400)
-    p.add_argument("--batch", type=int, default=32, help="exokv serve --batch")
+    p.add_argument("--batch", type=int, help="exokv serve --batch (default: exokv's own)")
+    p.add_argument(
+        "--also-batch", type=int, help="a second exokv server with this --batch, beside the first"
+    )
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--staggered", type=int, default=16)
-    p.add_argument("--staggered-gap-ms", type=float, default=50)
+    p.add_argument("--staggered", type=counts, default=[16], help="requests: 16 or 16,64")
+    p.add_argument("--staggered-gap-ms", type=gaps, default=[50.0], help="50 or 50,250")
+    p.add_argument("--burst", type=counts, default=[64], help="requests sent at once: 64")
     p.add_argument("--staggered-tokens", type=int, default=256)
     p.add_argument("--heavy", type=int, default=32)
     p.add_argument("--heavy-gap-ms", type=float, default=20)
@@ -221,10 +255,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    names = ("ranks", "repeats", "staggered", "heavy", "batch", "longest", "streams")
-    for name in (*names, "stream_tokens"):
+    names = ("ranks", "repeats", "heavy", "longest", "streams", "stream_tokens")
+    for name in names:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    for name in ("batch", "also_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
+    for name in ("staggered", "burst"):
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name} {min(getattr(args, name))}: at least 1")
+    if min(args.staggered_gap_ms) < 0:
+        p.error(f"--staggered-gap-ms {min(args.staggered_gap_ms)}: not negative")
     args.workloads = tuple(args.only or WORKLOADS)
     if args.newcomer_after_s < 0:
         p.error(f"--newcomer-after-s {args.newcomer_after_s}: not negative")
@@ -258,16 +300,16 @@ def main() -> None:
         return
     print(f"{args.ranks} rank(s); load average before {results['load_average_before']}")
     print(
-        f"{'workload':<10} {'server':<8} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
+        f"{'workload':<20} {'server':<10} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
         f"{'longest pause':>14}"
     )
-    for work in args.workloads:
-        for name in ("exokv", "mlx_lm"):
-            for f in results[work][name]:
+    for work in cases(args):
+        for name, figs in results[work].items():
+            for f in figs:
                 pause = f["longest_pause_s"]
                 shown = f"{pause * 1000:.0f} ms" if pause >= 0 else "-"
                 print(
-                    f"{work:<10} {name:<8} {f['ttft_mean_s']:>9.2f}s {f['ttft_p90_s']:>9.2f}s "
+                    f"{work:<20} {name:<10} {f['ttft_mean_s']:>9.2f}s {f['ttft_p90_s']:>9.2f}s "
                     f"{f['tokens_per_s']:>8.1f} {shown:>14}"
                 )
     print(f"load average after {results['load_average_after']}")
@@ -281,10 +323,14 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
     results: dict[str, Any] = {"model": args.model, "args": vars(args)}
     results["load_average_before"] = os.getloadavg()
     argv = [sys.executable, "-m", "exokv", "serve", "--model", args.model, "-n", str(ranks)]
-    argv += ["--port", "{port}", "--disk-budget", "0", "--queue", "256"]
-    argv += ["--batch", str(args.batch)]
+    argv += ["--port", "{port}", "--disk-budget", "0"]
+    also = [*argv, "--batch", str(args.also_batch)] if args.also_batch else []
+    if args.batch is not None:
+        argv += ["--batch", str(args.batch)]
     if ranks > 1:
         argv += ["--starting-port", str(args.starting_port)]
+        if also:
+            also += ["--starting-port", str(args.starting_port + 2 * base.PORT_BLOCK)]
     mlx_argv = [sys.executable, base.__file__, "--mlx-lm-probe"]
     mlx_argv += ["--model", str(path), "--port", "{port}", "--log-level", "INFO"]
     if ranks > 1:
@@ -302,21 +348,31 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
         started.append(mlx)
         mlx.pause_when_idle = ranks > 1
         servers = {"exokv": (exokv, args.model), "mlx_lm": (mlx, "default_model")}
+        if also:  # its own home: the two exokv servers do not share a store
+            also_home = home / "also"
+            also_home.mkdir()
+            (also_home / "models").symlink_to(home / "models", target_is_directory=True)
+            name = f"exokv-b{args.also_batch}"
+            other = base.Server(name, also, {**env, "EXOKV_HOME": str(also_home)}, "serving ")
+            started.append(other)
+            servers[name] = (other, args.model)
 
         def only(server: base.Server) -> base.Server:
             return base.running_alone(server, servers)
 
         base.warm_up(servers)
-        for work in args.workloads:
+        runs = cases(args)
+        for work in runs:
             results[work] = {name: [] for name in servers}
         try:
             for trial in range(args.repeats):
-                for work in args.workloads:
+                for work, workload in runs.items():
                     for name, (server, model) in servers.items():
-                        measured = WORKLOAD_RUNS[work](only(server), model, tokenizer, args, trial)
+                        measured = workload(only(server), model, tokenizer, args, trial)
                         results[work][name].append(measured)
+                        print(f"{work} {name}: {json.dumps(measured)}", file=sys.stderr)
         except Exception as err:  # a server that died mid-run: one line, exit 1
-            done = {w: {n: len(r) for n, r in results[w].items()} for w in args.workloads}
+            done = {w: {n: len(r) for n, r in results[w].items()} for w in runs}
             raise SystemExit(
                 f"serve_arrivals: the run failed in {work} on {name}: {err!r} (trials done: {done})"
             ) from None

@@ -22,6 +22,8 @@ class StubClient:
     ranks = 1
     failure: str | None = None
     budgets: list[int | None] = [None]
+    kv_per_token: list[int] = []
+    model_context: int | None = None
 
     def turn(
         self,

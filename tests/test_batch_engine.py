@@ -16,6 +16,13 @@ def engine(tiny, **options) -> Engine:
     return Engine(model, tokenizer, options=EngineOptions(**options))
 
 
+class FixedPace(Pace):
+    """Chunks of 512 tokens whatever the measured rate (a loaded machine's is low)."""
+
+    def tokens(self) -> int:
+        return 512
+
+
 def requests(max_tokens: list[int]) -> list[TurnRequest]:
     out = []
     for i, n in enumerate(max_tokens):
@@ -208,3 +215,41 @@ def test_a_joining_row_fetches_the_prompt_a_running_row_shares(tiny) -> None:
     assert outcomes[1].result is not None and outcomes[1].result.cached_tokens >= common > 10
     assert outcomes[0].result.generated_tokens > outcomes[1].result.generated_tokens
     assert outcomes[1].result.reply == engine(tiny).turn(later).reply
+
+
+def test_newcomers_prefill_together_in_one_pass_and_reply_as_one_at_a_time(
+    tiny, monkeypatch
+) -> None:
+    """Newcomers admitted at one step, each its own question after the system prompt a
+    running row stored, are prefilled in one forward pass (right-padded), and still
+    reply as one at a time; the tree holds the same."""
+    import exokv.rank.batch as batch_module
+
+    passes: list[int] = []
+    together_pass = batch_module.prefill_together
+
+    def counted(model, caches, slices):  # noqa: ANN001, ANN202 - a spy on the pass
+        passes.append(len(slices))
+        return together_pass(model, caches, slices)
+
+    monkeypatch.setattr(batch_module, "prefill_together", counted)
+    first, *late = requests([30, 6, 9, 4, 7])
+    alone = engine(tiny)
+    expected = [alone.turn(r) for r in [first, *late]]
+    eng = engine(tiny)
+    eng.join_pace = FixedPace()  # one chunk holds every newcomer's question, any load
+    texts: list[int] = []
+
+    def joins() -> list[TurnRequest]:
+        if len(texts) == 2:  # the first row decodes: its prompt is in the tree
+            texts.append(-1)
+            return late
+        return []
+
+    outcomes = run_batch(eng, [first], on_text=lambda i, p: texts.append(i), joins=joins)
+    assert passes and max(passes) == len(late)  # the four newcomers in one pass
+    for want, got in zip(expected, outcomes, strict=True):
+        assert got.result is not None and got.result.reply == want.reply
+        assert got.result.finish_reason == want.finish_reason
+    assert all(o.result.cached_tokens > 0 for o in outcomes[1:])  # the system prompt
+    assert eng.cache.total_bytes == alone.cache.total_bytes

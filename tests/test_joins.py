@@ -28,18 +28,36 @@ def test_rows_that_come_while_the_batch_runs_are_taken_in_order() -> None:
     assert inbox.empty()
 
 
-def test_rows_not_taken_or_too_late_run_as_a_batch_of_their_own() -> None:
+def test_rows_not_taken_run_as_a_batch_of_their_own_that_later_ones_join() -> None:
     inbox: queue.Queue = queue.Queue()
     box = JoinBox(inbox)
     box.open()
     box.put(Join(rows(7)))
     box.close()  # the batch ended before its next step took row 7
-    box.put(Join(rows(8, 9)))  # came after the batch: none is open
-    left, late = inbox.get_nowait(), inbox.get_nowait()
+    box.put(Join(rows(8, 9)))  # came after the batch: they join row 7's at its first step
+    box.put(Join(rows(10)))
+    left = inbox.get_nowait()
     assert isinstance(left, Batch) and left.join and [r.id for r in left.rows] == [7]
-    assert isinstance(late, Batch) and late.join and [r.id for r in late.rows] == [8, 9]
+    assert inbox.empty()  # not one batch each, run one after another
+    box.open()  # row 7's batch starts
+    assert [r.id for r in box.take()] == [8, 9, 10]
+    box.close()
     box.put(Join([]))  # nothing to run
     assert inbox.empty()
+
+
+def test_a_join_while_no_batch_runs_starts_one() -> None:
+    inbox: queue.Queue = queue.Queue()
+    box = JoinBox(inbox)
+    box.put(Join(rows(3)))
+    box.put(Join(rows(4)))
+    first = inbox.get_nowait()
+    assert isinstance(first, Batch) and [r.id for r in first.rows] == [3] and inbox.empty()
+    box.open()
+    assert [r.id for r in box.take()] == [4]
+    box.close()
+    box.put(Join(rows(5)))  # the box is closed and empty: a batch of its own again
+    assert [r.id for r in inbox.get_nowait().rows] == [5]
 
 
 def test_join_and_a_joinable_batch_travel_as_json() -> None:

@@ -35,7 +35,7 @@ EXAMPLES: list[m.Message] = [
     m.Held(6, "s", []),
     m.Shutdown(),
     m.Status("loading the model"),
-    m.Ready(2, [1000, None], notice=""),
+    m.Ready(2, [1000, None], notice="", kv_per_token=[3072, 1536], context=2048),
     m.Heartbeat(),
     m.Progress(1, 30, 40),
     m.Texts(12, [[3, "he"], [4, "llo"]]),

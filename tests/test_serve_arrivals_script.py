@@ -19,7 +19,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_arrivals
         (["--ranks", "0"], "--ranks 0: at least 1"),
         (["--heavy", "two"], "invalid int value: 'two'"),
         (["--newcomer-after-s", "-1"], "--newcomer-after-s -1.0: not negative"),
-        (["--only", "burst"], "invalid choice: 'burst'"),
+        (["--only", "sideways"], "invalid choice: 'sideways'"),
+        (["--staggered", "16,0"], "--staggered 0: at least 1"),
+        (["--staggered-gap-ms", "50,-1"], "--staggered-gap-ms -1.0: not negative"),
     ],
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], said: str) -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 
 from exokv.core.records import NO_CALLS, BatchCalls, RowOutcome, TurnRequest, TurnResult
+from exokv.serve.rows import default_batch
 from exokv.serve.work import Job, TurnQueue
 from tests.stub_client import StubClient
 
@@ -169,3 +170,24 @@ def test_the_worker_frees_its_thread_state_before_close_returns() -> None:
     assert released == []
     queue.close(timeout=5)
     assert released == ["exokv-serve-turns"]
+
+
+def test_past_the_old_eight_every_newcomer_joins_the_running_batch() -> None:
+    """With the default batch (memory for 32 rows or more) eight running rows do not
+    make the next eight wait for them: all join the batch in flight at its next step."""
+    client = JoiningClient()
+    batch = default_batch([20 << 30], [3072], None, 256, queue=64)
+    queue = TurnQueue(client, size=64, batch=batch, gather_s=0.0)
+    first = [f"a{i}" for i in range(8)]
+    later = [f"b{i}" for i in range(8)]
+    try:
+        jobs = _submit_apart(queue, first[:1], gap_s=0.0)
+        assert client.started.wait(10)
+        jobs += _submit_apart(queue, first[1:] + later, gap_s=0.0)
+        client.release.set()
+        assert _finished(jobs)
+    finally:
+        queue.close(timeout=5)
+    assert batch >= 32
+    assert client.calls == [first + later]
+    assert {j.batch for j in jobs} == {16}

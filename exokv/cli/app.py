@@ -227,7 +227,9 @@ def serve(
     ),
     queue: int = typer.Option(64, "--queue", help="requests that may wait; more get 503"),
     batch: int = typer.Option(
-        8, "--batch", help="requests decoded together at most (1: one at a time)"
+        None,
+        "--batch",
+        help="requests decoded together at most (default: what memory holds; 1: one at a time)",
     ),
     batch_wait: float = typer.Option(
         10.0, "--batch-wait", help="ms a batch's first request waits for others (0: none)"

@@ -97,6 +97,16 @@ class Client(Protocol):
         """Each rank's cache budget in bytes (None: no budget)."""
         ...
 
+    @property
+    def kv_per_token(self) -> list[int]:
+        """Each rank's bytes of K/V per token of a row (a server sizes its batch by it)."""
+        ...
+
+    @property
+    def model_context(self) -> int | None:
+        """The model's context in tokens, as the ranks apply it (None: unknown)."""
+        ...
+
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:
         """Write the conversation's cached path to the disk tier (of every rank)."""
         ...

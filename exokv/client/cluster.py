@@ -147,6 +147,8 @@ class ClusterClient(Client):
         self._last_seen = time.monotonic()
         self._link_lost = False
         self._budgets: list[int | None] = []
+        self._kv_per_token: list[int] = []
+        self._context: int | None = None
         self._template_said = False  # the fallback template's line, said once
         self._ids = 0  # numbers requests, so answers to an abandoned one are recognised
         self._turn: int | None = None  # the number of the latest turn request
@@ -198,6 +200,14 @@ class ClusterClient(Client):
     @property
     def budgets(self) -> list[int | None]:
         return list(self._budgets)
+
+    @property
+    def kv_per_token(self) -> list[int]:
+        return list(self._kv_per_token)
+
+    @property
+    def model_context(self) -> int | None:
+        return self._context
 
     def turn(
         self,
@@ -530,6 +540,7 @@ class ClusterClient(Client):
                 if self._progress is not None:
                     self._say_ready()
                 self._budgets = list(message.budgets)
+                self._kv_per_token, self._context = list(message.kv_per_token), message.context
                 self._start_replicas(message)
                 if message.notice:  # the ranks' stderr is not the user's
                     print(f"exokv: disk tier: {message.notice}", file=sys.stderr)

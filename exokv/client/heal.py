@@ -89,6 +89,14 @@ class HealingClient:
     def budgets(self) -> list[int | None]:
         return self._inner.budgets
 
+    @property
+    def kv_per_token(self) -> list[int]:
+        return self._inner.kv_per_token
+
+    @property
+    def model_context(self) -> int | None:
+        return self._inner.model_context
+
     def turn(
         self,
         request: TurnRequest,

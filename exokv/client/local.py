@@ -110,6 +110,14 @@ class LocalClient(Client):
     def budgets(self) -> list[int | None]:
         return [self.engine.budget]
 
+    @property
+    def kv_per_token(self) -> list[int]:
+        return [self.engine.bytes_per_token]
+
+    @property
+    def model_context(self) -> int | None:
+        return self.engine.context
+
     # -- /save and resuming (exokv.rank.kvsave): the disk tier ----------------------
 
     def save_cache(self, session: str, messages: list[dict[str, str]]) -> CacheFileReport:

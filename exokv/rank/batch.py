@@ -36,6 +36,7 @@ from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
 from exokv.rank import constrain
 from exokv.rank.engine import cache_room, prefill, within_context
+from exokv.rank.joinfill import prefill_together, waits_for, widths
 from exokv.rank.joins import JoinBox
 from exokv.rank.pace import Pace
 from exokv.rank.stops import TextStops
@@ -52,6 +53,9 @@ Joins = Callable[[], list[TurnRequest]]
 
 # A joining row's prefill runs in chunks of about this much time, one chunk per decode
 # step: what a decoding row waits for a newcomer at a step, however long its prompt.
+# When a decode step of the batch takes longer, a chunk may take as long as the step:
+# a decoding row then waits at most one step more, and newcomers behind many rows are
+# not admitted a sliver at a time (64 rows on two cores: ~0.6 s a step).
 JOIN_CHUNK_S = 0.1
 
 
@@ -207,6 +211,8 @@ class _Batch:
         self.joinable = joinable  # every rank alike: whether the steps carry joins
         self.outcomes: list[RowOutcome] = [RowOutcome() for _ in requests]
         self.pace = join_pace(engine)
+        self.step_s = 0.0  # this rank's last decode step, without its prefill chunk
+        self.chunk_s = 0.0  # this rank's last prefill pass
         self.samplers: dict[tuple[float, float], Callable[[mx.array], mx.array]] = {}
         self.pending: list[_Row] = []  # admitted rows still prefilling, first come first
         self.starting: list[_Row] = []  # the first rows still prefilling
@@ -290,7 +296,7 @@ class _Batch:
         picked: mx.array | None = None  # the active rows' next tokens (queued)
         taken = 0  # the first rows of `picked` whose tokens were already handled
         while self.active or self.pending or self.ready:
-            following = None
+            following, tic, self.chunk_s = None, time.perf_counter(), 0.0
             if self.active:
                 # The next step is queued before Python handles this one's tokens (as
                 # generate_step does), so the model runs meanwhile. Every rank queues it
@@ -335,13 +341,14 @@ class _Batch:
                     # row's end needs.
                     taken = self._take_now(picked)
                 ready = self._prefill_chunks(size)
+            self.step_s = time.perf_counter() - tic - self.chunk_s if self.active else 0.0
             self.starting = [r for r in self.starting if r in self.pending]
             if self.starting:
                 self.ready += ready
                 continue
             ready, self.ready = self.ready + ready, []
-            for row in ready:
-                picked = self._merge(row, picked)
+            if ready:
+                picked = self._merge(ready, picked)
 
     def _agree(self) -> tuple[list[bool], list[bool], list[TurnRequest], int]:
         """This step's decisions, rank 0's on every rank: which active and which
@@ -350,6 +357,7 @@ class _Batch:
         joining requests only at a step that has some."""
         local = [int(self._asked(r.index)) for r in self.active + self.pending]
         joined = self.joins() if self.joins is not None and self.joinable else []
+        self.pace.target_s = max(JOIN_CHUNK_S, self.step_s)  # rank 0's decides
         chunk = self.pace.tokens()
         group = self.engine.group
         n = len(local)
@@ -414,30 +422,52 @@ class _Batch:
 
     def _prefill_chunks(self, size: int) -> list[_Row]:
         """One chunk of `size` tokens (rank 0's pace) of the prefilling rows' prompts, the
-        first come first (a row's rest, then the next row's): how long the active rows
-        wait at this step. Returns the rows whose prefill is done, in order."""
+        first come first, several rows' slices in one pass (exokv.rank.joinfill): how
+        long the active rows wait at this step. Returns the rows whose prefill is done,
+        in order."""
         engine = self.engine
-        left, ready, tic = max(1, size), [], time.perf_counter()
-        while left > 0 and self.pending:
-            row = self.pending[0]
+        size, ready = max(1, size), []
+        going: list[_Row] = []  # the rows prefilling at this step, first come first
+        for row in list(self.pending):
+            if len(going) >= size:
+                break
             if row.hit is None:
+                started = [r.tokens for r in self.pending if r.hit is not None]
+                if waits_for(row.tokens, engine.cache.held(row.tokens), started):
+                    continue  # it fetches what an earlier row stores, once stored
                 self._begin(row)
-            end = min(row.done + left, len(row.tokens) - 1)
-            if end > row.done:
-                with mx.stream(generation_stream):
-                    prefill(engine.model, row.hit.cache, row.tokens[row.done : end])
-                left -= end - row.done
-                row.done = end
-                if self.on_progress is not None:
-                    self.on_progress(row.index, row.done, len(row.tokens))
+            if row.done >= len(row.tokens) - 1:  # the tree held all of it
+                ready.append(self._prefilled(row))
+            else:
+                going.append(row)
+        sizes = widths([len(r.tokens) - 1 - r.done for r in going], size)
+        going = going[: len(sizes)]
+        tic = time.perf_counter()  # the pass alone: the rate it gives sizes the next one
+        with mx.stream(generation_stream):
+            if len(going) == 1:
+                row = going[0]
+                prefill(engine.model, row.hit.cache, row.tokens[row.done : row.done + sizes[0]])
+            elif going:
+                caches = [r.hit.cache for r in going]
+                slices = [r.tokens[r.done : r.done + n] for r, n in zip(going, sizes, strict=True)]
+                done = prefill_together(engine.model, caches, slices)
+                for r, cache in zip(going, done, strict=True):
+                    r.hit.cache = cache
+        self.chunk_s = time.perf_counter() - tic
+        for row, n in zip(going, sizes, strict=True):
+            row.done += n
+            if self.on_progress is not None:
+                self.on_progress(row.index, row.done, len(row.tokens))
             if row.done >= len(row.tokens) - 1:
-                self.pending.pop(0)
-                self._store_prompt(row)
-                ready.append(row)
-        ran = max(1, size) - left
-        if ran > 0:
-            self.pace.took(ran, time.perf_counter() - tic)
+                ready.append(self._prefilled(row))
+        if going:
+            self.pace.took(len(going) * max(sizes), self.chunk_s)
         return ready
+
+    def _prefilled(self, row: _Row) -> _Row:
+        self.pending.remove(row)
+        self._store_prompt(row)
+        return row
 
     def _store_prompt(self, row: _Row) -> None:
         """A prefilled prompt goes into the tree now, not only with its reply at its end:
@@ -451,25 +481,28 @@ class _Batch:
         coord.store(row.tokens, row.hit.cache, n, session, row.decision, row.events)
         coord.cap(row.decision, engine.cache.path(row.tokens[:n]), n, session, row.events)
 
-    def _merge(self, row: _Row, picked: mx.array | None) -> mx.array:
-        """A row whose prefill is done joins the decoding rows: its cache into the batch
-        (left padded), its last prompt token into the next step's tokens."""
-        row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
-        row.detok.reset()
-        row.stops = TextStops(self.engine.stops)
-        row.constraint = constrain.for_request(self.engine, row.request.grammar)
-        cache = row.hit.cache
-        row.hit.cache = None  # merged: the row's own copy is no longer needed
+    def _merge(self, rows: list[_Row], picked: mx.array | None) -> mx.array:
+        """Rows whose prefill is done join the decoding rows, in order: their caches into
+        the batch (left padded) in one extend, not one each (an extend copies the whole
+        batch), their last prompt tokens into the next step's tokens."""
+        caches = []
+        for row in rows:
+            row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
+            row.detok.reset()
+            row.stops = TextStops(self.engine.stops)
+            row.constraint = constrain.for_request(self.engine, row.request.grammar)
+            caches.append(row.hit.cache)
+            row.hit.cache = None  # merged: the row's own copy is no longer needed
         with mx.stream(generation_stream):
-            own = [BatchKVCache.merge([c]) for c in cache]
+            own = [BatchKVCache.merge(list(layer)) for layer in zip(*caches, strict=True)]
             if self.batch is None:
                 self.batch = own
             else:
                 for c, mine in zip(self.batch, own, strict=True):
                     c.extend(mine)
-            last = mx.array([row.tokens[-1]])
+            last = mx.array([row.tokens[-1] for row in rows])
             picked = last if picked is None else mx.concatenate([picked, last])
-        self.active.append(row)
+        self.active += rows
         return picked
 
     def _sample(self, logprobs: mx.array, active: list[_Row], picked: mx.array) -> mx.array:

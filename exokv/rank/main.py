@@ -318,10 +318,12 @@ class Rank:
         self.engine, self.group = engine, group
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, self.options.wake_host)
-        # Startup only, not per turn: every rank's effective budget for the front end.
-        all_budgets = [
-            row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
-        ]
+        # Startup only, not per turn: every rank's effective budget and K/V bytes per
+        # token for the front end.
+        rows = group.gather(
+            [-1 if engine.budget is None else engine.budget, engine.bytes_per_token]
+        )
+        all_budgets = [row[0] for row in rows]
         if self.link is not None:
             shown = [None if b < 0 else b for b in all_budgets]
             # The notice: why the disk tier is cold, or a torn record.
@@ -329,7 +331,18 @@ class Rank:
             tier = engine.coord.tier
             pool = "/".join(tier.store.pool.parts[-3:]) if tier is not None else ""
             layers = [list(r) for r in engine.layer_ranges]
-            self.link.send(Ready(self.world.size(), shown, engine.tier_notice, note, pool, layers))
+            self.link.send(
+                Ready(
+                    self.world.size(),
+                    shown,
+                    engine.tier_notice,
+                    note,
+                    pool,
+                    layers,
+                    kv_per_token=[row[1] for row in rows],
+                    context=engine.context,
+                )
+            )
         for step in itertools.count(1):
             self._before, self._before_s = dict(group.counts), dict(group.seconds)
             message = self._next_message() if self.rank == 0 else None

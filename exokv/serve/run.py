@@ -25,6 +25,7 @@ from exokv.serve import api
 from exokv.serve.app import Service, build_app
 from exokv.serve.prompts import FrontRender
 from exokv.serve.replies import RepliesFromStore
+from exokv.serve.rows import default_batch
 from exokv.serve.tools import model_tools
 from exokv.serve.work import TurnQueue
 
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
     from exokv.serve.drain import DrainingServer
 
 DEFAULT_PORT = 8000
-# Exact at temperature 0 and faster than one at a time, on one rank and several
-# (docs/serve-batching.md has the figures).
-DEFAULT_BATCH = 8
 # How long a batch's first request waits for others sent with it (docs/serve-batching.md).
 DEFAULT_BATCH_WAIT_MS = 10.0
 ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+")  # what a browser's Origin header holds
@@ -52,7 +50,9 @@ class ServeOptions:
     queue: int = 64  # requests waiting for the ranks; more get 503
     drain_s: float = 30.0  # on SIGTERM/Ctrl-C, how long in-flight requests may take
     max_body: int = api.Limits.body_bytes
-    batch: int = DEFAULT_BATCH  # requests decoded together at most (1: one at a time)
+    # Requests decoded together at most (1: one at a time); None: as many as the ranks'
+    # memory holds, at least 32 where it can (exokv.serve.rows), once they have started.
+    batch: int | None = None
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # a batch's first request waits for more
     allow_origins: tuple[str, ...] = ()  # --allow-origin: browser pages' origins (CORS)
 
@@ -64,7 +64,7 @@ def check(opts: ServeOptions) -> list[str]:
         raise UsageError(f"--port {opts.port}: use 0-65535 (0: any free port)")
     if opts.queue < 1:
         raise UsageError(f"--queue {opts.queue}: at least 1")
-    if opts.batch < 1:
+    if opts.batch is not None and opts.batch < 1:
         raise UsageError(f"--batch {opts.batch}: at least 1 (1: one request at a time)")
     if not 0 <= opts.batch_wait_ms <= 1000:
         raise UsageError(f"--batch-wait {opts.batch_wait_ms}: 0-1000 ms (0: no wait)")
@@ -174,7 +174,7 @@ def _serve(opts: ServeOptions, run: Started) -> int:
         opts.queue,
         record=_Recorder(hooks),
         on_failure=on_failure,
-        batch=opts.batch,
+        batch=_batch(opts, run.client),
         gather_s=opts.batch_wait_ms / 1000,
     )
     service = _service(opts, run, client, queue, failed)
@@ -186,6 +186,21 @@ def _serve(opts: ServeOptions, run: Started) -> int:
         # Normally done by the drain; after a failure, what is left is stopped here.
         queue.close(timeout=0.0 if service.failure() else 2.0)
     return _ended(service, server)
+
+
+def _batch(opts: ServeOptions, client: Any) -> int:
+    """--batch, or the rows the started ranks' memory holds (said in one line)."""
+    if opts.batch is not None:
+        return opts.batch
+    rows = default_batch(
+        client.budgets,
+        client.kv_per_token,
+        client.model_context,
+        opts.front.max_tokens,
+        opts.queue,
+    )
+    _say(f"decoding up to {rows} requests together (--batch: what memory holds)")
+    return rows
 
 
 def _service(

@@ -213,6 +213,10 @@ class Ready(_Message):
     # rank's [start, end) layers: where the front end copies replicas (exokv.client.replicate).
     tier_pool: str = ""
     layers: list[list[int]] = field(default_factory=list)
+    # Each rank's bytes of K/V per token and the model's context (None: unknown): what a
+    # server's default batch is sized from (exokv.serve.rows).
+    kv_per_token: list[int] = field(default_factory=list)
+    context: int | None = None
 
 
 @dataclass
