@@ -77,3 +77,31 @@ class StubClient:
 
     def close(self) -> None:
         pass
+
+
+class Replies(StubClient):
+    """Replies `text` to every turn, streamed in pieces of 5 characters, with the
+    usage of a 30-token prompt of which the cache served 20; or raises `error` after
+    streaming. `requests` keeps the turns it was asked for."""
+
+    def __init__(self, text: str, finish: str = "stop", error: Exception | None = None) -> None:
+        self.text = text
+        self.finish = finish
+        self.error = error
+        self.requests: list[TurnRequest] = []
+
+    def turn(
+        self,
+        request: TurnRequest,
+        on_text: Callable[[str], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> TurnResult:
+        self.requests.append(request)
+        for i in range(0, len(self.text), 5):
+            if on_text is not None:
+                on_text(self.text[i : i + 5])
+        if self.error is not None:
+            raise self.error
+        return TurnResult(
+            request.session, self.text, 30, 20, 10, 7, 0.25, 28.0, 0.0, 1, finish_reason=self.finish
+        )

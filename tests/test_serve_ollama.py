@@ -12,7 +12,6 @@ import ollama
 import pytest
 from starlette.testclient import TestClient
 
-from exokv.core.records import TurnRequest, TurnResult
 from exokv.errors import ExokvError
 from exokv.prompt import grammar
 from exokv.prompt.markers import RAW
@@ -21,7 +20,7 @@ from exokv.serve import ollama as shapes
 from exokv.serve.app import Service, build_app
 from exokv.serve.tools import ModelTools
 from exokv.serve.work import TurnQueue
-from tests.stub_client import StubClient
+from tests.stub_client import Replies
 
 ASK = [{"role": "user", "content": "hi"}]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -151,29 +150,6 @@ def test_a_model_without_a_tag_answers_to_latest() -> None:
 # -- the app ----------------------------------------------------------------------------
 
 
-class Replies(StubClient):
-    """Replies `text` to every turn, in pieces of 5 characters, or raises `error`."""
-
-    def __init__(self, text: str, error: Exception | None = None) -> None:
-        self.text = text
-        self.error = error
-        self.requests: list[TurnRequest] = []
-
-    def turn(
-        self,
-        request: TurnRequest,
-        on_text: Callable[[str], None] | None = None,
-        on_progress: Callable[[int, int], None] | None = None,
-    ) -> TurnResult:
-        self.requests.append(request)
-        for i in range(0, len(self.text), 5):
-            if on_text is not None:
-                on_text(self.text[i : i + 5])
-        if self.error is not None:
-            raise self.error
-        return TurnResult(request.session, self.text, 30, 20, 10, 7, 0.25, 28.0, 0.0, 1)
-
-
 @pytest.fixture
 def served() -> Iterator[Callable[..., TestClient]]:
     """start(text, error=None): Starlette's test client of an app over `Replies`, with
@@ -181,7 +157,7 @@ def served() -> Iterator[Callable[..., TestClient]]:
     queues: list[TurnQueue] = []
 
     def start(text: str, error: Exception | None = None) -> TestClient:
-        queues.append(TurnQueue(Replies(text, error), 4))
+        queues.append(TurnQueue(Replies(text, error=error), 4))
         service = Service(
             model="m", names={"m"}, queue=queues[-1], ranks=1, api_key="k", log=lambda _: None
         )

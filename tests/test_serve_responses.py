@@ -19,7 +19,7 @@ from exokv.serve import api, responses
 from exokv.serve.app import Service, build_app
 from exokv.serve.tools import ModelTools
 from exokv.serve.work import TurnQueue
-from tests.stub_client import StubClient
+from tests.stub_client import Replies
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 TOOLS = ModelTools(
@@ -187,39 +187,6 @@ def test_the_store_is_bounded_in_characters_too() -> None:
 
 
 # -- the app, read by the openai client -------------------------------------------------
-
-
-class Replies(StubClient):
-    """Replies `text` to every turn, in pieces of 5 characters."""
-
-    def __init__(self, text: str, finish: str = "stop") -> None:
-        self.text = text
-        self.finish = finish
-        self.requests: list[TurnRequest] = []
-
-    def turn(
-        self,
-        request: TurnRequest,
-        on_text: Callable[[str], None] | None = None,
-        on_progress: Callable[[int, int], None] | None = None,
-    ) -> TurnResult:
-        self.requests.append(request)
-        for i in range(0, len(self.text), 5):
-            if on_text is not None:
-                on_text(self.text[i : i + 5])
-        return TurnResult(
-            request.session,
-            self.text,
-            30,
-            20,
-            10,
-            7,
-            0.01,
-            100.0,
-            0.0,
-            1,
-            finish_reason=self.finish,
-        )
 
 
 @pytest.fixture

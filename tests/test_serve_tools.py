@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 
-from exokv.core.records import TurnRequest, TurnResult
 from exokv.prompt.markers import PREFIX
 from exokv.serve.tools import ModelTools, ToolText, model_tools
 from tests.chat_helpers import home_with_models
 from tests.serve_helpers import InProcess, raw, serving
-from tests.stub_client import StubClient
+from tests.stub_client import Replies
 
 TOOLS_TEMPLATE = (
     "{%- if tools -%}<|im_start|>system\nYou may call these tools:\n<tools>\n"
@@ -116,37 +114,6 @@ def test_text_the_parser_cannot_read_stays_text(model: Path) -> None:
 
 
 # -- parsed and streamed through the real client -------------------------------------
-
-
-class Replies(StubClient):
-    """Replies `text` to every turn, in pieces of 5 characters."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.requests: list[TurnRequest] = []
-
-    def turn(
-        self,
-        request: TurnRequest,
-        on_text: Callable[[str], None] | None = None,
-        on_progress: Callable[[int, int], None] | None = None,
-    ) -> TurnResult:
-        self.requests.append(request)
-        for i in range(0, len(self.text), 5):
-            if on_text is not None:
-                on_text(self.text[i : i + 5])
-        return TurnResult(
-            session=request.session,
-            reply=self.text,
-            prompt_tokens=10,
-            cached_tokens=0,
-            prefilled_tokens=10,
-            generated_tokens=len(self.text) // 5,
-            ttft_s=0.0,
-            decode_tps=0.0,
-            overhead_s=0.0,
-            ranks=1,
-        )
 
 
 @pytest.fixture

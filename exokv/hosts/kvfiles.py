@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -317,9 +317,15 @@ def run_send(pool: Path, names: Sequence[str], wait: float) -> int:
 
 
 def run_receive(pool: Path) -> int:
+    return report_received(lambda stream, counts: receive(pool, stream, counts))
+
+
+def report_received(receiving: Callable[[BinaryIO, Received], None]) -> int:
+    """Run `receiving` on standard input and print what it counted as one JSON line,
+    whole or cut short (the sending side reads it); the exit code says which."""
     counts = Received()
     try:
-        receive(pool, sys.stdin.buffer, counts)
+        receiving(sys.stdin.buffer, counts)
     except CutShort as err:
         print(counts.to_json(), flush=True)
         print(f"{MODULE}: {err}", file=sys.stderr)

@@ -57,6 +57,7 @@ from exokv.hosts.kvfiles import (
     make_pool,
     pipe_between,
     read_exact,
+    report_received,
     where,
 )
 from exokv.launch import remote
@@ -429,18 +430,7 @@ def run_send(place: Place, names: Sequence[str]) -> int:
 
 
 def run_receive(place: Place) -> int:
-    counts = Received()
-    try:
-        receive(place, sys.stdin.buffer, counts)
-    except CutShort as err:
-        print(counts.to_json(), flush=True)
-        print(f"{MODULE}: {err}", file=sys.stderr)
-        return CUT_SHORT
-    except OSError:
-        print(counts.to_json(), flush=True)
-        raise
-    print(counts.to_json(), flush=True)
-    return 0
+    return report_received(lambda stream, counts: receive(place, stream, counts))
 
 
 def main(argv: list[str] | None = None) -> int:
