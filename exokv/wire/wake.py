@@ -8,6 +8,13 @@ than rank 0 first blocks on a plain TCP socket for one byte that rank 0 sends
 just before it enters the broadcast; then the broadcast meets no wait worth
 spinning for.
 
+The same bell comes before each stop check of a turn (exokv.rank.main.CountingGroup):
+a stop check follows rank 0's share of the step (on a pipeline, rank 0 runs the last
+layers after the others ran theirs), so the other ranks would spin in it for as long
+as rank 0 computes, taking a core from it where ranks share a machine (issue 45:
+two ranks on one two-core machine). Every rank calls the stop checks at the same
+points, so each byte rank 0 sends meets one wait on every other rank.
+
 The doorbell is set up once, after the model is loaded: rank 0 listens on the
 address the others reach it at, broadcasts that address and a random key (over
 the ring, like everything else the ranks exchange), and accepts exactly one
@@ -70,9 +77,9 @@ class Doorbell:
         try:
             data = self.peers[0].recv(1)
         except OSError as err:
-            raise ExokvError(f"lost rank 0 while waiting for the next turn ({err})") from None
+            raise ExokvError(f"lost rank 0 while waiting for it ({err})") from None
         if data != _GO:
-            raise ExokvError("lost rank 0 while waiting for the next turn")
+            raise ExokvError("lost rank 0 while waiting for it")
 
     def close(self) -> None:
         for sock in self.peers:

@@ -1,0 +1,93 @@
+"""The ranks other than rank 0 enter each stop check asleep on the doorbell (issue 45).
+
+A stop check follows rank 0's share of a prefill step (on a pipeline, rank 0's layers run
+after the others'), and mlx's collectives spin while they wait: on one shared machine a
+waiting rank took a core from rank 0. Each rank's CountingGroup crosses the doorbell
+(exokv.wire.wake) before a stop check: rank 0 rings, the others wait for its byte on a
+plain socket, and only then enter the collective. Here over a socket pair, no ranks.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from exokv.errors import ExokvError
+from exokv.rank.main import CountingGroup
+from exokv.wire.wake import Doorbell
+
+
+class Recorded:
+    """A group of two whose collectives record when they were entered."""
+
+    rank, size = 1, 2
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def any(self, flag: bool) -> bool:
+        self.log.append("any")
+        return flag
+
+    def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
+        self.log.append("any_with")
+        return flag, value
+
+    def any_with_values(self, flag: bool, values: list[int]) -> tuple[bool, list[int]]:
+        self.log.append("any_with_values")
+        return flag, values
+
+
+@pytest.fixture
+def bells():
+    zero_end, other_end = socket.socketpair()
+    zero, other = Doorbell(0, [zero_end]), Doorbell(1, [other_end])
+    yield zero, other
+    zero.close()
+    other.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "check",
+    [
+        lambda g: g.any(False),
+        lambda g: g.any_with(False, 4),
+        lambda g: g.any_with_values(False, [1]),
+    ],
+)
+def test_a_stop_check_waits_for_rank_0s_bell_before_its_collective(bells, check) -> None:
+    zero, other = bells
+    log: list[str] = []
+    group = CountingGroup(Recorded(log))
+    group.bell = other.cross
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (check(group), done.set()), daemon=True)
+    worker.start()
+    time.sleep(0.2)  # rank 0 still runs its layers of the step
+    assert not done.is_set() and log == []  # asleep on the bell, not in the collective
+    zero.cross()  # rank 0 reaches the same stop check
+    assert done.wait(10)
+    assert len(log) == 1 and group.counts["any"] == 1
+
+
+def test_rank_0_rings_without_waiting_and_the_bytes_pair_up(bells) -> None:
+    zero, other = bells
+    log: list[str] = []
+    group = CountingGroup(Recorded(log))
+    group.bell = zero.cross
+    for _ in range(3):
+        group.any_with(False, 1)  # rank 0: never waits on the bell
+    for _ in range(3):
+        other.cross()  # one byte for each of rank 0's checks, in order
+    assert log == ["any_with"] * 3
+
+
+def test_rank_0_gone_is_an_error_not_a_hang(bells) -> None:
+    zero, other = bells
+    zero.close()
+    with pytest.raises(ExokvError, match="lost rank 0"):
+        other.cross()
