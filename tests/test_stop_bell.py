@@ -9,6 +9,7 @@ plain socket, and only then enter the collective. Here over a socket pair, no ra
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from exokv.errors import ExokvError
+from exokv.launch.supervise import diagnose
 from exokv.rank.main import CountingGroup
 from exokv.wire.wake import Doorbell
 
@@ -91,3 +93,19 @@ def test_rank_0_gone_is_an_error_not_a_hang(bells) -> None:
     zero.close()
     with pytest.raises(ExokvError, match="lost rank 0"):
         other.cross()
+
+
+def test_a_rank_that_lost_rank_0_on_the_bell_is_not_named_as_the_cause(bells) -> None:
+    # Rank 0 failed in a turn; rank 1, asleep on the bell, saw its socket close and
+    # exited first. The chat names rank 0's own error, not rank 1's consequence.
+    zero, other = bells
+    zero.close()
+    with pytest.raises(ExokvError) as lost:
+        other.cross()
+    lines = [
+        'exokv-rank-error {"rank": 1, "message": ' + json.dumps(str(lost.value)) + "}",
+        "[WARN] Node with rank 1 exited with code 1",
+        'exokv-rank-error {"rank": 0, "message": "RuntimeError: out of memory"}',
+        "[WARN] Node with rank 0 exited with code 1",
+    ]
+    assert diagnose(lines, "x").text == "rank 0 failed: RuntimeError: out of memory"
