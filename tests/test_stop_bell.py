@@ -1,10 +1,11 @@
-"""The ranks other than rank 0 enter each stop check asleep on the doorbell (issue 45).
+"""Ranks wait for each other asleep on the doorbell, not spinning in mlx (issue 45).
 
 A stop check follows rank 0's share of a prefill step (on a pipeline, rank 0's layers run
 after the others'), and mlx's collectives spin while they wait: on one shared machine a
 waiting rank took a core from rank 0. Each rank's CountingGroup crosses the doorbell
 (exokv.wire.wake) before a stop check: rank 0 rings, the others wait for its byte on a
-plain socket, and only then enter the collective. Here over a socket pair, no ranks.
+plain socket, and only then enter the collective. On two pipeline ranks rank 0 waits
+for each prefill piece the same way, for rank 1's byte. Here over a socket pair.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import socket
 import threading
 import time
 
+import mlx.core as mx
 import pytest
 
 from exokv.errors import ExokvError
 from exokv.launch.supervise import diagnose
+from exokv.model import pipeline
+from exokv.rank.engine import prefill
 from exokv.rank.main import CountingGroup
 from exokv.wire.wake import Doorbell
 
@@ -109,3 +113,52 @@ def test_a_rank_that_lost_rank_0_on_the_bell_is_not_named_as_the_cause(bells) ->
         "[WARN] Node with rank 0 exited with code 1",
     ]
     assert diagnose(lines, "x").text == "rank 0 failed: RuntimeError: out of memory"
+
+
+# -- two pipeline ranks: each prefill piece ----------------------------------------------
+
+
+def test_rank_0_waits_for_rank_1s_piece_asleep(bells) -> None:
+    zero, other = bells
+    assert zero.piece_bell() is not None and Doorbell(0, []).piece_bell() is None
+    last, first = zero.piece_bell(), other.piece_bell()
+    first.before_piece()  # rank 1 (the first layers) never waits here
+    last.after_piece()  # nor does rank 0 ring
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (last.before_piece(), done.set()), daemon=True)
+    worker.start()
+    time.sleep(0.2)  # rank 1 runs its layers of the piece
+    assert not done.is_set()
+    first.after_piece()  # its hidden state went to rank 0
+    assert done.wait(10)
+
+
+class Calls:
+    """A model whose pieces and bells are logged in order (cut as a pipeline rank cuts)."""
+
+    pipeline_stages = 2
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.piece_bell = self
+
+    def before_piece(self) -> None:
+        self.log.append("wait")
+
+    def after_piece(self) -> None:
+        self.log.append("ring")
+
+    def __call__(self, tokens, cache=None) -> None:
+        self.log.append(f"run {tokens.shape[1]}")
+
+
+class State:
+    state = mx.zeros((1,))
+
+
+def test_each_prefill_piece_waits_then_rings() -> None:
+    model = Calls()
+    n = pipeline.MICRO_CHUNK * 2 + 3
+    prefill(model, [State()], list(range(n)), size=lambda: n)
+    pieces = [f"run {b - a}" for a, b in pipeline.micro_chunks(0, n, 2)]
+    assert model.log == [x for p in pieces for x in ("wait", p, "ring")]

@@ -335,6 +335,8 @@ class Rank:
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, self.options.wake_host)
         group.bell = doorbell.cross  # every rank calls each stop check alike: bytes pair up
+        if cluster.parallel == "pipeline":
+            model.piece_bell = doorbell.piece_bell()  # read by exokv.rank.engine.prefill
         # Startup only, not per turn: every rank's effective budget for the front end.
         all_budgets = [
             row[0] for row in group.gather([-1 if engine.budget is None else engine.budget])
