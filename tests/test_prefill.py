@@ -112,6 +112,61 @@ def test_a_stop_lands_within_a_step_and_the_next_turn_is_fine(engine: Engine, sl
     assert again.finish_reason in ("stop", "length") and again.generated_tokens > 0
 
 
+class RankZeroOfTwo:
+    """Rank 0 of two pipeline ranks, as the engine sees it: each stop check is a
+    collective (here the other rank agrees with rank 0, which alone hears Ctrl-C)."""
+
+    rank, size = 0, 2
+
+    def __init__(self) -> None:
+        self.checks = 0
+
+    def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
+        self.checks += 1
+        return flag, value
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_two_slow_pipeline_ranks_ends_the_prefill_at_the_next_step(
+    engine: Engine, slow
+) -> None:
+    # Issue 45: SmolLM2 on two loaded pipeline ranks runs 2 to 5 tokens/s; its steps of
+    # 4 to 8 tokens took seconds, and so did a Ctrl-C. Every step is now what runs in
+    # TARGET_S, or one token, and the check before the next one ends the turn.
+    seconds_per_token = 0.3
+    slow(seconds_per_token)
+    group = RankZeroOfTwo()
+    engine.group = group  # after the engine's start: its cache decisions stay one rank's
+    engine.model.pipeline_stages = 2  # each step cut as a pipeline rank cuts it
+    pressed = threading.Event()
+    after: list[int] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if pressed.is_set():
+            after.append(done)
+
+    ctrl_c = threading.Timer(1.0, pressed.set)  # 1 s into the prefill
+    ctrl_c.start()
+    try:
+        result = engine.turn(
+            TurnRequest("s", _prompt(60), max_tokens=4),
+            on_progress=on_progress,
+            should_stop=pressed.is_set,
+        )
+    finally:
+        ctrl_c.cancel()
+        del engine.model.pipeline_stages
+    steps = engine.prefill_steps
+    assert result.finish_reason == "interrupted" and result.generated_tokens == 0
+    assert len(after) <= 1, after  # the step in flight reported, then nothing more ran
+    assert group.checks == len(steps) + 1  # one agreed check per step, and the stopping one
+    assert max(steps) <= max(1, int(TARGET_S / seconds_per_token)), steps
+    assert sum(steps) < result.prompt_tokens // 2
+
+
 # -- the time to first token, from the request ---------------------------------------------
 
 

@@ -18,7 +18,7 @@ from test_repl import STATUS, _num, exokv_env, prompt
 pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
 
 SLOW = 0.004  # seconds per prefilled token at the least: 250 tokens/s at the most
-STEP_IN_FLIGHT_S = 1.0  # the TTFT test's prefill step: 4 tokens (pace.FEWEST_TOKENS)
+STEP_IN_FLIGHT_S = 1.0  # the TTFT test's prefill step: 1 token (pace.FEWEST_TOKENS)
 WORDS = "river stone light window garden paper music winter orange signal harbor".split()
 PASTE = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(1000))  # ~2,000+ tokens
 SPIN_OR_BAR = re.compile(r"[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] prefill[^\n]*|prefill ━[^\n]*")
@@ -118,15 +118,18 @@ def test_the_status_ttft_counts_the_draft_step_in_flight(tmp_path: Path, models_
     home = home_with_models(tmp_path / "home", models_dir, link=True)
     # A model this slow has the smallest steps (pace.FEWEST_TOKENS), each a second long:
     # the wait for the one in flight is far above the delay of a loaded machine's pty.
-    term = _chat(home, "--max-tokens", "4", "--session", "s", slow=STEP_IN_FLIGHT_S / 4)
+    # (Every token is a second: the lines are short.)
+    term = _chat(home, "--max-tokens", "4", "--session", "s", slow=STEP_IN_FLIGHT_S)
     try:
         term.expect(prompt("s"), timeout=120)
         term.type("hi\r")  # the template's start is cached, and the pace measured
         term.expect(STATUS.pattern, timeout=60)
         term.expect(prompt("s"))
-        line = " ".join(WORDS[(i * 3) % len(WORDS)] for i in range(8))
+        line = " ".join(WORDS[(i * 3) % len(WORDS)] for i in range(3))
         term.type("\x1b[200~" + line + "\x1b[201~")  # a paste: its draft goes at once
-        time.sleep(0.4)  # its first step runs
+        # One token a step: the first steps run the template's tokens before the line,
+        # then its words; Enter 0.4 s into a step once several of those are in.
+        time.sleep(6.4)
         mark = len(term.raw)
         term.type(" end?\r")
         enter = time.perf_counter()

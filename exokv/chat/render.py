@@ -14,8 +14,9 @@ import re
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from rich.console import Console
@@ -25,7 +26,6 @@ from rich.progress import (
     SpinnerColumn,
     Task,
     TextColumn,
-    TimeElapsedColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -40,7 +40,8 @@ from exokv.core.sizes import format_size
 
 # A prefill shorter than this, known at its start, gets no bar: it is over before it shows.
 BAR_MIN_TOKENS = 1024
-# ...unless it is still running after this long (a slow model or a cluster).
+# ...unless it is still running this long after Enter (a slow model or a cluster): then
+# the bar shows, from the last progress heard, whether or not another report came since.
 BAR_AFTER_S = 0.5
 BAR_WIDTH = 36
 # From Enter on something moves: a spinner this soon, until the bar or the reply shows
@@ -92,6 +93,20 @@ class CachedBar(ProgressColumn):
         return bar
 
 
+class SinceEnter(ProgressColumn):
+    """The time since Enter, as rich's TimeElapsedColumn shows it (h:mm:ss), for the
+    spinner and the bar alike: a task's own clock starts when it is added, so the bar
+    that takes the spinner's place would start again from 0:00:00."""
+
+    def __init__(self, start: Callable[[], float]) -> None:
+        super().__init__()
+        self.start = start
+
+    def render(self, task: Task) -> Text:
+        elapsed = max(0.0, time.perf_counter() - self.start())
+        return Text(str(timedelta(seconds=int(elapsed))), style="progress.elapsed")
+
+
 class RateColumn(ProgressColumn):
     """The prefill's tokens per second, as rich measures it from the bar's updates."""
 
@@ -122,7 +137,9 @@ class Renderer:
         self._task: Any = None
         self._spinner: Progress | None = None
         self._spin_timer: threading.Timer | None = None
-        self._live = threading.Lock()  # the spinner starts on a timer's thread
+        self._bar_timer: threading.Timer | None = None
+        self._heard: tuple[int, int] | None = None  # the last progress, (done, total)
+        self._live = threading.RLock()  # the spinner and the bar start on timers' threads
         self._cached: int | None = None
         self._eta = PrefillClock()
         self._turn_start = 0.0
@@ -182,11 +199,11 @@ class Renderer:
         self._streamed = False
         self._cached = None
         self._last = "\n"
+        self._heard = None
         if self.console.is_terminal:
             with self._live:
-                self._spin_timer = threading.Timer(SPINNER_AFTER_S, self._start_spinner)
-                self._spin_timer.daemon = True
-                self._spin_timer.start()
+                self._spin_timer = _timer(SPINNER_AFTER_S, self._start_spinner)
+                self._bar_timer = _timer(BAR_AFTER_S, self._bar_from_heard)
 
     def _start_spinner(self) -> None:
         """Something moving while nothing else shows: the draft step in flight, the trip
@@ -198,7 +215,7 @@ class Renderer:
             self._spinner = Progress(
                 SpinnerColumn(style="dim"),
                 TextColumn("[dim]prefill"),
-                TimeElapsedColumn(),
+                SinceEnter(lambda: self._turn_start),
                 console=self.console,
                 transient=True,
             )
@@ -215,41 +232,61 @@ class Renderer:
                 self._spinner = None
 
     def on_progress(self, done: int, total: int) -> None:
-        """mlx-lm's prompt progress: `done` of `total` prompt tokens are in the cache."""
+        """The prefill's progress: `done` of `total` prompt tokens are in the cache."""
         if self._streamed or not self.console.is_terminal:
             return
-        self._eta.report(time.perf_counter(), done)
-        if self._progress is None:
-            if self._cached is None:
-                self._cached = done  # the first call: what the cache held before prefill
-            remaining = total - done
-            slow = time.perf_counter() - self._turn_start >= BAR_AFTER_S
-            if remaining < BAR_MIN_TOKENS and not slow:
-                return
-            self._stop_spinner()  # the bar takes its place
-            self._progress = Progress(
-                TextColumn("[dim]prefill"),
-                CachedBar(),
-                TextColumn("{task.completed:,}/{task.total:,} tokens"),
-                TextColumn("[dim]({task.fields[cached]:,} cached)"),
-                RateColumn(),
-                TimeElapsedColumn(),
-                LeftColumn(),
-                console=self.console,
-                transient=True,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task(
-                "prefill", total=total, completed=done, cached=self._cached, left=None
-            )
-        self._progress.update(self._task, completed=done, total=total, left=self._eta.left(total))
+        with self._live:
+            self._heard = (done, total)
+            self._eta.report(time.perf_counter(), done)
+            if self._progress is None:
+                if self._cached is None:
+                    self._cached = done  # the first call: what the cache held before prefill
+                slow = time.perf_counter() - self._turn_start >= BAR_AFTER_S
+                if total - done < BAR_MIN_TOKENS and not slow:
+                    return  # short: the bar timer shows it if it is still running then
+                self._start_bar(done, total)
+            left = self._eta.left(total)
+            self._progress.update(self._task, completed=done, total=total, left=left)
+
+    def _bar_from_heard(self) -> None:
+        """BAR_AFTER_S after Enter: the bar, from the last progress, if the prefill runs
+        still (its next report may be a slow step away)."""
+        with self._live:
+            if self._bar_timer is None:
+                return  # cancelled: the turn's reply or its end came first
+            self._bar_timer = None
+            if self._progress is None and self._heard is not None and not self._streamed:
+                self._start_bar(*self._heard)
+
+    def _start_bar(self, done: int, total: int) -> None:
+        self._stop_spinner()  # the bar takes its place
+        self._progress = Progress(
+            TextColumn("[dim]prefill"),
+            CachedBar(),
+            TextColumn("{task.completed:,}/{task.total:,} tokens"),
+            TextColumn("[dim]({task.fields[cached]:,} cached)"),
+            RateColumn(),
+            SinceEnter(lambda: self._turn_start),
+            LeftColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self._progress.start()
+        cached = done if self._cached is None else self._cached
+        self._task = self._progress.add_task(
+            "prefill", total=total, completed=done, cached=cached, left=None
+        )
 
     def _stop_progress(self) -> None:
-        self._stop_spinner()
-        if self._progress is not None:
-            self._progress.stop()
-        self._progress = None
-        self._task = None
+        with self._live:
+            if self._bar_timer is not None:
+                self._bar_timer.cancel()
+                self._bar_timer = None
+            self._stop_spinner()
+            if self._progress is not None:
+                self._progress.stop()
+            self._progress = None
+            self._task = None
 
     def on_text(self, text: str) -> None:
         if not text:
@@ -461,3 +498,10 @@ def cached_share(cached: int, prompt: int) -> int:
 
 def _seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _timer(seconds: float, call: Callable[[], None]) -> threading.Timer:
+    timer = threading.Timer(seconds, call)
+    timer.daemon = True
+    timer.start()
+    return timer

@@ -55,7 +55,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _BEAT = re.compile(re.escape(BEAT_MARK) + r"(\d+)")
 _STATE = re.compile(re.escape(STATE_MARK) + r"(\d+) (\w+) (\d+)")
 # How a rank reports that another rank went away (a consequence, not the cause).
-_PEER_LOST = re.compile(r"peer was lost|closed by the peer|send/recv errors|errno 104", re.I)
+# "lost rank N": exokv.wire.wake, a rank waiting on the doorbell (between turns, before
+# each stop check, for each prefill piece on two pipeline ranks) when the other went away.
+_PEER_LOST = re.compile(
+    r"peer was lost|closed by the peer|send/recv errors|errno 104|lost rank \d+", re.I
+)
 _TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
 
 

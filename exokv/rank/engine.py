@@ -756,14 +756,20 @@ def prefill(
     """
     stages = pipeline.stages(model) if pipeline.cut_freely(cache) else 1
     slow = TEST_HOOKS.slow_prefill()  # tests only: a slow model
+    # Two pipeline ranks: rank 0 waits for each piece asleep (exokv.wire.wake.PieceBell).
+    bell = getattr(model, "piece_bell", None)
     i = 0
     while i < len(tokens):
         if before_chunk is not None and before_chunk(i):
             return True
         end = min(i + max(1, size() if size is not None else PREFILL_STEP), len(tokens))
         for start, stop in pipeline.micro_chunks(i, end, stages):
+            if bell is not None:
+                bell.before_piece()
             model(mx.array(tokens[start:stop])[None], cache=cache)
             mx.eval([c.state for c in cache])
+            if bell is not None:
+                bell.after_piece()
         if slow:
             time.sleep(slow * (end - i))
         if after_chunk is not None:

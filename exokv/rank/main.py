@@ -92,17 +92,25 @@ class CountingGroup:
         self.size = inner.size
         self.counts = {"gather": 0, "any": 0, "broadcast": 0}
         self.seconds = {"gather": 0.0, "any": 0.0, "broadcast": 0.0}
+        # Crossed before each stop check (exokv.wire.wake.Doorbell.cross, once it is up).
+        self.bell: Callable[[], None] | None = None
 
     def gather(self, values: list[int]) -> list[list[int]]:
         return self._timed("gather", self.inner.gather, values)
 
     def any(self, flag: bool) -> bool:
-        return self._timed("any", self.inner.any, flag)
+        tic = time.perf_counter()
+        try:
+            self._wait_for_rank_0()
+            return self.inner.any(flag)
+        finally:
+            self._count("any", tic)
 
     def any_with(self, flag: bool, value: int) -> tuple[bool, int]:
         # The turn's stop check, carrying rank 0's prefill step size: counted as a stop.
         tic = time.perf_counter()
         try:
+            self._wait_for_rank_0()
             return self.inner.any_with(flag, value)
         finally:
             self._count("any", tic)
@@ -111,9 +119,17 @@ class CountingGroup:
         # A speculative decoding step's stop check, carrying rank 0's draft: a stop.
         tic = time.perf_counter()
         try:
+            self._wait_for_rank_0()
             return self.inner.any_with_values(flag, values)
         finally:
             self._count("any", tic)
+
+    def _wait_for_rank_0(self) -> None:
+        """A stop check follows rank 0's share of the work (on a pipeline, its layers of
+        the step), which the other ranks wait for: asleep on the doorbell, not spinning
+        in the collective, where they took a core from rank 0 on a shared machine."""
+        if self.bell is not None:
+            self.bell()
 
     def broadcast(self, obj: Any) -> Any:
         return self._timed("broadcast", self.inner.broadcast, obj)
@@ -318,6 +334,9 @@ class Rank:
         self.engine, self.group = engine, group
         # Ranks other than 0 wait for each request on this, not spinning in the broadcast.
         doorbell = Doorbell.connect(group, self.options.wake_host)
+        group.bell = doorbell.cross  # every rank calls each stop check alike: bytes pair up
+        if cluster.parallel == "pipeline":
+            model.piece_bell = doorbell.piece_bell()  # read by exokv.rank.engine.prefill
         # Startup only, not per turn: every rank's effective budget and K/V bytes per
         # token for the front end.
         rows = group.gather(

@@ -4,9 +4,15 @@ A prefill step ends with the turn's stop check (one collective across ranks) and
 progress report, so its length is how late a Ctrl-C lands and how often the bar moves.
 A fixed number of tokens is a fraction of a second on a fast model and tens of seconds
 on a slow one (a 70B model, or a cluster over a slow link); a step sized by time is the
-same wait on both. The first step is small (nothing is measured yet), and a step at
-most GROWTH times the one before it, since a small step's rate understates a large
+same wait on both. The first step is one token (nothing is measured yet), and a step
+at most GROWTH times the one before it, since a small step's rate understates a large
 one's (fixed costs per step).
+
+A step can be as small as one token: a model slower than a few tokens per quarter
+second (SmolLM2 on two loaded cores: 2 to 5 tokens/s, on one rank or two pipeline
+ranks) would otherwise run steps of seconds, and a Ctrl-C, the bar's first move and
+a turn behind a typeahead step would all wait for them (issue 45). On such a model a
+token costs about the same alone or in a batch, so one-token steps cost little.
 
 Only rank 0's pace decides; the other ranks take the size it carries (in the turn's stop
 collective, in a typeahead step's broadcast), so every rank runs the same steps and
@@ -16,8 +22,8 @@ their KV stays identical. Nothing here is random or reads the cache.
 from __future__ import annotations
 
 TARGET_S = 0.25  # a step's wall time, stop check and progress report included
-FIRST_TOKENS = 8  # the first step, before any rate is known (a slow model: seconds)
-FEWEST_TOKENS = 4  # a slow model (SmolLM2 on two cores: ~14 tokens/s) still stops in time
+FIRST_TOKENS = 1  # the first step, before any rate is known (more: seconds on a slow model)
+FEWEST_TOKENS = 1  # a slow model (SmolLM2 on two loaded cores: 2-5 tokens/s) stops in time
 MOST_TOKENS = 512  # the largest step (the memory a step's attention needs grows with it)
 GROWTH = 4  # a step is at most this many times the step before it
 
