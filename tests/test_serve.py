@@ -97,8 +97,6 @@ def test_models_and_health(server) -> None:
         (b"[1, 2]", "JSON object"),
         (json.dumps({"messages": []}).encode(), "messages"),
         (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "role"),
-        # a tool's result, on a model whose template has no tools
-        (json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), "tools support"),
         (json.dumps({"messages": [{"role": "assistant", "content": "x"}]}).encode(), "user"),
         (json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), "content"),
         (

@@ -38,6 +38,7 @@ from exokv.bench.strategies import (
     synchronize,
 )
 from exokv.cache import kinds
+from exokv.cache.tier_options import check_kv_fits
 from exokv.collectives import Group
 from exokv.core.options import KvQuant
 
@@ -135,6 +136,7 @@ def run(
     rank calls this alike, with `group` for exokv's engine; see bench.rank_main)."""
     progress = progress or Progress()
     load_start = _loadavg()
+    check_kv_fits(model, config.kv)  # QUANTIZED strategies run: said before any turn
     lengths = plan_lengths(config, tokenizer)
     _warm_up(model, tokenizer)
     progress.start(

@@ -41,14 +41,28 @@ def check_kv_quantization(kv: KvQuant) -> None:
         raise UsageError(f"--kv-group-size {kv.group_size}: use 32, 64 or 128")
 
 
-def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
-    """The one line for a model whose KV head dimension --kv-group-size does not divide
-    (mlx quantizes the last axis in groups of 32, 64 or 128, nothing smaller)."""
+def _head_dim(model: Any) -> int:
+    """The model's attention head dimension from its arguments; 0: they do not say."""
     args = getattr(model, "args", None)
     dim = getattr(args, "head_dim", None)
     if not isinstance(dim, int):
         hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", 0)
         dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
+    return dim
+
+
+def check_kv_fits(model: Any, kv: KvQuant) -> None:
+    """UsageError (the misfit's one line) when the model's arguments already show that
+    --kv-group-size cannot divide its heads: said before any work, not after it."""
+    dim = _head_dim(model)
+    if kv.bits and dim > 0 and dim % kv.group_size:
+        raise UsageError(kv_group_misfit(model, kv.bits, kv.group_size, ""))
+
+
+def kv_group_misfit(model: Any, bits: int, group: int, cause: str) -> str:
+    """The one line for a model whose KV head dimension --kv-group-size does not divide
+    (mlx quantizes the last axis in groups of 32, 64 or 128, nothing smaller)."""
+    dim = _head_dim(model)
     if dim <= 0 or dim % group == 0:  # the arguments do not explain it: mlx's own words
         return f"--kv-bits {bits} --kv-group-size {group} does not fit this model's KV ({cause})"
     fits = [str(g) for g in GROUP_SIZES if dim % g == 0]

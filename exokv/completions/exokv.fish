@@ -199,7 +199,7 @@ complete -c exokv -n '__exokv_at exokv serve' -l host -x -d 'address to listen o
 complete -c exokv -n '__exokv_at exokv serve' -l port -x -d 'port to listen on'
 complete -c exokv -n '__exokv_at exokv serve' -l api-key -x -d 'require '\''Authorization: Bearer KEY'\'' (or set EXOKV_API_KEY)'
 complete -c exokv -n '__exokv_at exokv serve' -l queue -x -d 'requests that may wait; more get 503'
-complete -c exokv -n '__exokv_at exokv serve' -l batch -x -d 'requests decoded together at most (1: one at a time)'
+complete -c exokv -n '__exokv_at exokv serve' -l batch -x -d 'requests decoded together at most (default: what memory holds; 1: one at a time)'
 complete -c exokv -n '__exokv_at exokv serve' -l batch-wait -x -d 'ms a batch'\''s first request waits for others (0: none)'
 complete -c exokv -n '__exokv_at exokv serve' -l drain-timeout -x -d 'seconds in-flight requests get on SIGTERM/Ctrl-C'
 complete -c exokv -n '__exokv_at exokv serve' -l max-body -x -d 'largest request body (413 above)'
