@@ -124,8 +124,8 @@ def test_retry_after_a_long_message_is_served_whole_on_uneven_ranks_and_budgets(
     home = home_with_models(tmp_path / "two", models, link=True)
     args = _two_ranks(RETRY_CASES[case], 27610 + 10 * list(RETRY_CASES).index(case))
     turns = run_script(home, RETRY_SCRIPT, *args, env={"EXOKV_RANK_LOG": "1"})
-    # Under --max-kv-size too: these prompts pause only within the first window, where
-    # the rotating cache's chunking changes nothing (see the README).
+    # Under --max-kv-size too: past the first window the steps end on the pace's grid
+    # (exokv.rank.pace.KEPT_GRID), so a turn from a hit cuts where one from nothing does.
     plain = run_script(home_with_models(tmp_path / "plain", models, link=True), RETRY_SCRIPT,
                        "--model", model, "--no-cache", *extra)  # fmt: skip
     assert replies(turns) == replies(plain)

@@ -20,6 +20,7 @@ from zoo_helpers import LONG_MESSAGE
 
 from exokv.model import pipeline
 from exokv.rank.engine import PREFILL_STEP, prefill
+from exokv.rank.pace import KEPT_GRID, aligned_step
 
 
 def test_one_stage_runs_the_range_as_one_piece() -> None:
@@ -104,7 +105,40 @@ def test_a_rotating_cache_that_keeps_tokens_is_not_cut() -> None:
     assert not pipeline.cut_freely([State(), kept])
     assert pipeline.cut_freely([State(), RotatingKVCache(max_size=48)])
     prefill(model, [kept], list(range(PREFILL_STEP + 9)))
-    assert model.calls == [PREFILL_STEP, 9]
+    # One call per step; past the window the steps end on the grid (the recording
+    # model leaves the cache's offset at 0, so each step runs to KEPT_GRID).
+    assert model.calls == [KEPT_GRID, KEPT_GRID, 9]
+
+
+def test_steps_past_a_kept_window_end_on_the_grid_whatever_the_pace() -> None:
+    assert aligned_step(0, 8, 48) == 8  # the next step starts inside the window
+    assert aligned_step(40, 7, 48) == 7
+    assert aligned_step(40, 8, 48) == KEPT_GRID - 40  # it would start past it
+    assert aligned_step(KEPT_GRID + 3, 1, 48) == KEPT_GRID - 3
+    assert aligned_step(2 * KEPT_GRID, 600, 48) == KEPT_GRID
+
+
+@pytest.mark.parametrize("start", [0, 5, 30])
+def test_a_kept_window_leaves_the_same_logits_from_any_start_and_pace(
+    tiny_qwen: Any, start: int
+) -> None:
+    """--max-kv-size: a turn from a hit at `start` with the pace's one-token first
+    step gives the logits of one prefill from nothing in steps of PREFILL_STEP (a
+    cut past the window used to change which tokens saw the kept ones)."""
+    tokens = [(i * 37) % 290 + 5 for i in range(KEPT_GRID + 140)]
+
+    def last_logits(sizes: list[int] | None, first: int) -> mx.array:
+        cache = make_prompt_cache(tiny_qwen, max_kv_size=48)
+        assert pipeline.kept_window(cache) is not None
+        prefill(tiny_qwen, cache, tokens[:first])
+        steps = iter(sizes or [])
+        size = None if sizes is None else (lambda: next(steps, 4))
+        prefill(tiny_qwen, cache, tokens[first:], size=size)
+        return tiny_qwen(mx.array([[7]]), cache=cache)
+
+    reference = last_logits(None, 0)
+    paced = last_logits([1, 4, 16, 64, 3, 100], start)
+    assert mx.allclose(reference, paced, atol=1e-4).item()
 
 
 @pytest.mark.slow

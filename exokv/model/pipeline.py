@@ -79,7 +79,13 @@ def cut_freely(cache: list[Any]) -> bool:
     """Whether a prefill into ``cache`` may be cut into pieces without changing a reply:
     not with a rotating cache that keeps its first tokens (``--max-kv-size``), which
     mlx-lm's chunked prefill lets the first token of each chunk see (docs/cache.md)."""
-    return not any(isinstance(c, RotatingKVCache) and c.keep > 0 for c in cache)
+    return kept_window(cache) is None
+
+
+def kept_window(cache: list[Any]) -> RotatingKVCache | None:
+    """A layer of ``cache`` that is a rotating cache keeping its first tokens
+    (``--max-kv-size``: every layer alike), or None."""
+    return next((c for c in cache if isinstance(c, RotatingKVCache) and c.keep > 0), None)
 
 
 def apply_pipeline(model: Any, group: mx.distributed.Group, split: list[int]) -> str:

@@ -55,7 +55,7 @@ from exokv.prompt.markers import Marked
 from exokv.prompt.render import PromptRenderer, RepliesByText
 from exokv.rank import constrain, speculate, typeahead
 from exokv.rank.draft import Drafter, PassCost, ScriptedDrafter
-from exokv.rank.pace import Pace
+from exokv.rank.pace import Pace, aligned_step
 from exokv.rank.speculate import STOP_CHECK_EVERY, Decoded, ReplyText, StepAgreement
 from exokv.rank.stops import TextStops
 from exokv.state.locks import LockHeld
@@ -461,6 +461,9 @@ class Engine:
         size = step_tokens or self.draft_step_tokens()
         expect = min(len(tokens), meets + size)
         hit = self.cache.fetch(tokens, expect=expect, lend=self.cache.exact_anywhere)
+        kept = pipeline.kept_window(hit.cache)
+        if kept is not None:  # the step ends where a turn's would (exokv.rank.pace)
+            size = aligned_step(kept.offset, size, kept.max_size)
         stop = min(len(tokens), hit.length + size)
         try:
             copied = 0 if hit.lent else hit.length
@@ -754,7 +757,8 @@ def prefill(
     with no collective between them, so the ranks work on different pieces at once
     (exokv.model.pipeline.micro_chunks). The engine and the bench share this code path.
     """
-    stages = pipeline.stages(model) if pipeline.cut_freely(cache) else 1
+    kept = pipeline.kept_window(cache)
+    stages = pipeline.stages(model) if kept is None else 1
     slow = TEST_HOOKS.slow_prefill()  # tests only: a slow model
     # Two pipeline ranks: rank 0 waits for each piece asleep (exokv.wire.wake.PieceBell).
     bell = getattr(model, "piece_bell", None)
@@ -762,7 +766,10 @@ def prefill(
     while i < len(tokens):
         if before_chunk is not None and before_chunk(i):
             return True
-        end = min(i + max(1, size() if size is not None else PREFILL_STEP), len(tokens))
+        step = max(1, size() if size is not None else PREFILL_STEP)
+        if kept is not None:  # where a step starts changes the reply (exokv.rank.pace)
+            step = aligned_step(kept.offset, step, kept.max_size)
+        end = min(i + step, len(tokens))
         for start, stop in pipeline.micro_chunks(i, end, stages):
             if bell is not None:
                 bell.before_piece()

@@ -14,6 +14,13 @@ ranks) would otherwise run steps of seconds, and a Ctrl-C, the bar's first move 
 a turn behind a typeahead step would all wait for them (issue 45). On such a model a
 token costs about the same alone or in a batch, so one-token steps cost little.
 
+Under --max-kv-size (a rotating cache that keeps its first tokens) where a step starts
+changes the reply: mlx-lm lets the first tokens of each step see the kept tokens once
+the conversation outgrows the window, and the later ones not (docs/cache.md). There
+the pace sizes steps only inside the first window; past it every step ends on a
+multiple of KEPT_GRID, so a turn from a cache hit and the same turn from nothing (or
+on a machine of another speed) start their steps at the same positions.
+
 Only rank 0's pace decides; the other ranks take the size it carries (in the turn's stop
 collective, in a typeahead step's broadcast), so every rank runs the same steps and
 their KV stays identical. Nothing here is random or reads the cache.
@@ -26,6 +33,17 @@ FIRST_TOKENS = 1  # the first step, before any rate is known (more: seconds on a
 FEWEST_TOKENS = 1  # a slow model (SmolLM2 on two loaded cores: 2-5 tokens/s) stops in time
 MOST_TOKENS = 512  # the largest step (the memory a step's attention needs grows with it)
 GROWTH = 4  # a step is at most this many times the step before it
+KEPT_GRID = 256  # past a kept-token window, steps end on multiples of this position
+
+
+def aligned_step(at: int, size: int, window: int) -> int:
+    """The tokens of a step from position `at` (the cache's offset) under a rotating
+    cache of `window` tokens that keeps its first ones: `size` while the next step
+    starts inside the first window (where the cut changes nothing), else up to the
+    next multiple of KEPT_GRID, whatever the pace asked."""
+    if at + size < window:
+        return size
+    return (at // KEPT_GRID + 1) * KEPT_GRID - at
 
 
 class Pace:
