@@ -204,6 +204,7 @@ def test_a_rank_error_glued_to_other_ranks_text_still_names_the_cause() -> None:
         f"exokv-rank-error {one}exokv-state 0 running 4242",
         f"[ring] Socket 4 was closed by the peerexokv-rank-error {one}",
         f"exokv-rank-error {one}exokv-rank-error {zero}",
+        f"exokv-rank-error {one}[WARN] Node with rank 1 exited with code 1",  # the launcher's
     ):
         lines = [
             "[WARN] Node with rank 1 exited with code 1",
