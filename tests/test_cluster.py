@@ -193,6 +193,42 @@ def test_diagnose_names_the_rank_that_died_first() -> None:
     assert "mac2" in diagnose(ssh, "x", ["10.0.0.1", "mac2"]).text
 
 
+def test_a_rank_error_glued_to_other_ranks_text_still_names_the_cause() -> None:
+    # mlx.launch relays each rank's output in the pieces it reads: rank 1's error line,
+    # its newline in a later piece, had rank 0's watcher's line (and rank 0's own
+    # error) glued to it; the cause was lost for "rank 1 exited with code 1".
+    cause = "missing file: model-00003-of-00005.safetensors"
+    one = json.dumps({"rank": 1, "message": cause})
+    zero = json.dumps({"rank": 0, "message": "RuntimeError: [ring] connection to a peer was lost"})
+    for glued in (
+        f"exokv-rank-error {one}exokv-state 0 running 4242",
+        f"[ring] Socket 4 was closed by the peerexokv-rank-error {one}",
+        f"exokv-rank-error {one}exokv-rank-error {zero}",
+        f"exokv-rank-error {one}[WARN] Node with rank 1 exited with code 1",  # the launcher's
+    ):
+        lines = [
+            "[WARN] Node with rank 1 exited with code 1",
+            glued,
+            f"exokv-rank-error {zero}",
+            "[WARN] Node with rank 0 exited with code 1",
+        ]
+        assert diagnose(lines, "x").text == f"rank 1 failed: {cause}", glued
+
+
+def test_a_rank_error_is_one_write_with_its_newline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exokv.rank import boot  # the rank's boot module: only this test needs it
+
+    writes: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(boot.os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
+    with open(tmp_path / "stderr", "w") as stderr:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        boot.report_error(1, RuntimeError("no weights"), None)
+        ours = [data for fd, data in writes if fd == stderr.fileno()]
+    assert ours == [b'exokv-rank-error {"rank": 1, "message": "RuntimeError: no weights"}\n']
+
+
 # -- chats on two ranks ----------------------------------------------------------------
 
 

@@ -45,6 +45,13 @@ def _supervisor(
     return ranks
 
 
+def test_a_watcher_line_glued_to_a_rank_error_is_read_and_the_error_kept() -> None:
+    error = 'exokv-rank-error {"rank": 1, "message": "missing file"}'
+    ranks = _supervisor(lines=(error + state_line(0, "running", 4242),))
+    assert ranks.states[0][0] == "running"
+    assert [line.startswith(error) for line in ranks.tails["stderr"]] == [True]
+
+
 def _late(ranks: Supervisor, rank: int, seconds: float) -> str | None:
     ranks.beats[rank] = time.monotonic() - seconds
     ranks._checked = time.monotonic()

@@ -61,6 +61,7 @@ _PEER_LOST = re.compile(
     r"peer was lost|closed by the peer|send/recv errors|errno 104|lost rank \d+", re.I
 )
 _TERMINATED_BY_SIGNAL = "was terminated (SIGTERM)"
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -339,18 +340,22 @@ class Supervisor:
             line = _ANSI.sub("", raw.decode(errors="replace")).rstrip()
             if self._on_line is not None and self._on_line(name, line):
                 continue
+            # A line glued to a rank's error (see `_rank_errors`) is kept for `diagnose`.
+            kept = ERROR_MARK in line
             said = _STATE.search(line)
             if said:
                 rank, state, pid = int(said.group(1)), said.group(2), int(said.group(3))
                 self.states[rank] = (state, time.monotonic(), pid)
-                continue
+                if not kept:
+                    continue
             beat = _BEAT.search(line)
             if beat:
                 rank = int(beat.group(1))
                 self.beats[rank] = time.monotonic()
                 if self._on_beat is not None:
                     self._on_beat(rank, line.endswith(" loaded"))
-                continue
+                if not kept:
+                    continue
             if self._secret:
                 line = line.replace(self._secret, "***")
             tail.append(line)
@@ -370,12 +375,8 @@ def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None
     errors: dict[int, str] = {}
     exits: list[tuple[int, str]] = []
     for line in stderr_lines:
-        if ERROR_MARK in line:
-            try:
-                data = json.loads(line.split(ERROR_MARK, 1)[1])
-                errors.setdefault(int(data["rank"]), str(data["message"]))
-            except (ValueError, KeyError, TypeError):
-                continue
+        for rank, message in _rank_errors(line):
+            errors.setdefault(rank, message)
         match = _NODE_EXIT.search(line)
         if match:
             exits.append((int(match.group(1)), _exit_cause(match.group(2))))
@@ -407,6 +408,23 @@ def diagnose(stderr_lines: list[str], cause: str, hosts: list[str] | None = None
         return Cause(f"rank {rank} failed: {errors[rank]} (another rank stopped answering)")
     last = next((x for x in reversed(stderr_lines) if x.strip()), "")
     return Cause(f"{cause}" + (f": {last}" if last else ""))
+
+
+def _rank_errors(line: str) -> list[tuple[int, str]]:
+    """Every rank error (rank, message) in `line`, even glued to others' text.
+
+    mlx.launch relays each rank's output in the pieces it reads, so a line the front
+    end reads may hold another rank's (or the launcher's) text before or after an
+    error, or two errors: each is read up to the end of its own JSON object.
+    """
+    found = []
+    for piece in line.split(ERROR_MARK)[1:]:
+        try:
+            data, _ = _JSON.raw_decode(piece)
+            found.append((int(data["rank"]), str(data["message"])))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def _exit_cause(code: str | None) -> str:

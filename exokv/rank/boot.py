@@ -131,7 +131,13 @@ def report_error(rank: int, err: BaseException, link: channel.Connection | None)
     message = describe(err)
     if debug_enabled():
         traceback.print_exc()
-    print(ERROR_MARK + json.dumps({"rank": rank, "message": message}), file=sys.stderr, flush=True)
+    sys.stderr.flush()  # a traceback above (debug) first
+    # One write, the newline with it: print() writes the line and its newline apart, and
+    # mlx.launch relays each rank's output in the pieces it reads, so another rank's (or
+    # watcher's) line could land between them and glue onto this one, which the front
+    # end then cannot read: the cause was lost (a rank named only by its exit code).
+    line = ERROR_MARK + json.dumps({"rank": rank, "message": message}) + "\n"
+    os.write(sys.stderr.fileno(), line.encode())
     if link is not None:
         try:
             link.send(RankFailed(rank, message))
