@@ -92,10 +92,11 @@ def test_the_llm_example(server, tmp_path: Path) -> None:
     assert proc.stdout.rstrip("\n") == reference(server, "hello")
 
 
-@pytest.mark.slow
-def test_the_anthropic_example(server) -> None:
-    setup = on_port(block("sh", "export ANTHROPIC_BASE_URL"), server)
-    code = block("python", "anthropic.Anthropic()")
+def _python_example(server, setup_marker: str, code_marker: str) -> subprocess.CompletedProcess:
+    """The README's shell set-up block (pointed at `server`) then its Python block, run
+    as a user pastes them; a failure shows their stderr."""
+    setup = on_port(block("sh", setup_marker), server)
+    code = block("python", code_marker)
     proc = subprocess.run(
         ["bash", "-c", f'{setup}\n"{sys.executable}" -c "$CODE"'],
         capture_output=True,
@@ -104,6 +105,12 @@ def test_the_anthropic_example(server) -> None:
         env={**os.environ, "CODE": code},
     )
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.slow
+def test_the_anthropic_example(server) -> None:
+    proc = _python_example(server, "export ANTHROPIC_BASE_URL", "anthropic.Anthropic()")
     cached, new = re.search(r"(\d+) prompt tokens from the cache, (\d+) new", proc.stdout).groups()
     assert int(cached) > 0 and int(new) > 0
 
@@ -116,16 +123,7 @@ def test_the_agents_are_pointed_at_the_server() -> None:
 
 @pytest.mark.slow
 def test_the_ollama_example(server) -> None:
-    setup = on_port(block("sh", "export OLLAMA_HOST"), server)
-    code = block("python", "import ollama")
-    proc = subprocess.run(
-        ["bash", "-c", f'{setup}\n"{sys.executable}" -c "$CODE"'],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "CODE": code},
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _python_example(server, "export OLLAMA_HOST", "import ollama")
     listed, rest = proc.stdout.split("\n", 1)
     assert listed == f"['{MODEL}']"
     said, counts = rest.removesuffix("\n").rsplit("\n", 1)

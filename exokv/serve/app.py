@@ -446,10 +446,8 @@ def _responses(service: Service, body: bytes) -> tuple[TurnRequest, list[str], S
 
 
 async def _stored_response(service: Service, request: Request) -> Response:
-    log = _Request(service, request)
-    log.route = "GET /v1/responses/{id}"  # one metrics series for every id
+    log = _Request(service, request)  # its key checked by `bound`, its label the pattern
     try:
-        _check_key(service, request)
         doc = service.response_store.doc(request.path_params["ident"])
     except api.ApiError as err:
         log.write(err.status)
@@ -471,9 +469,8 @@ def _ollama_generate(service: Service, body: bytes) -> tuple[TurnRequest, list[s
 
 async def _ollama_info(service: Service, request: Request) -> Response:
     """Ollama's /api/tags, /api/ps, /api/version and /api/show: the served model."""
-    log = _Request(service, request)
+    log = _Request(service, request)  # its key checked by `bound`
     try:
-        _check_key(service, request)
         what = request.url.path.removeprefix("/api/")
         if what == "version":
             doc = {"version": ollama.VERSION}
