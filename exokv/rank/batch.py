@@ -525,9 +525,7 @@ class _Batch:
             for j, r in enumerate(active):
                 k = r.request.logprobs
                 if k is not None:  # lazy: read when the token is taken (`_take`)
-                    row = logprobs[j]
-                    top = mx.argsort(-row)[:k] if k else mx.array([], dtype=mx.int32)
-                    r.sampled.append((row[tokens[j]], top, row[top]))
+                    r.sampled.append(constrain.top_arrays(logprobs[j], tokens[j], k))
             return tokens
 
     def _constrained(self, logprobs: mx.array, active: list[_Row], picked: mx.array) -> mx.array:

@@ -112,17 +112,22 @@ def normalized(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def top_logprobs(logprobs: mx.array, token: int, k: int) -> tuple[float, list[int], list[float]]:
+def top_arrays(logprobs: Any, token: Any, k: int) -> tuple[mx.array, mx.array, mx.array]:
     """The chosen token's log-probability and the `k` most likely tokens' ids and
-    log-probabilities, most likely first (one row of log-probabilities)."""
+    log-probabilities, most likely first (one row of log-probabilities), as lazy arrays:
+    a batch reads them when its step's tokens are taken."""
     row = logprobs.reshape(-1).astype(mx.float32)
-    chosen = float(row[token].item())
     if k <= 0:
-        return chosen, [], []
+        return row[token], mx.array([], dtype=mx.int32), mx.array([], dtype=mx.float32)
     ids = mx.argpartition(-row, kth=k - 1)[:k]
-    values = row[ids]
-    order = mx.argsort(-values)
-    return chosen, ids[order].tolist(), values[order].tolist()
+    order = mx.argsort(-row[ids])
+    return row[token], ids[order], row[ids[order]]
+
+
+def top_logprobs(logprobs: mx.array, token: int, k: int) -> tuple[float, list[int], list[float]]:
+    """`top_arrays`, read: (chosen's log-probability, ids, log-probabilities)."""
+    chosen, ids, values = top_arrays(logprobs, token, k)
+    return float(chosen.item()), ids.tolist(), values.tolist()
 
 
 def entry(tokenizer: Any, token: int, chosen: float, ids: list[int], values: list[float]) -> list:

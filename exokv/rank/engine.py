@@ -625,9 +625,9 @@ class Engine:
             processors=[grammar.processor()] if grammar is not None else None,
             on_logprobs=report if request.logprobs is not None else None,
         )
-        out = Decoded(tokens_out, reply, finish, ttft, tps, spelled=stops.kept(tokens_out))
-        out.logprobs = reported if request.logprobs is not None else None
-        return out
+        logprobs = reported if request.logprobs is not None else None
+        kept = stops.kept(tokens_out)
+        return Decoded(tokens_out, reply, finish, ttft, tps, spelled=kept, logprobs=logprobs)
 
     def _why_not_speculate(self, cache: list[Any], request: TurnRequest) -> str:
         """Why this turn decodes without drafts ("": it drafts), the same on every rank."""
