@@ -253,3 +253,54 @@ def test_newcomers_prefill_together_in_one_pass_and_reply_as_one_at_a_time(
         assert got.result.finish_reason == want.finish_reason
     assert all(o.result.cached_tokens > 0 for o in outcomes[1:])  # the system prompt
     assert eng.cache.total_bytes == alone.cache.total_bytes
+
+
+def test_newcomers_take_the_slots_of_rows_that_ended_and_reply_as_one_at_a_time(
+    tiny, monkeypatch
+) -> None:
+    """A row that ends leaves its slot vacant; a newcomer whose cache fits is written
+    into it (no copy of the batch), one that does not fit is appended, and the
+    vacancies left over are compacted away: every reply still as one at a time."""
+    import exokv.rank.batch as batch_module
+
+    placed: list[int] = []
+    compacted: list[int] = []
+    place, compact_now = batch_module.slots.place, batch_module.slots.compact_now
+
+    def spy_place(layers, slot, cache):  # noqa: ANN001, ANN202 - a spy on the slot
+        placed.append(slot)
+        return place(layers, slot, cache)
+
+    def spy_compact(vacant, *args):  # noqa: ANN001, ANN202 - a spy on the decision
+        now = compact_now(vacant, *args)
+        if now and vacant:
+            compacted.append(len(vacant))
+        return now
+
+    monkeypatch.setattr(batch_module.slots, "place", spy_place)
+    monkeypatch.setattr(batch_module.slots, "compact_now", spy_compact)
+    first = requests([2, 3, 40, 36])
+    long_prompt = [{"role": "system", "content": SYSTEM}]
+    long_prompt.append({"role": "user", "content": " ".join(QUESTIONS) * 8})
+    late = [*requests([1, 1, 1, 1, 9, 12, 7])[4:]]
+    late.append(TurnRequest(session="long", messages=long_prompt, max_tokens=5))
+    alone = engine(tiny)
+    expected = [alone.turn(r) for r in first + late]
+    eng = engine(tiny)
+    eng.join_pace = FixedPace()
+    ended: list[int] = []
+
+    def joins() -> list[TurnRequest]:
+        if len(ended) == 2:  # the two short rows ended: their slots are vacant
+            ended.append(-1)
+            return late
+        return []
+
+    outcomes = run_batch(eng, first, on_row=lambda i, o: ended.append(i), joins=joins)
+    assert sorted(placed) == [0, 1]  # two newcomers in the two vacancies, two appended
+    assert compacted  # the vacancies of the rows that ended last were removed
+    for want, got in zip(expected, outcomes, strict=True):
+        assert got.result is not None and got.result.reply == want.reply
+        assert got.result.generated_tokens == want.generated_tokens
+        assert got.result.finish_reason == want.finish_reason
+    assert eng.cache.total_bytes == alone.cache.total_bytes

@@ -7,7 +7,9 @@ rows' caches are merged (mlx-lm's left-padded `BatchKVCache`) and decoded one st
 at a time (one sampler call for the batch, the next step queued before Python
 handles this one's tokens); a row ends at its end-of-turn token, its max_tokens
 or an agreed stop (one gather of a bit per row each step), and its cache is taken
-out once its last token has run (as `generate_step` runs every token it gives).
+out once its last token has run (as `generate_step` runs every token it gives); its
+slot stays vacant for a newcomer a few steps (exokv.rank.slots) rather than the batch
+being copied without it.
 Then, at that step, in the batch's order: insert, cap — the one-at-a-time turn's
 end — and the row's outcome goes out (`on_row`) while the other rows decode on.
 
@@ -34,7 +36,7 @@ from exokv.cache import kinds, memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
-from exokv.rank import constrain
+from exokv.rank import constrain, slots
 from exokv.rank.engine import cache_room, prefill, within_context
 from exokv.rank.joinfill import prefill_together, waits_for, widths
 from exokv.rank.joins import JoinBox
@@ -87,6 +89,11 @@ class _Row:
     # first, taken with its token; and the reports of the tokens taken.
     sampled: list[tuple[mx.array, mx.array, mx.array]] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+
+
+def _vacancy() -> _Row:
+    """The placeholder of a vacant slot in `_Batch.active` (never read as a row)."""
+    return _Row(-1, TurnRequest(session="", messages=[], max_tokens=0), [], 0, None)  # type: ignore[arg-type]
 
 
 def batchable(engine: Any) -> bool:
@@ -219,6 +226,10 @@ class _Batch:
         self.ready: list[_Row] = []  # rows prefilled, waiting for the first rows' start
         self.active: list[_Row] = []  # the rows in `batch`, in its order
         self.batch: list[Any] | None = None  # the decoding rows' merged caches, per layer
+        # Slots of `batch` whose row ended, each with the step it did; `active` holds a
+        # placeholder there until a newcomer takes it (exokv.rank.slots).
+        self.vacant: dict[int, int] = {}
+        self.steps = 0  # decode steps so far
 
     def run(self) -> list[RowOutcome]:
         for i, request in enumerate(self.requests):
@@ -307,11 +318,16 @@ class _Batch:
                 assert picked is not None and self.batch is not None
                 following = self._sample(self._step(self.batch, picked), self.active, picked)
                 mx.async_eval(following)
-                now = time.perf_counter()
+                self.steps += 1
+                now, live = time.perf_counter(), self._live()
                 for j, (r, token) in enumerate(zip(self.active, picked.tolist(), strict=True)):
-                    r.peak = max(r.peak, len(self.active))
-                    if j < taken:
-                        continue  # handled before the last step's prefill chunk
+                    if j in self.vacant:
+                        continue
+                    r.peak = max(r.peak, live)
+                    if j < taken and r.fed_prompt:
+                        # Handled before the last step's prefill chunk (a newcomer put
+                        # in a vacant slot since has not run its prompt's last token).
+                        continue
                     if r.fed_prompt:
                         self._take(r, token, now)
                     else:  # its last prompt token, run in this step: not a reply's
@@ -320,8 +336,8 @@ class _Batch:
             if self.on_step is not None:
                 self.on_step()
             stops, stopped, joined, size = self._agree()
-            for r, stop in zip(self.active, stops, strict=True):
-                if stop and r.finish == "length":
+            for j, (r, stop) in enumerate(zip(self.active, stops, strict=True)):
+                if stop and r.finish == "length" and j not in self.vacant:
                     r.finish = "interrupted"
             picked = following
             picked = self._end_rows(picked)
@@ -349,13 +365,17 @@ class _Batch:
             ready, self.ready = self.ready + ready, []
             if ready:
                 picked = self._merge(ready, picked)
+            picked = self._compact(picked)
 
     def _agree(self) -> tuple[list[bool], list[bool], list[TurnRequest], int]:
         """This step's decisions, rank 0's on every rank: which active and which
         prefilling rows the front end stopped, the requests that join now and the size
         of the prefill chunk. One gather (when several ranks), and a broadcast of the
         joining requests only at a step that has some."""
-        local = [int(self._asked(r.index)) for r in self.active + self.pending]
+        local = [
+            int(j not in self.vacant and self._asked(r.index)) for j, r in enumerate(self.active)
+        ]
+        local += [int(self._asked(r.index)) for r in self.pending]
         joined = self.joins() if self.joins is not None and self.joinable else []
         self.pace.target_s = max(JOIN_CHUNK_S, self.step_s)  # rank 0's decides
         chunk = self.pace.tokens()
@@ -375,10 +395,11 @@ class _Batch:
 
     def _end_rows(self, picked: mx.array | None) -> mx.array | None:
         """The rows that ended at this step leave the batch: each one's cache taken out
-        whole, then its insert and cap, in the batch's order; the token the queued step
-        sampled for it is dropped. Returns the remaining rows' next tokens."""
+        whole, then its insert and cap, in the batch's order; its slot is left vacant
+        for a newcomer (the token the queued step sampled for it runs there unread).
+        Returns the batch's next tokens."""
         active = self.active
-        ending = [j for j, r in enumerate(active) if self._ended(r)]
+        ending = [j for j, r in enumerate(active) if j not in self.vacant and self._ended(r)]
         if not ending:
             return picked
         assert self.batch is not None
@@ -391,22 +412,44 @@ class _Batch:
             self.on_step()
         for j in ending:  # in the batch's order, on every rank
             self._finish(active[j])
-        keep = [j for j in range(len(active)) if j not in ending]
-        self.active = [active[j] for j in keep]
-        if not keep:
-            self.batch = None
+            self.vacant[j] = self.steps
+            active[j] = _vacancy()
+        if not self._live():
+            self.active, self.batch, self.vacant = [], None, {}
             return None
-        for c in self.batch:
-            c.filter(mx.array(keep))
-        assert picked is not None
-        return picked[mx.array(keep)]
+        return picked
+
+    def _live(self) -> int:
+        return len(self.active) - len(self.vacant)
+
+    def _compact(self, picked: mx.array | None) -> mx.array | None:
+        """The vacancies no newcomer took in time leave the batch, in one filter (which
+        also trims the left padding no live row uses): exokv.rank.slots decides when."""
+        if self.batch is None or picked is None:
+            return picked
+        longest = max(
+            len(r.tokens) + len(r.generated) + 2
+            for j, r in enumerate(self.active)
+            if j not in self.vacant
+        )
+        length = self.batch[0]._idx
+        if not slots.compact_now(self.vacant, self.steps, self._live(), length, longest):
+            return picked
+        keep = slots.keep(self.vacant, len(self.active))
+        self.active = [r for j, r in enumerate(self.active) if j not in self.vacant]
+        self.vacant = {}
+        with mx.stream(generation_stream):
+            for c in self.batch:
+                c.filter(keep)
+            return picked[keep]
 
     def _take_now(self, picked: mx.array) -> int:
         """The active rows' tokens of the step just queued, handled at once; how many."""
         tokens = picked.tolist()
         now = time.perf_counter()
-        for r, token in zip(self.active, tokens, strict=True):
-            self._take(r, token, now)
+        for j, (r, token) in enumerate(zip(self.active, tokens, strict=True)):
+            if j not in self.vacant:
+                self._take(r, token, now)
         if self.on_step is not None:
             self.on_step()
         return len(tokens)
@@ -485,24 +528,37 @@ class _Batch:
         """Rows whose prefill is done join the decoding rows, in order: their caches into
         the batch (left padded) in one extend, not one each (an extend copies the whole
         batch), their last prompt tokens into the next step's tokens."""
-        caches = []
+        caches, placed, appended = [], [], []
+        free = sorted(self.vacant)  # a newcomer takes the first vacancy its cache fits
         for row in rows:
             row.detok = self.engine.tokenizer.detokenizer  # a fresh copy per row
             row.detok.reset()
             row.stops = TextStops(self.engine.stops)
             row.constraint = constrain.for_request(self.engine, row.request.grammar)
-            caches.append(row.hit.cache)
-            row.hit.cache = None  # merged: the row's own copy is no longer needed
-        with mx.stream(generation_stream):
-            own = [BatchKVCache.merge(list(layer)) for layer in zip(*caches, strict=True)]
-            if self.batch is None:
-                self.batch = own
+            if free and self.batch is not None and slots.fits(self.batch, row.hit.cache):
+                placed.append((free.pop(0), row))
             else:
-                for c, mine in zip(self.batch, own, strict=True):
-                    c.extend(mine)
-            last = mx.array([row.tokens[-1] for row in rows])
-            picked = last if picked is None else mx.concatenate([picked, last])
-        self.active += rows
+                caches.append(row.hit.cache)
+                appended.append(row)
+        with mx.stream(generation_stream):
+            for slot, row in placed:
+                slots.place(self.batch, slot, row.hit.cache)
+                del self.vacant[slot]
+                self.active[slot] = row
+                assert picked is not None  # the slot's token now its prompt's last
+                picked = mx.where(mx.arange(picked.shape[0]) == slot, row.tokens[-1], picked)
+            if appended:
+                own = [BatchKVCache.merge(list(layer)) for layer in zip(*caches, strict=True)]
+                if self.batch is None:
+                    self.batch = own
+                else:
+                    for c, mine in zip(self.batch, own, strict=True):
+                        c.extend(mine)
+                last = mx.array([row.tokens[-1] for row in appended])
+                picked = last if picked is None else mx.concatenate([picked, last])
+        for row in rows:
+            row.hit.cache = None  # merged: the row's own copy is no longer needed
+        self.active += appended
         return picked
 
     def _sample(self, logprobs: mx.array, active: list[_Row], picked: mx.array) -> mx.array:
@@ -510,7 +566,10 @@ class _Batch:
         every row samples alike (the common case, and the cheapest step), else one call
         per row with its own temperature and top_p. Rows with a grammar sample within
         its mask (`_constrained`); rows that asked for logprobs keep their report."""
+        # A vacant slot samples as the first live row does: it never splits the call.
         settings = [(r.request.temp, r.request.top_p) for r in active]
+        live = [s for j, s in enumerate(settings) if j not in self.vacant]
+        settings = [live[0] if j in self.vacant else s for j, s in enumerate(settings)]
         for s in set(settings) - self.samplers.keys():
             self.samplers[s] = make_sampler(temp=s[0], top_p=s[1])
         with mx.stream(generation_stream):
