@@ -525,9 +525,10 @@ class _Batch:
         coord.cap(row.decision, engine.cache.path(row.tokens[:n]), n, session, row.events)
 
     def _merge(self, rows: list[_Row], picked: mx.array | None) -> mx.array:
-        """Rows whose prefill is done join the decoding rows, in order: their caches into
-        the batch (left padded) in one extend, not one each (an extend copies the whole
-        batch), their last prompt tokens into the next step's tokens."""
+        """Rows whose prefill is done join the decoding rows, in order: each into a vacant
+        slot its cache fits (exokv.rank.slots), the others' caches into the batch (left
+        padded) in one extend, not one each (an extend copies the whole batch); their
+        last prompt tokens into the next step's tokens."""
         caches, placed, appended = [], [], []
         free = sorted(self.vacant)  # a newcomer takes the first vacancy its cache fits
         for row in rows:
