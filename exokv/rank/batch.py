@@ -34,7 +34,7 @@ from exokv.cache import kinds, memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
-from exokv.rank import constrain
+from exokv.rank import batch_drafts, constrain
 from exokv.rank.engine import cache_room, prefill, within_context
 from exokv.rank.joinfill import prefill_together, waits_for, widths
 from exokv.rank.joins import JoinBox
@@ -87,6 +87,7 @@ class _Row:
     # first, taken with its token; and the reports of the tokens taken.
     sampled: list[tuple[mx.array, mx.array, mx.array]] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    drafter: batch_drafts.RowDrafter | None = None  # its drafts, if it speculates
 
 
 def batchable(engine: Any) -> bool:
@@ -297,7 +298,11 @@ class _Batch:
         taken = 0  # the first rows of `picked` whose tokens were already handled
         while self.active or self.pending or self.ready:
             following, tic, self.chunk_s = None, time.perf_counter(), 0.0
-            if self.active:
+            if self.active and batch_drafts.wanted(self.active):
+                # A step with rows' drafts: it waits for this step's tokens, which
+                # it takes itself (exokv.rank.batch_drafts).
+                following = batch_drafts.step(self, picked, taken)
+            elif self.active:
                 # The next step is queued before Python handles this one's tokens (as
                 # generate_step does), so the model runs meanwhile. Every rank queues it
                 # before its step's gather, on the same stream: the collectives keep one
@@ -491,6 +496,7 @@ class _Batch:
             row.detok.reset()
             row.stops = TextStops(self.engine.stops)
             row.constraint = constrain.for_request(self.engine, row.request.grammar)
+            row.drafter = batch_drafts.drafter_for(row.tokens, row.request)
             caches.append(row.hit.cache)
             row.hit.cache = None  # merged: the row's own copy is no longer needed
         with mx.stream(generation_stream):
@@ -624,6 +630,9 @@ class _Batch:
             reply_tokens=spelled,
             disk_written=coord.take_written(),
             logprobs=row.logprobs if row.request.logprobs is not None else None,
+            draft_tokens=row.drafter.drafted if row.drafter is not None else 0,
+            accepted_tokens=row.drafter.accepted if row.drafter is not None else 0,
+            speculation=batch_drafts.why_not(row.request),
         )
 
 

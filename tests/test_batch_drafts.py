@@ -1,0 +1,163 @@
+"""Batch rows with drafts (exokv.rank.batch_drafts) against the same rows without."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from exokv.core.records import TurnRequest
+from exokv.rank import batch_drafts
+from exokv.rank.batch import run_batch
+from exokv.rank.draft import Drafter
+from exokv.rank.engine import Engine, EngineOptions
+
+SYSTEM = "You are a terse assistant that answers in one line."
+QUESTIONS = ["Hi there.", "What is rain?", "Pick a colour.", "Who are you?", "Count to three."]
+
+
+def test_trim_rows_takes_each_rows_own_count_off_its_end() -> None:
+    rows = [KVCache() for _ in range(3)]
+    lengths = [5, 2, 7]
+    for c, n in zip(rows, lengths, strict=True):
+        c.update_and_fetch(*(mx.arange(n * 4, dtype=mx.float32).reshape(1, 1, n, 4),) * 2)
+    batch = BatchKVCache.merge(rows)
+    width = 4  # a pass of one token and a draft of three, per row
+    new = mx.arange(100, 100 + 3 * width * 4, dtype=mx.float32).reshape(3, 1, width, 4)
+    batch.update_and_fetch(new, new)
+    cuts = [3, 0, 2]
+    batch_drafts.trim_rows([batch], cuts)
+    assert batch.offset.tolist() == [n + width - c for n, c in zip(lengths, cuts, strict=True)]
+    for j, (c, n) in enumerate(zip(rows, lengths, strict=True)):
+        want = mx.concatenate([c.keys[..., :n, :], new[j : j + 1, :, : width - cuts[j]]], axis=2)
+        got = batch.extract(j)
+        assert got.offset == n + width - cuts[j]
+        assert mx.array_equal(got.keys, want) and mx.array_equal(got.values, want)
+    # The next token goes right after each row's own last one.
+    one = mx.full((3, 1, 1, 4), -1.0)
+    batch.update_and_fetch(one, one)
+    for j in range(3):
+        assert batch.extract(j).keys[0, 0, -1].tolist() == [-1.0] * 4
+
+
+def test_pass_tokens_pads_each_draft_with_its_rows_token() -> None:
+    got = batch_drafts.pass_tokens([7, 8, 9], [[1, 2], [], [3]]).tolist()
+    assert got == [[7, 1, 2], [8, 8, 8], [9, 3, 9]]
+
+
+class _Scripted(Drafter):
+    """Drafts a row's reply from what plain decoding gave it: right tokens, with every
+    `wrong`-th one made wrong (0: none), so a pass meets rows that keep all, some and
+    none of their drafts."""
+
+    def __init__(self, tokens, script: list[int], wrong: int) -> None:
+        super().__init__(tokens)
+        self.prompt, self.script, self.wrong = len(tokens), script, wrong
+
+    def propose(self, k: int) -> list[int]:
+        at = len(self.lookup.tokens) - self.prompt
+        out = self.script[at : at + k]
+        if not self.wrong:
+            return out
+        return [t + 1 if (at + i) % self.wrong == self.wrong - 1 else t for i, t in enumerate(out)]
+
+
+def _engine(tiny) -> Engine:
+    model, tokenizer = tiny
+    return Engine(model, tokenizer, options=EngineOptions())
+
+
+def _requests(max_tokens: list[int], speculate: bool) -> list[TurnRequest]:
+    out = []
+    for i, n in enumerate(max_tokens):
+        messages = [{"role": "system", "content": SYSTEM}]
+        messages.append({"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] * (1 + i % 3)})
+        out.append(TurnRequest(f"s{i}", messages, max_tokens=n, speculate=speculate))
+    return out
+
+
+@pytest.fixture
+def scripted(monkeypatch, tiny):
+    """Rows' drafts from their plain replies: row i's tokens wrong every WRONG[i]-th
+    (0: all right; 1: all wrong); returns the plain outcomes."""
+    wrong = [0, 3, 1, 2, 0, 4]
+    plain_engine = _engine(tiny)
+    reqs = _requests([24, 30, 18, 27, 6, 22], speculate=False)
+    plain = run_batch(plain_engine, reqs)
+    scripts = {}
+    for i, (r, o) in enumerate(zip(reqs, plain, strict=True)):
+        prompt = tuple(plain_engine.render(r.messages))
+        scripts[prompt] = (list(o.result.reply_tokens) + [0] * 8, wrong[i])
+
+    def drafter(tokens) -> Drafter:
+        script, every = scripts.get(tuple(tokens), ([], 0))
+        return _Scripted(tokens, script, every)
+
+    monkeypatch.setattr(batch_drafts, "Drafter", drafter)
+    return plain_engine, plain
+
+
+def test_rows_with_drafts_reply_as_rows_without_and_store_the_same(tiny, scripted) -> None:
+    plain_engine, plain = scripted
+    eng = _engine(tiny)
+    late = _requests([24, 30, 18, 27, 6, 22], speculate=True)
+    given = [False]
+
+    def joins() -> list[TurnRequest]:  # the last two join a few steps in
+        if not given[0] and eng.decision >= 4:
+            given[0] = True
+            return late[4:]
+        return []
+
+    streamed: dict[int, str] = {}
+    outcomes = run_batch(
+        eng,
+        late[:4],
+        on_text=lambda i, p: streamed.__setitem__(i, streamed.get(i, "") + p),
+        joins=joins,
+    )
+    assert len(outcomes) == 6
+    for i, (want, got) in enumerate(zip(plain, outcomes, strict=True)):
+        assert got.result.reply == want.result.reply, i
+        assert got.result.reply_tokens == want.result.reply_tokens
+        assert got.result.finish_reason == want.result.finish_reason
+        assert streamed.get(i, "") == want.result.reply
+        assert got.result.speculation == "" and want.result.speculation == "off"
+    drafted = [o.result.draft_tokens for o in outcomes]
+    kept = [o.result.accepted_tokens for o in outcomes]
+    assert all(d > 0 for d in drafted), drafted
+    assert kept[0] >= outcomes[0].result.generated_tokens // 2  # right drafts: most kept
+    assert kept[2] == 0  # all wrong: none kept
+    assert 0 < kept[1] < drafted[1]  # partly wrong: some kept
+    # Every row's cache held exactly its own tokens: the tree is the plain batch's, and
+    # a second turn of each conversation (served its first from the tree) is alike.
+    assert eng.cache.total_bytes == plain_engine.cache.total_bytes
+    again = []
+    for e, outs in ((plain_engine, plain), (eng, outcomes)):
+        follow = []
+        for r, o in zip(late, outs, strict=True):
+            messages = [*r.messages, {"role": "assistant", "content": o.result.reply}]
+            messages.append({"role": "user", "content": "And then?"})
+            follow.append(TurnRequest(r.session, messages, max_tokens=6, speculate=False))
+        again.append([o.result.reply for o in run_batch(e, follow)])
+    assert again[0] == again[1]
+
+
+def test_no_speculate_rows_draft_nothing(tiny, scripted) -> None:
+    _, plain = scripted
+    outcomes = run_batch(_engine(tiny), _requests([24, 30, 18, 27, 6, 22], speculate=False))
+    assert [o.result.reply for o in outcomes] == [o.result.reply for o in plain]
+    assert all(o.result.draft_tokens == 0 for o in outcomes)
+    assert all(o.result.speculation == "off" for o in outcomes)
+
+
+def test_a_sampling_row_with_drafts_ends_within_its_tokens(tiny, scripted) -> None:
+    reqs = _requests([24, 30, 18, 27, 6, 22], speculate=True)
+    reqs[0].temp, reqs[0].top_p = 0.8, 0.9
+    outcomes = run_batch(_engine(tiny), reqs)
+    _, plain = scripted
+    for i in range(1, 6):
+        assert outcomes[i].result.reply == plain[i].result.reply
+    first = outcomes[0].result
+    assert first.draft_tokens > 0
+    assert 1 <= first.generated_tokens <= 24 and first.finish_reason in ("stop", "length")
