@@ -161,3 +161,13 @@ def test_a_sampling_row_with_drafts_ends_within_its_tokens(tiny, scripted) -> No
     first = outcomes[0].result
     assert first.draft_tokens > 0
     assert 1 <= first.generated_tokens <= 24 and first.finish_reason in ("stop", "length")
+
+
+def test_a_row_is_waited_for_only_when_its_lookup_could_find_a_draft() -> None:
+    row = batch_drafts.RowDrafter([5, 6, 7])
+    row.catch_up([8])
+    assert not row.may_find()  # 8 was never followed by anything: no tail can match
+    row.catch_up([8, 6])
+    assert row.may_find()  # 6 was followed by 7: the next token may make (6, x) match
+    row.catch_up([8, 6, 7])
+    assert row.drafter.propose(2) == [8, 6]  # it did: what followed (6, 7) before
