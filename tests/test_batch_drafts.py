@@ -94,6 +94,8 @@ def scripted(monkeypatch, tiny):
         return _Scripted(tokens, script, every)
 
     monkeypatch.setattr(batch_drafts, "Drafter", drafter)
+    # Drafting on at every step, whatever this machine's clock says it is worth.
+    monkeypatch.setattr(batch_drafts.Switch, "wanted", lambda self: 1)
     return plain_engine, plain
 
 
@@ -171,3 +173,17 @@ def test_a_row_is_waited_for_only_when_its_lookup_could_find_a_draft() -> None:
     assert row.may_find()  # 6 was followed by 7: the next token may make (6, x) match
     row.catch_up([8, 6, 7])
     assert row.drafter.propose(2) == [8, 6]  # it did: what followed (6, 7) before
+
+
+def test_drafting_goes_off_while_its_steps_are_slower_and_is_tried_again() -> None:
+    switch = batch_drafts.Switch()
+    assert switch.wanted() == 1  # nothing measured: draft, which measures it
+    for drafted, tokens in ((False, 8), (True, 12), (False, 8), (True, 12)):
+        switch.ran(drafted, tokens)
+        switch.took(0.1)  # 120 tokens/s drafting against 80 plain: on
+    assert switch.wanted() == 1
+    for _ in range(3):
+        switch.ran(True, 10)
+        switch.took(0.5)  # 20 tokens/s: off
+    assert [switch.wanted() for _ in range(batch_drafts.PROBE_EVERY)][-2:] == [0, 1]
+    assert switch.wanted() == 0

@@ -298,7 +298,7 @@ class _Batch:
         taken = 0  # the first rows of `picked` whose tokens were already handled
         while self.active or self.pending or self.ready:
             following, tic, self.chunk_s = None, time.perf_counter(), 0.0
-            if self.active and batch_drafts.wanted(self.active):
+            if self.active and batch_drafts.wanted(self):
                 # A step with rows' drafts: it waits for this step's tokens, which
                 # it takes itself (exokv.rank.batch_drafts).
                 following = batch_drafts.step(self, picked, taken)
@@ -366,15 +366,18 @@ class _Batch:
         chunk = self.pace.tokens()
         group = self.engine.group
         n = len(local)
+        switch = batch_drafts.for_engine(self.engine)  # rank 0's: drafting on or off
+        drafts = switch.wanted() if group.rank == 0 else 0
         if group.size > 1:
-            rows = group.gather(local + [len(joined), chunk if group.rank == 0 else 0])
+            rows = group.gather(local + [len(joined), chunk if group.rank == 0 else 0, drafts])
             bits = [any(row[j] for row in rows) for j in range(n)]
-            count, chunk = rows[0][n], rows[0][n + 1]
+            count, chunk, drafts = rows[0][n], rows[0][n + 1], rows[0][n + 2]
             if count:
                 sent = group.broadcast([r.to_dict() for r in joined] if group.rank == 0 else None)
                 joined = [TurnRequest.from_dict(r) for r in sent]
         else:
             bits = [bool(b) for b in local]
+        switch.on = bool(drafts)
         k = len(self.active)
         return bits[:k], bits[k:], joined, chunk
 

@@ -13,10 +13,17 @@ A step with a draft waits for the step before it: the drafts follow the tokens i
 gave. A step where no row wants to draft (each drafter paused, or nothing to look
 up) is the plain one, queued ahead as ever.
 
+Whether drafting pays is measured, not assumed (`Switch`): rank 0 times the steps
+with drafts and the plain ones, in tokens per second, and drafting stays on while
+its steps give more (on this machine's CPU a pass of k tokens per row costs nearly k
+passes of one, so they rarely do; on a GPU a pass of a few tokens costs about one).
+Off, a step with drafts is tried again every PROBE_EVERY steps.
+
 Every rank decides alike: the drafts come from the rows' tokens, which every rank
 holds; the lengths from how the drafts fared, which every rank computes from the
 same logits (and, above temperature 0, the same random draws: the ranks are seeded
-alike). No clock enters a decision (no PassCost), so no draft has to be broadcast.
+alike); the switch is rank 0's, carried in the step's one gather
+(exokv.rank.batch._Batch._agree), and so changes at the same step on every rank.
 """
 
 from __future__ import annotations
@@ -100,6 +107,63 @@ class RowDrafter:
         self.drafter.advance(len(draft), kept, [], asked=asked)
 
 
+PROBE_EVERY = 32  # steps without drafts, once they lost, before a step tries them again
+WEIGHT = 0.3  # of a new step's rate in the running rates
+
+
+class Switch:
+    """Whether the batch's steps may draft: rank 0's clock says, every rank obeys.
+
+    Kept on the engine (`for_engine`), so that a batch starts from what the last one
+    learned; every rank's copy holds the last agreed `on`."""
+
+    def __init__(self) -> None:
+        self.on = True  # as agreed at the last step, the same on every rank
+        self.plain: float | None = None  # rank 0's tokens/s of steps without drafts
+        self.drafted: float | None = None  # and of steps with drafts
+        self.off_for = 0  # steps since drafting was last tried while off
+        self.last: tuple[bool, int] | None = None  # the last step: (drafted, its tokens)
+
+    def ran(self, drafted: bool, tokens: int) -> None:
+        """The step just queued or run: whether it drafted and the tokens it gave."""
+        self.last = (drafted, tokens)
+
+    def took(self, seconds: float) -> None:
+        """The last step's time on this rank (rank 0's is the one that counts)."""
+        if self.last is None or seconds <= 0:
+            return
+        drafted, tokens = self.last
+        self.last = None
+        rate = tokens / seconds
+        if drafted:
+            self.drafted = _blend(self.drafted, rate)
+        else:
+            self.plain = _blend(self.plain, rate)
+
+    def wanted(self) -> int:
+        """Rank 0's say for the next step (1: drafts allowed), before the agreement."""
+        if self.plain is None or self.drafted is None or self.drafted >= self.plain:
+            self.off_for = 0
+            return 1
+        self.off_for += 1
+        if self.off_for >= PROBE_EVERY:  # the load or the rows may have changed
+            self.off_for = 0
+            return 1
+        return 0
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else (1 - WEIGHT) * old + WEIGHT * new
+
+
+def for_engine(engine: Any) -> Switch:
+    switch = getattr(engine, "batch_drafts", None)
+    if switch is None:
+        switch = Switch()
+        engine.batch_drafts = switch
+    return switch
+
+
 def drafter_for(row_tokens: Sequence[int], request: TurnRequest) -> RowDrafter | None:
     return None if why_not(request) else RowDrafter(row_tokens)
 
@@ -109,14 +173,20 @@ def room(row: Any) -> int:
     return row.request.max_tokens - len(row.generated)
 
 
-def wanted(rows: Sequence[Any]) -> bool:
-    """Whether any row would draft at this step (before its last token is taken: one
-    more may be taken first, so this may say yes where the step then drafts nothing)."""
-    for r in rows:
-        if r.drafter is not None:
-            r.drafter.catch_up(r.generated)
-            if r.drafter.wants(room(r)):
-                return True
+def wanted(batch: Any) -> bool:
+    """Whether any row of `batch` (an exokv.rank.batch._Batch) would draft at this step
+    (before its last token is taken: one more may be taken first, so this may say yes
+    where the step then drafts nothing), and drafting is on. The step before's time
+    is taken here, when it is known (`_Batch.step_s`)."""
+    switch = for_engine(batch.engine)
+    switch.took(batch.step_s)
+    if switch.on:
+        for r in batch.active:
+            if r.drafter is not None:
+                r.drafter.catch_up(r.generated)
+                if r.drafter.wants(room(r)):
+                    return True
+    switch.ran(False, len(batch.active))
     return False
 
 
@@ -170,6 +240,7 @@ def step(batch: Any, picked: mx.array, taken: int) -> mx.array:
                 r.drafter.checked([], 0, k)  # nothing found: a pause
         following = batch._sample(batch._step(batch.batch, picked), rows, picked)
         mx.eval(following)
+        for_engine(batch.engine).ran(True, len(rows))  # a wait that found nothing
         return following
     return _verify(batch, picked, last, drafts, asked)
 
@@ -219,4 +290,5 @@ def _verify(
         following = mx.array(values, dtype=following.dtype)
     trim_rows(batch.batch, cuts)
     mx.eval(following, [c.state for c in batch.batch])
+    for_engine(batch.engine).ran(True, len(rows) + sum(width - 1 - c for c in cuts))
     return following
