@@ -187,3 +187,20 @@ def test_drafting_goes_off_while_its_steps_are_slower_and_is_tried_again() -> No
         switch.took(0.5)  # 20 tokens/s: off
     assert [switch.wanted() for _ in range(batch_drafts.PROBE_EVERY)][-2:] == [0, 1]
     assert switch.wanted() == 0
+
+
+def test_a_row_with_logprobs_decodes_alone_among_rows_that_draft(tiny, scripted) -> None:
+    _, plain = scripted
+    reqs, plain_reqs = (_requests([24, 30, 18, 27, 6, 22], speculate=s) for s in (True, False))
+    for r in (reqs[1], plain_reqs[1]):
+        r.logprobs = 2
+    got, want = (run_batch(_engine(tiny), rs) for rs in (reqs, plain_reqs))
+    assert [o.result.reply for o in got] == [o.result.reply for o in plain]
+    assert got[1].result.draft_tokens == 0 and "logprobs" in got[1].result.speculation
+    assert got[0].result.draft_tokens > 0
+    mine, theirs = got[1].result.logprobs, want[1].result.logprobs
+    assert [(e[0], [t for t, _ in e[2]]) for e in mine] == [
+        (e[0], [t for t, _ in e[2]]) for e in theirs
+    ]
+    for a, b in zip(mine, theirs, strict=True):  # [text, logprob, top]
+        assert abs(a[1] - b[1]) < 1e-4
