@@ -233,8 +233,7 @@ def test_queue_full_is_503_with_retry_after_a_key_is_required_and_no_speculate_h
     tmp_path: Path, models_dir: Path
 ) -> None:
     home = home_with_models(tmp_path / "h", models_dir, link=True)
-    # One at a time: above --batch 1 the second request would join the running one
-    # (and a batch's rows decode without drafts whatever the flag says).
+    # One at a time: above --batch 1 the second request would join the running one.
     args = ("--queue", "1", "--batch", "1", "--api-key", "sekrit", "--no-speculate")
     with serving(home, *args) as s:
         for key in ("none", "wrong"):

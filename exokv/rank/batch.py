@@ -36,7 +36,7 @@ from exokv.cache import kinds, memory
 from exokv.cache.prefix_cache import Hit
 from exokv.core.records import CacheEvent, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import PromptTooLong
-from exokv.rank import constrain, slots
+from exokv.rank import batch_drafts, constrain, slots
 from exokv.rank.engine import cache_room, prefill, within_context
 from exokv.rank.joinfill import prefill_together, waits_for, widths
 from exokv.rank.joins import JoinBox
@@ -89,6 +89,7 @@ class _Row:
     # first, taken with its token; and the reports of the tokens taken.
     sampled: list[tuple[mx.array, mx.array, mx.array]] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    drafter: batch_drafts.RowDrafter | None = None  # its drafts, if it speculates
 
 
 def _vacancy() -> _Row:
@@ -308,7 +309,11 @@ class _Batch:
         taken = 0  # the first rows of `picked` whose tokens were already handled
         while self.active or self.pending or self.ready:
             following, tic, self.chunk_s = None, time.perf_counter(), 0.0
-            if self.active:
+            if self.active and batch_drafts.wanted(self):
+                # A step with rows' drafts: it waits for this step's tokens, which
+                # it takes itself (exokv.rank.batch_drafts).
+                following = batch_drafts.step(self, picked, taken)
+            elif self.active:
                 # The next step is queued before Python handles this one's tokens (as
                 # generate_step does), so the model runs meanwhile. Every rank queues it
                 # before its step's gather, on the same stream: the collectives keep one
@@ -381,15 +386,18 @@ class _Batch:
         chunk = self.pace.tokens()
         group = self.engine.group
         n = len(local)
+        switch = batch_drafts.for_engine(self.engine)  # rank 0's: drafting on or off
+        drafts = switch.wanted() if group.rank == 0 else 0
         if group.size > 1:
-            rows = group.gather(local + [len(joined), chunk if group.rank == 0 else 0])
+            rows = group.gather(local + [len(joined), chunk if group.rank == 0 else 0, drafts])
             bits = [any(row[j] for row in rows) for j in range(n)]
-            count, chunk = rows[0][n], rows[0][n + 1]
+            count, chunk, drafts = rows[0][n], rows[0][n + 1], rows[0][n + 2]
             if count:
                 sent = group.broadcast([r.to_dict() for r in joined] if group.rank == 0 else None)
                 joined = [TurnRequest.from_dict(r) for r in sent]
         else:
             bits = [bool(b) for b in local]
+        switch.on = bool(drafts)
         k = len(self.active)
         return bits[:k], bits[k:], joined, chunk
 
@@ -536,6 +544,7 @@ class _Batch:
             row.detok.reset()
             row.stops = TextStops(self.engine.stops)
             row.constraint = constrain.for_request(self.engine, row.request.grammar)
+            row.drafter = batch_drafts.drafter_for(row.tokens, row.request)
             if free and self.batch is not None and slots.fits(self.batch, row.hit.cache):
                 placed.append((free.pop(0), row))
             else:
@@ -684,6 +693,9 @@ class _Batch:
             reply_tokens=spelled,
             disk_written=coord.take_written(),
             logprobs=row.logprobs if row.request.logprobs is not None else None,
+            draft_tokens=row.drafter.drafted if row.drafter is not None else 0,
+            accepted_tokens=row.drafter.accepted if row.drafter is not None else 0,
+            speculation=batch_drafts.why_not(row.request),
         )
 
 

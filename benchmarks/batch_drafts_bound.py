@@ -1,0 +1,125 @@
+"""What a batch gains from drafts when they are right: the batch decoder in process.
+
+    python benchmarks/batch_drafts_bound.py --model builtin:base --repeats 3 --json
+
+`serve_speculate.py` measures the server with the drafts prompt lookup finds; a model
+that never quotes its prompt (the builtins' random weights) finds none, so it says
+nothing of what a verify pass of the batch costs. Here the same 8 rows (each "Repeat
+this text exactly, word for word:" and a paragraph of its own, temperature 0) run
+through exokv.rank.batch.run_batch three ways, in turn, --repeats times:
+
+- `plain`: `speculate=False` (no drafts);
+- `lookup`: drafts from each row's prompt and reply, as the server drafts;
+- `right`: each row's drafts are its own plain reply's next tokens (right by
+  construction, as a model that quotes its prompt would find them): the bound.
+
+Decode tokens/s = all rows' tokens but their first / the wall time from the first
+text any row streams to run_batch's end (the prefill, the same in all three, is left
+out). Medians; every run's replies must equal `plain`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_speculate import prompts  # noqa: E402 - the same rows as the server's run
+
+from exokv.core.records import TurnRequest  # noqa: E402
+from exokv.model.resolve import load_model  # noqa: E402
+from exokv.rank import batch_drafts  # noqa: E402
+from exokv.rank.batch import run_batch  # noqa: E402
+from exokv.rank.draft import Drafter  # noqa: E402
+from exokv.rank.engine import Engine  # noqa: E402
+
+
+class _Right(Drafter):
+    """Drafts a row's plain reply from where its reply is."""
+
+    def __init__(self, tokens: Sequence[int], script: list[int]) -> None:
+        super().__init__(tokens)
+        self.prompt, self.script = len(tokens), script
+
+    def propose(self, k: int) -> list[int]:
+        at = len(self.lookup.tokens) - self.prompt
+        return self.script[at : at + k]
+
+
+def once(model: Any, tokenizer: Any, streams: int, max_tokens: int, speculate: bool) -> dict:
+    engine = Engine(model, tokenizer)
+    rows = [
+        TurnRequest(f"s{i}", m, max_tokens=max_tokens, speculate=speculate)
+        for i, m in enumerate(prompts(streams))
+    ]
+    texts: list[float] = []
+    out = run_batch(engine, rows, on_text=lambda i, p: texts.append(time.perf_counter()))
+    wall = time.perf_counter() - texts[0]
+    results = [o.result for o in out]
+    return {
+        # From the first text on: the decode (the prefill, the same in all, left out).
+        "tokens_per_s": (sum(r.generated_tokens for r in results) - len(results)) / wall,
+        "replies": [r.reply for r in results],
+        "tokens": [r.reply_tokens for r in results],
+        "drafted": sum(r.draft_tokens for r in results),
+        "kept": sum(r.accepted_tokens for r in results),
+        "prompts": [engine.render(r.messages) for r in rows],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="builtin:base")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=80)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    model, tokenizer = load_model(args.model)
+    results: dict[str, Any] = {"model": args.model, "load_average_before": os.getloadavg()}
+    runs: dict[str, list[dict]] = {"plain": [], "lookup": [], "right": []}
+    plain = once(model, tokenizer, args.streams, args.max_tokens, False)  # warm-up, and scripts
+    pairs = zip(plain["prompts"], plain["tokens"], strict=True)
+    scripts = {tuple(t): s + [0] * 16 for t, s in pairs}
+    real = batch_drafts.Drafter
+    for _ in range(args.repeats):
+        runs["plain"].append(once(model, tokenizer, args.streams, args.max_tokens, False))
+        runs["lookup"].append(once(model, tokenizer, args.streams, args.max_tokens, True))
+        batch_drafts.Drafter = lambda t: _Right(t, scripts[tuple(t)])  # type: ignore[misc]
+        try:
+            runs["right"].append(once(model, tokenizer, args.streams, args.max_tokens, True))
+        finally:
+            batch_drafts.Drafter = real  # type: ignore[misc]
+    for name, trials in runs.items():
+        rates = [r["tokens_per_s"] for r in trials]
+        results[name] = {
+            "tokens_per_s": [round(x, 1) for x in rates],
+            "median_tokens_per_s": round(statistics.median(rates), 1),
+            "drafted": trials[-1]["drafted"],
+            "kept": trials[-1]["kept"],
+            "same_replies": all(r["replies"] == plain["replies"] for r in trials),
+        }
+    for name in ("lookup", "right"):
+        ratio = results[name]["median_tokens_per_s"] / results["plain"]["median_tokens_per_s"]
+        results[name]["ratio"] = round(ratio, 2)
+    results["load_average_after"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for name in runs:
+        r = results[name]
+        print(
+            f"{name:<7} {r['median_tokens_per_s']:>7.1f} tok/s {r.get('ratio', 1.0)}x "
+            f"drafted {r['drafted']} kept {r['kept']} same replies {r['same_replies']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
