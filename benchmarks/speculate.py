@@ -76,16 +76,21 @@ def pass_costs(model: Any, ks: tuple[int, ...] = PASS_KS, ctx: int = 128) -> dic
     import mlx.core as mx  # deferred: the model is loaded already
     from mlx_lm.models.cache import make_prompt_cache
 
+    cache = make_prompt_cache(model)
+    model(mx.array([[1] * ctx]), cache=cache)
+    mx.eval([c.state for c in cache])
     out = {}
     for k in ks:
         times = []
+        mx.eval(model(mx.array([[2] * k]), cache=cache))  # a first pass of k is not timed
+        for c in cache:
+            c.trim(k)
         for _ in range(3):
-            cache = make_prompt_cache(model)
-            model(mx.array([[1] * ctx]), cache=cache)
-            mx.eval([c.state for c in cache])
             tic = time.perf_counter()
             mx.eval(model(mx.array([[2] * k]), cache=cache))
             times.append(time.perf_counter() - tic)
+            for c in cache:
+                c.trim(k)  # back to the `ctx` tokens
         out[str(k)] = statistics.median(times)
     return out
 

@@ -379,6 +379,9 @@ def test_two_pipeline_ranks_verify_rank_0s_drafts(
     assert [t["reply"] for t in spec] == [t["reply"] for t in plain]
     assert [t["cached_tokens"] for t in spec] == [t["cached_tokens"] for t in plain]
     assert 0 < spec[0]["accepted_tokens"] < spec[0]["draft_tokens"]
+    # Rank 0's account of the turn's passes reaches the front end.
+    passes = spec[0]["speculation_detail"]["verify_passes"]
+    assert sum(int(n) * c for n, c in passes.items()) == spec[0]["draft_tokens"]
 
 
 @pytest.mark.slow
