@@ -27,6 +27,7 @@ decisions (speculation_detail.why). Prints tables, or with --json one document.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -143,6 +144,7 @@ def run_weights(args: argparse.Namespace, weights: str, port: int) -> dict[str, 
                         runs.setdefault(key, []).append(got)
                         figures = {k: v for k, v in got.items() if k not in ("reply", "detail")}
                         figures["why"] = got["detail"].get("why")
+                        figures["reply_sha1"] = hashlib.sha1(got["reply"].encode()).hexdigest()[:10]
                         print(weights, key, json.dumps(figures), file=sys.stderr, flush=True)
     finally:
         if client is not None:
