@@ -164,6 +164,10 @@ def test_chat_drafts_with_the_draft_model_and_refuses_a_bad_one(
     assert spec["reply"] == plain["reply"]
     # The conversation may draft too (as the pass timings allow): the model must have.
     assert spec["accepted_tokens"] > 0 and spec["model_draft_tokens"] > 0
+    # Why it drafted so: rank 0's draft decisions, its passes by length, the cost.
+    detail = spec["speculation_detail"]
+    assert sum(detail["why"].values()) >= sum(detail["verify_passes"].values()) > 0
+    assert detail["acceptance"]["model"] > 0 and plain["speculation_detail"] == {}
     other = _other_vocabulary(models_dir / "tiny", tmp_path / "other")
     for bad, says in [
         (["--draft-model", str(other)], "its tokenizer differs from the model's"),

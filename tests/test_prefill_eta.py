@@ -124,7 +124,8 @@ class _Chat:
             session="s", prompt_tokens=2000, cached_tokens=0, prefilled_tokens=2000,
             generated_tokens=2, ttft_s=3.0, decode_tps=5.0, reply="Hi.", evictions=0,
             ranks=1, overhead_s=0.0, draft_tokens=0, accepted_tokens=0,
-            model_draft_tokens=0, speculation="", finish_reason="stop", decision=1,
+            model_draft_tokens=0, speculation="", speculation_detail={}, finish_reason="stop",
+            decision=1,
             rank_stats=[], events=[], replica_bytes=0, replica_s=0.0, replica_error=None,
         )  # fmt: skip
         return SimpleNamespace(result=result, turn=1, command=None, message="", quit=False)

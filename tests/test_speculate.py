@@ -46,16 +46,11 @@ def test_lookup_prefers_the_longest_tail_and_never_matches_itself() -> None:
     assert PromptLookup([4, 5]).propose(2) == []
 
 
-def test_draft_length_grows_shrinks_and_pauses_while_drafts_fail() -> None:
-    length = DraftLength(most=8, start=4)
-    assert length.next(room=100) == 4
-    length.record(4, 4)
-    assert length.next(100) == 6
-    length.record(6, 6)
-    length.record(8, 8)
-    assert length.next(100) == 8  # at most `most`
+def test_draft_length_caps_and_pauses_while_drafts_fail() -> None:
+    length = DraftLength(most=8)
+    assert length.next(room=100) == 8  # the cap: rank 0's cost model chooses below it
     length.record(8, 2)
-    assert length.next(100) == 3  # what was kept, plus one
+    assert length.next(100) == 8  # a partly kept draft does not shrink the cap
     assert length.next(room=2) == 1  # the verify pass's own token needs room too
     assert length.next(room=1) == 0
     for _ in range(draft_mod.MISSES):
@@ -64,15 +59,20 @@ def test_draft_length_grows_shrinks_and_pauses_while_drafts_fail() -> None:
     length.decoded(draft_mod.FIRST_PAUSE - 1)
     assert length.next(100) == 0
     length.decoded(1)
-    assert length.next(100) == 1
+    assert length.next(100) == 8
     for _ in range(draft_mod.MISSES):
         length.record(1, 0)
     length.decoded(draft_mod.FIRST_PAUSE)
     assert length.next(100) == 0  # the second pause is twice as long
     length.decoded(draft_mod.FIRST_PAUSE)
-    assert length.next(100) == 1
+    assert length.next(100) == 8
     length.record(1, 1)  # an accepted token ends the pauses
     assert length.next_pause == draft_mod.FIRST_PAUSE
+    length.pause_for(10)  # what rank 0 asked after an empty draft
+    length.decoded(9)
+    assert length.next(100) == 0
+    length.decoded(1)
+    assert length.next(100) == 8
 
 
 def test_a_draft_is_as_long_as_its_pass_pays() -> None:
@@ -379,6 +379,9 @@ def test_two_pipeline_ranks_verify_rank_0s_drafts(
     assert [t["reply"] for t in spec] == [t["reply"] for t in plain]
     assert [t["cached_tokens"] for t in spec] == [t["cached_tokens"] for t in plain]
     assert 0 < spec[0]["accepted_tokens"] < spec[0]["draft_tokens"]
+    # Rank 0's account of the turn's passes reaches the front end.
+    passes = spec[0]["speculation_detail"]["verify_passes"]
+    assert sum(int(n) * c for n, c in passes.items()) == spec[0]["draft_tokens"]
 
 
 @pytest.mark.slow

@@ -44,6 +44,7 @@ def turn_json(outcome: Outcome) -> dict[str, Any]:
         "accepted_tokens": r.accepted_tokens,
         "model_draft_tokens": r.model_draft_tokens,
         "speculation": r.speculation,
+        "speculation_detail": r.speculation_detail,
         "finish_reason": r.finish_reason,
         "decision": r.decision,
         "command": outcome.command,

@@ -176,6 +176,9 @@ class TurnResult:
     accepted_tokens: int = 0  # of those, the reply's (each saved a forward pass)
     model_draft_tokens: int = 0  # of draft_tokens, those --draft-model proposed
     speculation: str = ""  # why the turn decoded without drafts ("off", or its cache's kind)
+    # Why a drafting turn drafted what it did (exokv.rank.draft.Drafter.detail, rank 0's):
+    # its steps, the reasons of its draft decisions, the acceptance and the pass cost.
+    speculation_detail: dict[str, Any] = field(default_factory=dict)
     # The reply's exact token ids (no end of turn): what its message carries from now on
     # (exokv.prompt.render). Not shown: the front ends' JSON names the fields it shows.
     reply_tokens: list[int] = field(default_factory=list)

@@ -16,19 +16,24 @@ still the one broadcast with the step, so every rank verifies the same draft.
 
 from __future__ import annotations
 
+from collections import Counter, deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from exokv.cache.radix import Node, RadixTree
 
 MAX_NGRAM = 3  # the longest tail looked up: a longer match is a likelier continuation
 MIN_NGRAM = 2  # one token matches too often to predict what follows
 MOST = 8  # the longest draft: what one verify pass may run besides its own token
-START = 4  # a turn's first draft length
+START = 4  # the draft length while the pass cost is not measured yet
 MISSES = 3  # drafts rejected in a row before drafting pauses
 FIRST_PAUSE = 4  # tokens decoded plainly after those misses; doubles each time, to
 LONGEST_PAUSE = 32  # at most, so a reply that starts quoting late is still drafted
 FIRST_RATE = 0.8  # a turn's first guess at a draft token's chance of being kept
+PRIOR = 5.0  # ...held as if from this many draft tokens' outcomes
+FORGET = 0.8  # of the outcomes so far, what each new draft's leaves (recent ones count most)
+PROBE_EVERY = 8  # rank 0's draft decisions between two probes of the longest draft
+PROBE_RATE = 0.5  # a source kept less often than this is not worth a probe
 
 
 class PromptLookup:
@@ -66,23 +71,25 @@ class PromptLookup:
 
 
 class DraftLength:
-    """How many tokens to draft next, from how the last drafts fared.
+    """When to draft, and at most how much: what every rank knows alike.
 
-    A draft accepted whole grows the next one by two (up to MOST); a rejected one sets
-    it to what was accepted plus one. MISSES drafts in a row with nothing accepted
-    pause drafting for FIRST_PAUSE tokens, then twice as long each time (up to
-    LONGEST_PAUSE); an accepted token ends the pauses.
+    The length itself is rank 0's choice (`PassCost.worth` in `Drafter.propose`, what a
+    pass of that length is expected to yield per second); this is its cap, MOST and
+    the reply's room. MISSES drafts in a row with nothing accepted pause drafting for
+    FIRST_PAUSE tokens, then twice as long each time (up to LONGEST_PAUSE); an
+    accepted token ends the pauses. A draft step that came back empty pauses for what
+    rank 0 asked with it (`pause_for`).
     """
 
-    def __init__(self, most: int = MOST, start: int = START) -> None:
+    def __init__(self, most: int = MOST, start: int = MOST) -> None:
         self.most = most
-        self.length = min(start, most)
+        self.length = min(start, most)  # the cap while drafting
         self.misses = 0  # drafts rejected whole in a row
         self.pause = 0  # tokens still to decode before the next draft
         self.next_pause = FIRST_PAUSE
 
     def next(self, room: int) -> int:
-        """The next draft's length (0: do not draft now); `room` is the tokens the reply
+        """The next draft's cap (0: do not draft now); `room` is the tokens the reply
         may still add, of which the verify pass's own token is one."""
         if self.pause > 0 or room <= 1:
             return 0
@@ -92,10 +99,6 @@ class DraftLength:
         """A verify pass kept `accepted` of `drafted` tokens."""
         if drafted <= 0:
             return
-        if accepted >= drafted:
-            self.length = min(self.length + 2, self.most)
-        else:
-            self.length = max(1, min(self.most, accepted + 1))
         if accepted > 0:
             self.misses, self.next_pause = 0, FIRST_PAUSE
             return
@@ -104,11 +107,15 @@ class DraftLength:
             self.pause, self.misses = self.next_pause, 0
             self.next_pause = min(self.next_pause * 2, LONGEST_PAUSE)
 
+    def pause_for(self, tokens: int) -> None:
+        """Decode `tokens` plainly before the next draft step (at least)."""
+        self.pause = max(self.pause, tokens)
+
     def nothing(self) -> None:
-        """A draft step found nothing to draft (or rank 0 found no draft worth its pass):
-        a short pause, so that on several ranks a reply with nothing to draft pays a
-        step's collective only every few tokens, as plain decoding's stop check."""
-        self.pause = max(self.pause, FIRST_PAUSE)
+        """A draft step found nothing to draft: a short pause, so that on several ranks a
+        reply with nothing to draft pays a step's collective only every few tokens, as
+        plain decoding's stop check."""
+        self.pause_for(FIRST_PAUSE)
 
     def decoded(self, tokens: int) -> None:
         """`tokens` more of the reply were decoded (a pause runs out with them)."""
@@ -157,48 +164,107 @@ class TreeContinuation:
 
 
 class PassCost:
-    """What a verify pass costs on this machine, as rank 0 measured it, and so how long a
-    draft is worth its pass.
+    """What a step of 1 + j tokens (the last token and j draft tokens) costs here, learnt
+    on the fly, and so how long a draft is worth its pass.
 
-    A pass of 1 + j tokens takes about `one + extra * j` seconds: on a GPU `extra` is
-    small (a few tokens cost about one's weights read), on a busy CPU nearly `one` (the
-    products are compute-bound). With each draft token kept with probability `rate`,
-    a pass with j draft tokens yields 1 + rate + ... + rate^j tokens; `worth` is the
-    j up to k with the most tokens per second, 0 where drafting loses to plain steps.
-    Only rank 0's proposal is cut by it (the draft is carried to the others), so the
-    ranks' different clocks never split their decisions.
+    Rank 0 times each decode step whole, from its start to its tokens (on pipeline
+    ranks that includes every rank's layers and the hops; a plain step computed ahead
+    overlaps the one before, as plain decoding does), and keeps the last WINDOW times
+    of each size. Every size is estimated by one line, cost = a + b * tokens, through
+    the second fastest of each size's times (what ignores the steps a busy machine
+    slowed; the line pools the sizes, so one size's bad luck moves it little
+    and sizes never tried are read off it). On a GPU, or a CPU with
+    float16 weights, extra tokens cost little (a pass reads the weights once); with
+    4-bit weights on this CPU each costs about as much as the first.
+
+    `worth` chooses the draft length with the most expected tokens per second: a
+    draft of j tokens each kept with probability `rate` (given the ones before it)
+    yields 1 + rate + ... + rate^j tokens for cost(1 + j); 0 unless that beats a plain
+    step by MARGIN. Only rank 0's proposal is cut by it (the draft is carried to the
+    others), so the ranks' different clocks never split their decisions.
     """
 
-    WEIGHT = 0.3  # of a new measurement in the running estimates
+    WINDOW = 11  # the times kept per size
+    MARGIN = 0.2  # a draft must be expected to beat a plain step by this much: noise is not gain
 
     def __init__(self) -> None:
-        self.one: float | None = None  # seconds of a one-token pass
-        self.extra: float | None = None  # seconds each draft token adds to a pass
+        self.times: dict[int, deque[float]] = {}
 
     def took(self, tokens: int, seconds: float) -> None:
-        if tokens <= 1:
-            self.one = _blend(self.one, seconds, self.WEIGHT)
-        elif self.one is not None:
-            self.extra = _blend(
-                self.extra, max(0.0, seconds - self.one) / (tokens - 1), self.WEIGHT
-            )
+        """A step ran `tokens` through the model (1: a plain step) in `seconds`."""
+        self.times.setdefault(max(1, tokens), deque(maxlen=self.WINDOW)).append(seconds)
+
+    @property
+    def one(self) -> float | None:
+        """Seconds of a plain step, None until one was timed."""
+        return self.estimate(1) if 1 in self.times else None
+
+    def estimate(self, tokens: int) -> float | None:
+        """Seconds of a step of `tokens`; None until some step was timed."""
+        points = [(n, _low(t), len(t)) for n, t in self.times.items()]
+        if len(points) < 2:
+            return points[0][1] if points else None
+        slope, at = _line(points)
+        return at + slope * tokens
+
+    def known(self) -> bool:
+        """Whether a plain step and a draft step were both timed."""
+        return 1 in self.times and len(self.times) >= 2
+
+    def speed(self, j: int, rate: float, drafting: float = 0.0) -> float:
+        """Expected tokens per second of a step with j draft tokens (`known` first)."""
+        seconds = self.estimate(1 + j)
+        assert seconds is not None
+        return expected_tokens(j, rate) / (seconds + drafting * j)
 
     def worth(self, k: int, rate: float, drafting: float = 0.0) -> int:
-        """`drafting`: the seconds each draft token costs to propose (a draft model's
-        forward pass; 0 for the conversation's drafts), added to its cost in the pass."""
-        if self.one is None or self.extra is None or k <= 0:
+        """The best draft length up to `k`; `drafting`: the seconds each draft token
+        costs to propose (a draft model's pass; 0 for the conversation's drafts)."""
+        if not self.known() or k <= 0:
             return k  # not measured yet: draft, which measures it
-        best, best_speed, tokens = 0, 1.0 / self.one, 1.0
+        best, best_speed = 0, self.speed(0, rate) * (1 + self.MARGIN)
         for j in range(1, k + 1):
-            tokens += rate**j
-            speed = tokens / (self.one + (self.extra + drafting) * j)
+            speed = self.speed(j, rate, drafting)
             if speed > best_speed:
                 best, best_speed = j, speed
         return best
 
+    def table(self, most: int = MOST) -> dict[str, float]:
+        """Each step size's estimated cost over a plain step's (what `worth` weighs)."""
+        one = self.one
+        if one is None or not self.known():
+            return {}
+        out = {}
+        for n in range(1, most + 2):
+            seconds = self.estimate(n)
+            assert seconds is not None
+            out[str(n)] = round(seconds / one, 2)
+        return out
 
-def _blend(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+
+def _low(times: Sequence[float]) -> float:
+    """A size's time: the second fastest of its times (one freak aside), since a busy
+    machine only ever slows a step: a median lets a neighbour's burst in once it
+    lasts, and the fastest times are the ones the sizes share whatever the load."""
+    ordered = sorted(times)
+    return ordered[min(1, len(ordered) - 1)]
+
+
+def expected_tokens(j: int, rate: float) -> float:
+    """Tokens a step with j draft tokens yields: its own and the kept run of the draft."""
+    return 1.0 + sum(rate**i for i in range(1, j + 1))
+
+
+def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (size, seconds) points,
+    each weighted by its count of times; the slope ≥ 0 (a longer pass never costs less)."""
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    cov = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points)
+    slope = max(0.0, cov / var) if var else 0.0
+    return slope, mean_y - slope * mean_x
 
 
 class ModelSource(Protocol):
@@ -211,6 +277,35 @@ class ModelSource(Protocol):
 
 CONVERSATION, MODEL = "conversation", "model"  # where a draft came from
 
+# Why rank 0's draft step drafted what it did (`Drafter.why`; the JSON's
+# speculation_detail.why). UNMEASURED: the pass cost is not known yet, a START-token
+# draft measures it; BEST: the length with the most expected tokens per second;
+# PROBE: the longest draft instead, to time it (so a cheap long pass is found even
+# when the estimate says otherwise); NOT_WORTH: no draft beats a plain step (drafting
+# pauses, twice as long each time); NOTHING: no source had a draft.
+UNMEASURED, BEST, PROBE, NOT_WORTH, NOTHING = "unmeasured", "best", "probe", "not_worth", "nothing"
+
+
+class Acceptance:
+    """A draft source's chance that a draft token is kept, given the ones before it.
+
+    Each draft is a run of kept tokens ended by a rejection (or by the draft's end):
+    the rate is kept / (kept + rejections), over outcomes that fade by FORGET per
+    draft, from a prior of FIRST_RATE worth PRIOR tokens."""
+
+    def __init__(self) -> None:
+        self.kept = FIRST_RATE * PRIOR
+        self.lost = (1 - FIRST_RATE) * PRIOR
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.lost)
+
+    def record(self, drafted: int, accepted: int) -> float:
+        self.kept = FORGET * self.kept + accepted
+        self.lost = FORGET * self.lost + (1 if accepted < drafted else 0)
+        return self.rate
+
 
 class Drafter:
     """The turn's draft sources and the length policy, together: what decode asks.
@@ -219,7 +314,11 @@ class Drafter:
     very context), then prompt lookup in the turn's own tokens, and where both give
     nothing, the draft model (--draft-model), if there is one. Each source has its
     own acceptance rate, and the model's drafts also their own cost, in what `cost`
-    decides a draft is worth."""
+    decides a draft is worth.
+
+    `propose` runs on rank 0 only: its draft, and after an empty one the pause it
+    wants (`wanted_pause`), travel to every rank with the step; the other ranks take
+    them (`agreed_pause`), so no rank decides on its own clock."""
 
     def __init__(
         self,
@@ -234,10 +333,19 @@ class Drafter:
         self.length = DraftLength(most)
         self.cost = cost
         self.model = model
+        self.accepts = {CONVERSATION: Acceptance(), MODEL: Acceptance()}
         self.rate = FIRST_RATE  # a draft token's chance of being kept, as this turn's went
         self.model_rate = FIRST_RATE  # the same for the draft model's drafts
         self.source = ""  # where rank 0's last draft came from (CONVERSATION or MODEL)
         self.model_drafted = 0  # of the turn's draft tokens, the draft model's (rank 0)
+        self.decisions = 0  # rank 0's draft decisions weighed by the cost (for probes)
+        self.quiet = FIRST_PAUSE  # rank 0: the pause after the next NOT_WORTH
+        self.wanted_pause = FIRST_PAUSE  # rank 0: the pause asked after an empty draft
+        self.agreed_pause = FIRST_PAUSE  # the one every rank takes (rank 0's, carried)
+        self.why: Counter[str] = Counter()  # rank 0: its draft steps' reasons
+        self.lengths: Counter[int] = Counter()  # verify passes by draft length
+        self.plain_steps = 0
+        self._why = ""
 
     def size(self, room: int) -> int:
         return self.length.next(room)
@@ -247,52 +355,92 @@ class Drafter:
         for, which came empty) is plain too, before that token is known: so its
         forward pass can start at once. Every rank answers alike."""
         if asked:
-            return True  # nothing to draft: a pause (DraftLength.nothing)
+            return self.agreed_pause > 1 or room <= 2  # an empty draft step: a pause
         return self.length.pause > 1 or room <= 2
+
+    def _choose(self, k: int, rate: float, drafting: float = 0.0) -> int:
+        """Rank 0's draft length up to `k` for a source kept at `rate`, and why."""
+        if self.cost is None or not self.cost.known():
+            self._why = UNMEASURED
+            return min(k, START) if self.cost is not None else k
+        best = self.cost.worth(k, rate, drafting)
+        self.decisions += 1
+        if best < k and rate >= PROBE_RATE and self.decisions % PROBE_EVERY == 0:
+            self._why = PROBE
+            return k
+        self._why = BEST if best else NOT_WORTH
+        return best
 
     def propose(self, k: int) -> list[int]:
         """Rank 0's draft of at most `k` tokens (fewer where a longer one is not worth
         its pass, by `cost`)."""
         self.source = ""
-        free = self.cost.worth(k, self.rate) if self.cost is not None else k
+        free = self._choose(k, self.rate)
         if free > 0:
             stored = self.tree.propose(free) if self.tree is not None else []
             found = stored or self.lookup.propose(free)
             if found:
-                self.source = CONVERSATION
-                return found
-        if self.model is None:
-            return []
-        if self.cost is not None:
-            if self.cost.one is None:
-                # A plain pass first: the model's drafts are weighed against its time,
-                # which only plain steps measure (and a model that always drafts would
-                # never leave one).
-                return []
-            k = self.cost.worth(k, self.model_rate, self.model.seconds or 0.0)
-        if k <= 0:
-            return []
-        self.source = MODEL
-        drafted = self.model.propose(self.lookup.tokens, k)
-        self.model_drafted += len(drafted)
-        return drafted
+                return self._drafting(CONVERSATION, found)
+        why = NOTHING if free > 0 else self._why
+        if self.model is not None and (self.cost is None or self.cost.one is not None):
+            # (Without a plain step timed the model's drafts cannot be weighed against
+            # their own time, and a model that always drafts would never leave one.)
+            j = self._choose(k, self.model_rate, self.model.seconds or 0.0)
+            if j > 0:
+                guessed = self.model.propose(self.lookup.tokens, j)
+                if guessed:
+                    self.model_drafted += len(guessed)
+                    return self._drafting(MODEL, guessed)
+            why = NOTHING if j > 0 else self._why
+        self.why[why] += 1
+        if why == NOT_WORTH:
+            # Plain steps are cheapest while no draft pays: fewer draft steps, each
+            # longer apart, as long as drafts keep not paying.
+            self.wanted_pause, self.quiet = self.quiet, min(2 * self.quiet, LONGEST_PAUSE)
+        else:
+            self.wanted_pause = FIRST_PAUSE
+        return []
+
+    def _drafting(self, source: str, draft: list[int]) -> list[int]:
+        self.source = source
+        self.why[self._why] += 1
+        if self._why == BEST:
+            self.quiet = FIRST_PAUSE
+        return draft
 
     def advance(self, drafted: int, accepted: int, new: Sequence[int], asked: int = 0) -> None:
         """A step's outcome: `drafted` proposed (of `asked`, 0 on a plain step),
         `accepted` kept, `new` tokens decoded."""
         if drafted:
+            self.lengths[drafted] += 1
+            rate = self.accepts[self.source or CONVERSATION].record(drafted, accepted)
             if self.source == MODEL:
-                self.model_rate = _blend(self.model_rate, accepted / drafted, PassCost.WEIGHT)
+                self.model_rate = rate
             else:
-                self.rate = _blend(self.rate, accepted / drafted, PassCost.WEIGHT)
+                self.rate = rate
+        else:
+            self.plain_steps += 1
         self.source = ""
         self.length.record(drafted, accepted)
         self.length.decoded(len(new))
         if asked and not drafted:
-            self.length.nothing()  # after this step's tokens: the next ones are plain
+            self.length.pause_for(self.agreed_pause)  # after this step's tokens
         self.lookup.extend(new)
         if self.tree is not None:
             self.tree.extend(new)
+
+    def detail(self) -> dict[str, Any]:
+        """Why the turn drafted what it did (rank 0's; the JSON's speculation_detail)."""
+        cost = self.cost
+        one = cost.one if cost is not None else None
+        return {
+            "plain_steps": self.plain_steps,
+            "verify_passes": {str(n): c for n, c in sorted(self.lengths.items())},
+            "why": dict(sorted(self.why.items())),
+            "acceptance": {CONVERSATION: round(self.rate, 3), MODEL: round(self.model_rate, 3)},
+            "plain_step_s": round(one, 4) if one is not None else None,
+            "pass_cost": cost.table(self.length.most) if cost is not None else {},
+        }
 
 
 class ScriptedDrafter(Drafter):

@@ -424,6 +424,7 @@ class Engine:
             accepted_tokens=out.accepted,
             model_draft_tokens=out.model_drafted,
             speculation=self.speculation,
+            speculation_detail=out.detail,
             reply_tokens=turn.reply_tokens,
             disk_written=self.coord.take_written(),
             logprobs=out.logprobs,

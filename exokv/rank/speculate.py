@@ -104,13 +104,18 @@ class StepAgreement:
     def _local(self) -> bool:
         return self.should_stop() if self.should_stop is not None else False
 
-    def draft_step(self, k: int, propose: Callable[[int], list[int]]) -> tuple[bool, list[int]]:
+    def draft_step(self, k: int, drafter: Drafter) -> tuple[bool, list[int]]:
+        """Whether to stop, and rank 0's draft of at most `k` tokens; after an empty
+        one, rank 0's pause travels too (`Drafter.agreed_pause` on every rank)."""
         if self.group.size == 1:
-            return self._local(), propose(k)
-        mine = propose(k) if self.group.rank == 0 else []
-        values = [len(mine), *mine, *[0] * (k - len(mine))]
+            draft = drafter.propose(k)
+            drafter.agreed_pause = drafter.wanted_pause
+            return self._local(), draft
+        mine = drafter.propose(k) if self.group.rank == 0 else []
+        values = [len(mine), drafter.wanted_pause, *mine, *[0] * (k - len(mine))]
         stop, shared = self.group.any_with_values(self._local(), values)
-        return stop, shared[1 : 1 + shared[0]]
+        drafter.agreed_pause = shared[1]
+        return stop, shared[2 : 2 + shared[0]]
 
     def plain_step(self) -> bool:
         if self.group.size == 1:
@@ -201,6 +206,7 @@ class Decoded:
     accepted: int = 0  # of those, kept in the reply
     spelled: list[int] = field(default_factory=list)  # the tokens the reply's text is
     model_drafted: int = 0  # of `drafted`, those the draft model proposed (rank 0)
+    detail: dict[str, Any] = field(default_factory=dict)  # why it drafted so (Drafter.detail)
     logprobs: list[Any] | None = None  # a request's logprobs (exokv.rank.constrain.entry)
 
 
@@ -232,12 +238,16 @@ def decode(
     # two passes in one graph can order one rank's sends against another's receives
     # so that both wait (the ring hung so).
     ahead: mx.array | None = None
+    # Each step is timed whole, from its start to the next one's (the collective, the
+    # pass, the tokens' text): what a step of its size costs here (PassCost).
+    timed = _StepClock(drafter)
     with mx.stream(generation_stream):
         while True:
+            timed.next_step()
             room = max_tokens - len(text.tokens)
             k = 0 if ahead is not None else drafter.size(room)
             if k:
-                stop, draft = steps.draft_step(k, drafter.propose)
+                stop, draft = steps.draft_step(k, drafter)
             else:
                 stop, draft = steps.plain_step() if text.tokens else False, []
             if stop:
@@ -249,6 +259,7 @@ def decode(
                 kept = 0
                 y, ahead = _plain_pass(model, y, ahead, cache, drafter, k, room, temp, top_p)
             new = [*draft[:kept], y]
+            timed.ran(1 + len(draft))
             drafted, accepted = drafted + len(draft), accepted + kept
             drafter.advance(len(draft), kept, new, asked=k)
             ended, used = _add(text, new, max_tokens)
@@ -262,7 +273,27 @@ def decode(
             model(mx.array([[text.tokens[-1] if text.tokens else y]]), cache=cache)
         mx.eval([c.state for c in cache])
     reply, ttft, tps = text.finish()
-    return Decoded(text.tokens, reply, finish, ttft, tps, drafted, accepted, text.spelled())
+    out = Decoded(text.tokens, reply, finish, ttft, tps, drafted, accepted, text.spelled())
+    out.detail = drafter.detail()
+    return out
+
+
+class _StepClock:
+    """Times each decode step, start to start, into the drafter's PassCost."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.cost = drafter.cost
+        self.tokens = 0  # the last step's size (0: none yet)
+        self.tic = 0.0
+
+    def next_step(self) -> None:
+        now = time.perf_counter()
+        if self.cost is not None and self.tokens:
+            self.cost.took(self.tokens, now - self.tic)
+        self.tic, self.tokens = now, 0
+
+    def ran(self, tokens: int) -> None:
+        self.tokens = tokens
 
 
 def _verify_pass(
@@ -276,11 +307,8 @@ def _verify_pass(
 ) -> tuple[int, int]:
     """One pass over `y` and the draft: how many draft tokens are kept and the model's
     token after them; the rejected ones are taken off the cache."""
-    tic = time.perf_counter()
     logits = model(mx.array([[y, *draft]]), cache=cache)[0]
     kept, y = _verify(logits, draft, temp, top_p)
-    if drafter.cost is not None:
-        drafter.cost.took(1 + len(draft), time.perf_counter() - tic)
     trim(cache, len(draft) - kept)
     return kept, y
 
@@ -298,7 +326,6 @@ def _plain_pass(
 ) -> tuple[int, mx.array | None]:
     """One token without a draft (the one computed ahead, if any), and the next one
     computed ahead when the step after this one is known to be plain as well."""
-    tic = time.perf_counter()
     token = ahead if ahead is not None else _sample(model, y, cache, temp, top_p)
     if drafter.plain_after(k, room):
         if ahead is None:
@@ -307,10 +334,7 @@ def _plain_pass(
         mx.async_eval(ahead)
     else:
         ahead = None
-    y = int(token.item())
-    if drafter.cost is not None and ahead is None:
-        drafter.cost.took(1, time.perf_counter() - tic)
-    return y, ahead
+    return int(token.item()), ahead
 
 
 def _add(text: ReplyText, new: list[int], max_tokens: int) -> tuple[str | None, int]:
