@@ -20,7 +20,6 @@ out). Medians; every run's replies must equal `plain`'s.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_speculate import prompts  # noqa: E402 - the same rows as the server's run
+from serve_speculate import parse_args, prompts  # noqa: E402 - the server run's rows
 
 from exokv.core.records import TurnRequest  # noqa: E402
 from exokv.model.resolve import load_model  # noqa: E402
@@ -75,13 +74,7 @@ def once(model: Any, tokenizer: Any, streams: int, max_tokens: int, speculate: b
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="builtin:base")
-    p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=80)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    args = parse_args(doc=__doc__)  # the server run's options: the same rows, in process
     model, tokenizer = load_model(args.model)
     results: dict[str, Any] = {"model": args.model, "load_average_before": os.getloadavg()}
     runs: dict[str, list[dict]] = {"plain": [], "lookup": [], "right": []}

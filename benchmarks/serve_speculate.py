@@ -96,8 +96,8 @@ def drafts_kept(server: base.Server) -> list[str]:
     return [part for line in server.log for part in line.split() if part.startswith("drafts=")]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, doc: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(doc or __doc__).split("\n\n")[0])
     p.add_argument("--model", default="builtin:base")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=80)
