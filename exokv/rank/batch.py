@@ -323,20 +323,7 @@ class _Batch:
                 assert picked is not None and self.batch is not None
                 following = self._sample(self._step(self.batch, picked), self.active, picked)
                 mx.async_eval(following)
-                self.steps += 1
-                now, live = time.perf_counter(), self._live()
-                for j, (r, token) in enumerate(zip(self.active, picked.tolist(), strict=True)):
-                    if j in self.vacant:
-                        continue
-                    r.peak = max(r.peak, live)
-                    if j < taken and r.fed_prompt:
-                        # Handled before the last step's prefill chunk (a newcomer put
-                        # in a vacant slot since has not run its prompt's last token).
-                        continue
-                    if r.fed_prompt:
-                        self._take(r, token, now)
-                    else:  # its last prompt token, run in this step: not a reply's
-                        r.fed_prompt = True
+                self.take_step(picked.tolist(), taken)
             taken = 0
             if self.on_step is not None:
                 self.on_step()
@@ -426,6 +413,25 @@ class _Batch:
             self.active, self.batch, self.vacant = [], None, {}
             return None
         return picked
+
+    def take_step(self, tokens: list[int], taken: int) -> None:
+        """A decode step's tokens: each live row takes its own, but for the first
+        `taken` rows' (handled before the last step's prefill chunk) and a row's last
+        prompt token (run in this step: not a reply's). Counts the step."""
+        self.steps += 1
+        now, live = time.perf_counter(), self._live()
+        for j, (r, token) in enumerate(zip(self.active, tokens, strict=True)):
+            if j in self.vacant:
+                continue
+            r.peak = max(r.peak, live)
+            if j < taken and r.fed_prompt:
+                # (A newcomer put in a vacant slot since has not run its prompt's last
+                # token: its slot's token is its own.)
+                continue
+            if r.fed_prompt:
+                self._take(r, token, now)
+            else:
+                r.fed_prompt = True
 
     def _live(self) -> int:
         return len(self.active) - len(self.vacant)

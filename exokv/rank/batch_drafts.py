@@ -216,19 +216,8 @@ def step(batch: Any, picked: mx.array, taken: int) -> mx.array:
     rows' tokens `picked` (the first `taken` of them already taken) are taken, each
     drafting row proposes, one pass checks them all, each row takes what it keeps;
     returns the rows' next tokens (evaluated), as the plain step's sample."""
-    rows, now, live = batch.active, time.perf_counter(), batch._live()
-    batch.steps += 1
-    last = picked.tolist()
-    for j, (r, token) in enumerate(zip(rows, last, strict=True)):
-        if j in batch.vacant:
-            continue
-        r.peak = max(r.peak, live)
-        if j < taken and r.fed_prompt:
-            continue  # taken before the last prefill chunk, as in the plain step
-        if r.fed_prompt:
-            batch._take(r, token, now)
-        else:  # its last prompt token, run in this step: not a reply's
-            r.fed_prompt = True
+    rows, last = batch.active, picked.tolist()
+    batch.take_step(last, taken)
     drafts, asked = [], []
     for r in rows:
         d, k = [], 0
