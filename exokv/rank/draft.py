@@ -81,9 +81,8 @@ class DraftLength:
     rank 0 asked with it (`pause_for`).
     """
 
-    def __init__(self, most: int = MOST, start: int = MOST) -> None:
-        self.most = most
-        self.length = min(start, most)  # the cap while drafting
+    def __init__(self, most: int = MOST) -> None:
+        self.most = most  # the cap while drafting
         self.misses = 0  # drafts rejected whole in a row
         self.pause = 0  # tokens still to decode before the next draft
         self.next_pause = FIRST_PAUSE
@@ -93,7 +92,7 @@ class DraftLength:
         may still add, of which the verify pass's own token is one."""
         if self.pause > 0 or room <= 1:
             return 0
-        return min(self.length, room - 1)
+        return min(self.most, room - 1)
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify pass kept `accepted` of `drafted` tokens."""
@@ -110,12 +109,6 @@ class DraftLength:
     def pause_for(self, tokens: int) -> None:
         """Decode `tokens` plainly before the next draft step (at least)."""
         self.pause = max(self.pause, tokens)
-
-    def nothing(self) -> None:
-        """A draft step found nothing to draft: a short pause, so that on several ranks a
-        reply with nothing to draft pays a step's collective only every few tokens, as
-        plain decoding's stop check."""
-        self.pause_for(FIRST_PAUSE)
 
     def decoded(self, tokens: int) -> None:
         """`tokens` more of the reply were decoded (a pause runs out with them)."""
