@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from exokv.cache.radix import Node, RadixTree
+from exokv.rank.costline import line
 
 MAX_NGRAM = 3  # the longest tail looked up: a longer match is a likelier continuation
 MIN_NGRAM = 2  # one token matches too often to predict what follows
@@ -197,7 +198,7 @@ class PassCost:
         points = [(n, _low(t), len(t)) for n, t in self.times.items()]
         if len(points) < 2:
             return points[0][1] if points else None
-        slope, at = _line(points)
+        slope, at = line(points)
         return at + slope * tokens
 
     def known(self) -> bool:
@@ -246,18 +247,6 @@ def _low(times: Sequence[float]) -> float:
 def expected_tokens(j: int, rate: float) -> float:
     """Tokens a step with j draft tokens yields: its own and the kept run of the draft."""
     return 1.0 + sum(rate**i for i in range(1, j + 1))
-
-
-def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
-    """(slope, intercept) of the least-squares line through (size, seconds) points,
-    each weighted by its count of times; the slope ≥ 0 (a longer pass never costs less)."""
-    total = sum(w for _, _, w in points)
-    mean_x = sum(x * w for x, _, w in points) / total
-    mean_y = sum(y * w for _, y, w in points) / total
-    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-    cov = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points)
-    slope = max(0.0, cov / var) if var else 0.0
-    return slope, mean_y - slope * mean_x
 
 
 class ModelSource(Protocol):
