@@ -121,16 +121,23 @@ def _resend(server, earlier: list, turns: list[str]):
     )
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> list:
+    """TURNS on one server that is never stopped, one rank: the reference of both rank
+    counts below (at temperature 0 two pipeline ranks reply and cache as one does), so
+    one server start, not one per case."""
+    whole = home_with_models(tmp_path_factory.mktemp("whole") / "h", models_dir, link=True)
+    with serving(whole, "-n", "1") as s:
+        return _conversation(s, TURNS)
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("ranks", ["1", "2"])
 def test_a_restarted_server_answers_a_resent_conversation_as_an_uninterrupted_one(
-    tmp_path: Path, models_dir: Path, ranks: str
+    tmp_path: Path, models_dir: Path, ranks: str, uninterrupted: list
 ) -> None:
     args = ["-n", ranks, "--starting-port", "26810" if ranks == "2" else "0"]
     args = args if ranks == "2" else ["-n", "1"]
-    whole = home_with_models(tmp_path / "whole", models_dir, link=True)
-    with serving(whole, *args) as s:
-        uninterrupted = _conversation(s, TURNS)
     cut = home_with_models(tmp_path / "cut", models_dir, link=True)
     with serving(cut, *args) as s:
         before = _conversation(s, TURNS[:2])
