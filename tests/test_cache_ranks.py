@@ -52,9 +52,7 @@ def test_two_ranks_stay_within_uneven_budgets_with_exact_figures(
     turns = run_script(home, SCRIPT, *args, env=env)
     if not extra:  # --max-kv-size: a rotating cache's replies depend on the chunking
         # Under the budgets, evictions and cuts included, the same replies as no cache.
-        plain = run_script(home_with_models(tmp_path / "plain", models, link=True), SCRIPT,
-                           "--model", model, "--no-cache")  # fmt: skip
-        assert [t["reply"] for t in turns] == [t["reply"] for t in plain]
+        assert replies(turns) == _plain(SCRIPT, model, extra, models, tmp_path_factory)
     logs = [rank_log(home, 0), rank_log(home, 1)]
     assert len(logs[0]) == len(logs[1]) == len(turns) == 7
 
@@ -126,9 +124,8 @@ def test_retry_after_a_long_message_is_served_whole_on_uneven_ranks_and_budgets(
     turns = run_script(home, RETRY_SCRIPT, *args, env={"EXOKV_RANK_LOG": "1"})
     # Under --max-kv-size too: past the first window the steps end on the pace's grid
     # (exokv.rank.pace.KEPT_GRID), so a turn from a hit cuts where one from nothing does.
-    plain = run_script(home_with_models(tmp_path / "plain", models, link=True), RETRY_SCRIPT,
-                       "--model", model, "--no-cache", *extra)  # fmt: skip
-    assert replies(turns) == replies(plain)
+    plain = _plain(RETRY_SCRIPT, model, extra, models, tmp_path_factory)
+    assert replies(turns) == plain
     retry = turns[-1]
     assert retry["reply"] == turns[-2]["reply"]
     assert retry["cached_tokens"] == retry["prompt_tokens"] - 1 > 100, retry
@@ -136,6 +133,37 @@ def test_retry_after_a_long_message_is_served_whole_on_uneven_ranks_and_budgets(
     _within_budgets_alike(logs, budgets)
     reasons = [e["reason"] for t in logs[0] for e in t["events"] if e["kind"] == "evict"]
     assert "budget rank 1" in reasons and all(r.startswith("budget rank ") for r in reasons)
+
+
+# The --no-cache replies of SCRIPT and RETRY_SCRIPT per (model, flags). A model both
+# tests need them for runs both scripts in one chat (RETRY_SCRIPT's "b" renamed: SCRIPT
+# made one): with no cache a turn's reply depends on its own conversation alone.
+_plain_runs: dict[tuple[str, tuple[str, ...], str], list[str]] = {}
+_BOTH = {c[:2] for c in CASES.values() if not c[1]} & {c[:2] for c in RETRY_CASES.values()}
+
+
+def _plain(
+    script: list[str],
+    model: str,
+    extra: tuple[str, ...],
+    models: Path,
+    factory: pytest.TempPathFactory,
+) -> list[str]:
+    name = "budget" if script is SCRIPT else "retry"
+    if (model, extra, name) not in _plain_runs:
+        parts = [("budget", SCRIPT), ("retry", RETRY_SCRIPT)]
+        if (model, extra) not in _BOTH:
+            parts = [(name, script)]
+        else:
+            parts[1] = ("retry", ["/new b2" if x == "/new b" else x for x in RETRY_SCRIPT])
+        home = home_with_models(factory.mktemp("plain"), models, link=True)
+        lines = [x for _, part in parts for x in part]
+        got = replies(run_script(home, lines, "--model", model, "--no-cache", *extra))
+        for part_name, part in parts:
+            count = sum(1 for x in part if not x.startswith("/") or x == "/retry")
+            _plain_runs[model, extra, part_name], got = got[:count], got[count:]
+        assert got == []
+    return _plain_runs[model, extra, name]
 
 
 @pytest.mark.timeout(240)

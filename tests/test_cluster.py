@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -232,13 +233,33 @@ def test_a_rank_error_is_one_write_with_its_newline(
 # -- chats on two ranks ----------------------------------------------------------------
 
 
+@dataclass
+class TwoRankRun:
+    """SCRIPT on two pipeline ranks in session `s`, then quit: what the chat and the
+    ranks said, read before any later chat of this home appends to it."""
+
+    home: Path
+    turns: list[dict[str, Any]]
+    logs: list[list[dict[str, Any]]]
+    trees: list[str]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> TwoRankRun:
+    """One two-rank chat for the pipeline test and the resume test (one set of ranks)."""
+    home = home_with_models(tmp_path_factory.mktemp("two") / "h", models_dir)
+    args = ("-n", "2", "--session", "s", "--starting-port", "25110")
+    turns = run_script(home, SCRIPT, *args, env={"EXOKV_RANK_LOG": "1"})
+    trees = sorted(p.parent.name for p in (home / "kv").glob("*/*/rank*/tree.json"))
+    return TwoRankRun(home, turns, [rank_log(home, 0), rank_log(home, 1)], trees)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path) -> None:
-    home = home_with_models(tmp_path / "two", models_dir)
-    two = run_script(
-        home, SCRIPT, "-n", "2", "--starting-port", "25110", env={"EXOKV_RANK_LOG": "1"}
-    )
+def test_pipeline_matches_one_rank_and_no_cache(
+    tmp_path: Path, models_dir: Path, two_rank_run: TwoRankRun
+) -> None:
+    two = two_rank_run.turns
     one = run_script(home_with_models(tmp_path / "one", models_dir), SCRIPT)
     cold = run_script(home_with_models(tmp_path / "cold", models_dir), SCRIPT, "--no-cache")
     assert replies(two) == replies(one) == replies(cold)
@@ -250,12 +271,12 @@ def test_pipeline_matches_one_rank_and_no_cache(tmp_path: Path, models_dir: Path
 
     # One collective per turn for the cache decision, counted by wrapping the group
     # (exokv.rank.main.CountingGroup) on each rank; one broadcast carries the request.
-    for rank in (0, 1):
-        log = rank_log(home, rank)
+    for log in two_rank_run.logs:
         assert len(log) == len(SCRIPT)
         assert all(t["collectives"]["gather"] == 1 for t in log), log
         assert all(t["collectives"]["broadcast"] == 1 for t in log)
-    assert [t["events"] for t in rank_log(home, 0)] == [t["events"] for t in rank_log(home, 1)]
+    logs = two_rank_run.logs
+    assert [t["events"] for t in logs[0]] == [t["events"] for t in logs[1]]
 
 
 @pytest.mark.slow
@@ -354,13 +375,12 @@ def test_killing_rank_1_ends_the_chat_cleanly(tmp_path: Path, models_dir: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
-def test_resume_loads_every_ranks_saved_shard(tmp_path: Path, models_dir: Path) -> None:
-    home = home_with_models(tmp_path / "h", models_dir)
+def test_resume_loads_every_ranks_saved_shard(two_rank_run: TwoRankRun) -> None:
+    # The pipeline test's two-rank chat (session s, quit) is the first run here.
+    home, first = two_rank_run.home, two_rank_run.turns
+    assert two_rank_run.trees == ["rank0", "rank1"]  # each rank's disk tier, persisted on quit
     args = ("-n", "2", "--session", "s")
-    first = run_script(home, SCRIPT[:2], *args, "--starting-port", "25180")
-    trees = sorted(p.parent.name for p in (home / "kv").glob("*/*/rank*/tree.json"))
-    assert trees == ["rank0", "rank1"]  # each rank's disk tier, persisted on quit
-    resumed = run_script(home, SCRIPT[2:3], *args, "--starting-port", "25190")
+    resumed = run_script(home, ["One more thing, please."], *args, "--starting-port", "25190")
     # The whole earlier conversation comes back from the two ranks' tiers, not recomputed.
     assert resumed[0]["cached_tokens"] >= first[-1]["prompt_tokens"]
     assert any(e["kind"] == "load" for e in resumed[0]["events"])

@@ -72,11 +72,26 @@ def line(client: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def one_at_a_time(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> list[list[str]]:
-    """Every conversation's replies, one request at a time, without a cache."""
-    home = home_with_models(tmp_path_factory.mktemp("load-ref") / "h", models_dir, link=True)
-    with serving(home, "--no-cache") as s:
-        return [[r for r, _ in run_conversation(s, c, None)] for c in range(CLIENTS)]
+def one_at_a_time(tiny) -> list[list[str]]:
+    """Every conversation's replies, one turn at a time, without a cache: the engine the
+    ranks run, in this process (a server's reply at temperature 0 is the engine's; a
+    `--no-cache` server for these 256 requests cost a server, a rank and their HTTP)."""
+    # mlx (the engine) only once a slow test asks for it, as in shared_tokens
+    from exokv.core.records import TurnRequest
+    from exokv.rank.engine import Engine
+
+    engine = Engine(*tiny)
+    out = []
+    for client in range(CLIENTS):
+        messages = [{"role": "system", "content": SYSTEM}]
+        replies = []
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": user_line(client, turn)})
+            request = TurnRequest(f"c{client}", list(messages), MAX_TOKENS, use_cache=False)
+            replies.append(engine.turn(request).reply)
+            messages.append({"role": "assistant", "content": replies[-1]})
+        out.append(replies)
+    return out
 
 
 @pytest.mark.timeout(600)

@@ -9,13 +9,14 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
 from tests.chat_helpers import home_with_models
-from tests.serve_helpers import MODEL, raw, serving
+from tests.serve_helpers import MODEL, Server, raw, serving
 
 pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
 
@@ -121,16 +122,23 @@ def _resend(server, earlier: list, turns: list[str]):
     )
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> list:
+    """TURNS on one server that is never stopped, one rank: the reference of both rank
+    counts below (at temperature 0 two pipeline ranks reply and cache as one does), so
+    one server start, not one per case."""
+    whole = home_with_models(tmp_path_factory.mktemp("whole") / "h", models_dir, link=True)
+    with serving(whole, "-n", "1") as s:
+        return _conversation(s, TURNS)
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("ranks", ["1", "2"])
 def test_a_restarted_server_answers_a_resent_conversation_as_an_uninterrupted_one(
-    tmp_path: Path, models_dir: Path, ranks: str
+    tmp_path: Path, models_dir: Path, ranks: str, uninterrupted: list
 ) -> None:
     args = ["-n", ranks, "--starting-port", "26810" if ranks == "2" else "0"]
     args = args if ranks == "2" else ["-n", "1"]
-    whole = home_with_models(tmp_path / "whole", models_dir, link=True)
-    with serving(whole, *args) as s:
-        uninterrupted = _conversation(s, TURNS)
     cut = home_with_models(tmp_path / "cut", models_dir, link=True)
     with serving(cut, *args) as s:
         before = _conversation(s, TURNS[:2])
@@ -149,64 +157,70 @@ def test_a_restarted_server_answers_a_resent_conversation_as_an_uninterrupted_on
     )
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Iterator[Server]:
+    """One two-rank server for the health test and the long-prefill test (one set of
+    ranks, not two); its prefill slowed for the latter (seconds of prefill, in steps)."""
+    home = home_with_models(tmp_path_factory.mktemp("two") / "h", models_dir, link=True)
+    slow = {"EXOKV_TEST_SLOW_PREFILL": "0.004"}
+    with serving(home, "-n", "2", "--starting-port", "26850", env=slow) as s:
+        yield s
+
+
 @pytest.mark.timeout(300)
 def test_health_says_a_rank_is_down_and_the_ranks_start_again_without_a_request(
-    tmp_path: Path, models_dir: Path
+    two_ranks: Server,
 ) -> None:
     import psutil
 
-    home = home_with_models(tmp_path / "h", models_dir, link=True)
-    with serving(home, "-n", "2", "--starting-port", "26850") as s:
+    s = two_ranks
+    asked = len(s.access())  # the other test's requests, if it ran first
+    status, _, doc = raw(s.url + "/health")
+    assert (status, doc["status"]) == (200, "ok")
+    ranks = [
+        p
+        for p in psutil.Process(s.proc.pid).children(recursive=True)
+        if p.environ().get("MLX_RANK") == "1"
+    ]
+    assert len(ranks) == 1
+    ranks[0].kill()
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         status, _, doc = raw(s.url + "/health")
-        assert (status, doc["status"]) == (200, "ok")
-        ranks = [
-            p
-            for p in psutil.Process(s.proc.pid).children(recursive=True)
-            if p.environ().get("MLX_RANK") == "1"
-        ]
-        assert len(ranks) == 1
-        ranks[0].kill()
-        seen = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            status, _, doc = raw(s.url + "/health")
-            seen.append((status, doc["status"]))
-            if seen[-1] == (200, "ok") and len(seen) > 1 and seen[-2] != (200, "ok"):
-                break
-            time.sleep(0.1)
-        assert (503, "degraded") in seen, seen
-        assert seen[-1] == (200, "ok"), seen
-        # Started again by the watch, with no request: the log says so.
-        s.wait_log(lambda x: "starting the ranks again" in x)
-        assert not s.access()  # no request was sent
-        done = s.client().chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
-        )
-        assert done.choices[0].message.content
+        seen.append((status, doc["status"]))
+        if seen[-1] == (200, "ok") and len(seen) > 1 and seen[-2] != (200, "ok"):
+            break
+        time.sleep(0.1)
+    assert (503, "degraded") in seen, seen
+    assert seen[-1] == (200, "ok"), seen
+    # Started again by the watch, with no request: the log says so.
+    s.wait_log(lambda x: "starting the ranks again" in x)
+    assert s.access()[asked:] == []  # no request was sent
+    done = s.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert done.choices[0].message.content
 
 
 @pytest.mark.timeout(400)
 def test_a_client_that_leaves_during_a_long_prefill_stops_it_on_every_rank(
-    tmp_path: Path, models_dir: Path
+    two_ranks: Server,
 ) -> None:
-    home = home_with_models(tmp_path / "h", models_dir, link=True)
     long = " ".join(f"word{i}" for i in range(300))  # some 1,400 tokens
     body = {"messages": [{"role": "user", "content": long}], "max_tokens": 5, "stream": True}
-    slow = {"EXOKV_TEST_SLOW_PREFILL": "0.004"}  # seconds of prefill, in steps
-    with serving(home, "-n", "2", "--starting-port", "26900", env=slow) as s:
-        host, port = s.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
-        resp = conn.getresponse()
-        assert resp.status == 200  # the headers did not wait for the prefill
-        assert resp.readline().startswith(b"data: ")  # the role chunk; no token yet
-        conn.close()  # the client leaves during the prefill
-        (line,) = s.wait_log(lambda x: " 499 " in x, timeout=300)
-        assert "finish=interrupted" in line and "completion=0" in line, line
-        # What the ranks prefilled before the stop is cached, alike on both (a mismatch
-        # would fail this prefill): a part of the prompt, not all of it.
-        again = s.client().chat.completions.create(
-            model=MODEL, messages=body["messages"], max_tokens=1
-        )
-        prompt, cached = again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens
-        assert 0 < cached < prompt - 1, (cached, prompt)  # stopped in the prefill, not after
+    s = two_ranks  # its prefill slowed by EXOKV_TEST_SLOW_PREFILL
+    host, port = s.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "x"})
+    resp = conn.getresponse()
+    assert resp.status == 200  # the headers did not wait for the prefill
+    assert resp.readline().startswith(b"data: ")  # the role chunk; no token yet
+    conn.close()  # the client leaves during the prefill
+    (line,) = s.wait_log(lambda x: " 499 " in x, timeout=300)
+    assert "finish=interrupted" in line and "completion=0" in line, line
+    # What the ranks prefilled before the stop is cached, alike on both (a mismatch
+    # would fail this prefill): a part of the prompt, not all of it.
+    again = s.client().chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=1)
+    prompt, cached = again.usage.prompt_tokens, again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < prompt - 1, (cached, prompt)  # stopped in the prefill, not after
