@@ -106,16 +106,20 @@ class StepAgreement:
 
     def draft_step(self, k: int, drafter: Drafter) -> tuple[bool, list[int]]:
         """Whether to stop, and rank 0's draft of at most `k` tokens; after an empty
-        one, rank 0's pause travels too (`Drafter.agreed_pause` on every rank)."""
+        one, rank 0's pause travels too (`Drafter.agreed_pause` on every rank), and
+        whether its tree or draft model may still draft (`Drafter.agreed_others`)."""
         if self.group.size == 1:
             draft = drafter.propose(k)
             drafter.agreed_pause = drafter.wanted_pause
+            drafter.agreed_others = drafter.others_may_draft()
             return self._local(), draft
-        mine = drafter.propose(k) if self.group.rank == 0 else []
-        values = [len(mine), drafter.wanted_pause, *mine, *[0] * (k - len(mine))]
+        rank0 = self.group.rank == 0
+        mine = drafter.propose(k) if rank0 else []
+        others = int(drafter.others_may_draft()) if rank0 else 0
+        values = [len(mine), drafter.wanted_pause, others, *mine, *[0] * (k - len(mine))]
         stop, shared = self.group.any_with_values(self._local(), values)
-        drafter.agreed_pause = shared[1]
-        return stop, shared[2 : 2 + shared[0]]
+        drafter.agreed_pause, drafter.agreed_others = shared[1], bool(shared[2])
+        return stop, shared[3 : 3 + shared[0]]
 
     def plain_step(self) -> bool:
         if self.group.size == 1:
@@ -253,6 +257,8 @@ def decode(
             if stop:
                 finish = "interrupted"
                 break
+            if ahead is not None:
+                drafter.ahead_steps += 1
             if draft:
                 kept, y = _verify_pass(model, y, draft, cache, drafter, temp, top_p)
             else:
