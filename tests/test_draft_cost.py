@@ -101,6 +101,7 @@ def test_rank_0s_choice_and_pause_travel_so_every_rank_decides_alike() -> None:
     drafter = Drafter([1, 2, 3, 1, 2], cost=learnt(float16))
     stop, got = StepAgreement(Rank1(), None).draft_step(3, drafter)  # type: ignore[arg-type]
     assert (stop, got, drafter.agreed_pause) == (False, [], 16)
+    assert drafter.agreed_others is False  # rank 0's word on its tree and draft model
     assert not drafter.why  # no decision of its own
     drafter.advance(0, 0, [4], asked=3)
     assert drafter.length.pause == 16  # rank 0's pause, not its own

@@ -48,8 +48,30 @@ class _Script:
         return mx.eye(VOCAB)[mx.array(rows)][None] * 10.0
 
 
-def _decode(tiny: Any, prompt: list[int], reply: list[int], drafter: Drafter) -> Any:
-    _, tokenizer = tiny
+class _Detokenizer:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.text, self.last_segment = "", ""
+
+    def add_token(self, token: int) -> None:
+        self.last_segment = f"<{token}>"
+        self.text += self.last_segment
+
+    def finalize(self) -> None:
+        self.last_segment = ""
+
+
+class _Tokenizer:
+    eos_token_ids = [VOCAB - 1]
+
+    def __init__(self) -> None:
+        self.detokenizer = _Detokenizer()
+
+
+def _decode(prompt: list[int], reply: list[int], drafter: Drafter) -> Any:
+    tokenizer = _Tokenizer()
     start = len(prompt) - 1  # all but the last prompt token are in the cache
     model = _Script(reply, start)
     steps = speculate.StepAgreement(_OneRank(), None)
@@ -80,10 +102,10 @@ def test_lookup_says_no_only_where_no_next_token_could_be_drafted() -> None:
     assert PromptLookup([1, 2, 2]).may_find_after_next()  # (2, 2) is indexed next
 
 
-def test_a_reply_lookup_cannot_draft_asks_once_and_is_computed_ahead(tiny) -> None:
+def test_a_reply_lookup_cannot_draft_asks_once_and_is_computed_ahead() -> None:
     prompt = list(range(10, 40))
     reply = list(range(100, 180))  # never repeats a token: nothing to look up
-    out = _decode(tiny, prompt, reply, Drafter(prompt))
+    out = _decode(prompt, reply, Drafter(prompt))
     detail = out.detail
     # The first step asks (a tree or a draft model might have drafted); the answer
     # says neither is there, and no step asks again: every other one ran ahead.
@@ -93,7 +115,7 @@ def test_a_reply_lookup_cannot_draft_asks_once_and_is_computed_ahead(tiny) -> No
     assert out.drafted == 0
 
 
-def test_a_tree_or_draft_model_keeps_the_steps_asking(tiny) -> None:
+def test_a_tree_or_draft_model_keeps_the_steps_asking() -> None:
     prompt = list(range(10, 40))
     reply = list(range(100, 180))
 
@@ -101,17 +123,17 @@ def test_a_tree_or_draft_model_keeps_the_steps_asking(tiny) -> None:
         def others_may_draft(self) -> bool:
             return True  # as with --draft-model: lookup alone does not decide
 
-    out = _decode(tiny, prompt, reply, WithModel(prompt))
+    out = _decode(prompt, reply, WithModel(prompt))
     asked = _decisions(out.detail)
     assert asked > 1  # paused between asks, but asking
     # Every plain step that did not run ahead was a step that asked.
     assert out.detail["plain_steps"] - out.detail["ahead_steps"] == asked
 
 
-def test_a_quoting_reply_still_drafts_and_keeps_every_decision_accounted(tiny) -> None:
+def test_a_quoting_reply_still_drafts_and_keeps_every_decision_accounted() -> None:
     passage = list(range(100, 160))
     prompt = [1, 2, 3, *passage, 4, 5]
-    out = _decode(tiny, prompt, passage, Drafter(prompt))
+    out = _decode(prompt, passage, Drafter(prompt))
     assert out.accepted > len(passage) // 2
     detail = out.detail
     empty = detail["why"].get(NOTHING, 0) + detail["why"].get(NOT_WORTH, 0)
