@@ -157,3 +157,20 @@ def test_drafts_not_worth_their_pass_stay_quiet_into_the_next_turn() -> None:
     second = Drafter(tokens, cost=cost)  # the engine's next turn, the same cost
     assert second.propose(8) == []
     assert second.wanted_pause == 32 == draft_mod.LONGEST_PAUSE
+
+
+def test_probes_count_the_engines_decisions_so_a_misjudged_cost_is_retried() -> None:
+    cost = PassCost()
+    for _ in range(5):
+        for n in (1, 3, 5, 9):
+            cost.took(n, 0.4 * n)
+    tokens = list(range(10)) * 3
+    whys = []
+    for _turn in range(3):  # turns asking 3 times each, fewer than PROBE_EVERY
+        drafter = Drafter(tokens, cost=cost)
+        for _ in range(3):
+            whys.append("probe" if drafter.propose(8) else "quiet")
+    assert whys.index("probe") == draft_mod.PROBE_EVERY - 1
+    assert cost.quiet == draft_mod.LONGEST_PAUSE
+    drafter.advance(8, 3, [1, 2, 3, 4])  # the probe's draft was kept in part
+    assert cost.quiet == draft_mod.FIRST_PAUSE  # drafts pay again: ask often

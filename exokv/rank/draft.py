@@ -199,6 +199,9 @@ class PassCost:
         # Rank 0's pause after the next NOT_WORTH: it outlives the turn as the cost
         # that set it does, so each turn does not ask again from FIRST_PAUSE up.
         self.quiet = FIRST_PAUSE
+        # Rank 0's draft decisions weighed by this cost, over the turns (for probes: a
+        # turn asks only a few times, and a cost misjudged under load must be retried).
+        self.decisions = 0
 
     def took(self, tokens: int, seconds: float) -> None:
         """A step ran `tokens` through the model (1: a plain step) in `seconds`."""
@@ -393,7 +396,8 @@ class Drafter:
             return min(k, START) if self.cost is not None else k
         best = self.cost.worth(k, rate, drafting)
         self.decisions += 1
-        if best < k and rate >= PROBE_RATE and self.decisions % PROBE_EVERY == 0:
+        self.cost.decisions += 1
+        if best < k and rate >= PROBE_RATE and self.cost.decisions % PROBE_EVERY == 0:
             self._why = PROBE
             return k
         self._why = BEST if best else NOT_WORTH
@@ -444,6 +448,8 @@ class Drafter:
         """A step's outcome: `drafted` proposed (of `asked`, 0 on a plain step),
         `accepted` kept, `new` tokens decoded."""
         if drafted:
+            if accepted and self.cost is not None:
+                self.quiet = self.cost.quiet = FIRST_PAUSE  # drafts pay again: ask often
             self.lengths[drafted] += 1
             rate = self.accepts[self.source or CONVERSATION].record(drafted, accepted)
             if self.source == MODEL:
