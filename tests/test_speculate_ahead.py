@@ -174,3 +174,24 @@ def test_probes_count_the_engines_decisions_so_a_misjudged_cost_is_retried() -> 
     assert cost.quiet == draft_mod.LONGEST_PAUSE
     drafter.advance(8, 3, [1, 2, 3, 4])  # the probe's draft was kept in part
     assert cost.quiet == draft_mod.FIRST_PAUSE  # drafts pay again: ask often
+
+
+def test_steps_computed_ahead_are_timed_together(monkeypatch) -> None:
+    """One step computed ahead can look free after one that waited long: what such
+    steps cost is their mean, not the fastest of them."""
+    from types import SimpleNamespace
+
+    now = [0.0]
+    monkeypatch.setattr(speculate, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    cost = PassCost()
+    clock = speculate._StepClock(Drafter([1, 2], cost=cost))
+    for i in range(2 * speculate.AHEAD_RUN):
+        clock.next_step()
+        clock.ran(1, ahead=True)
+        now[0] += 1.9 if i % 2 else 0.1  # long, then nearly nothing: a pass each
+    clock.next_step()
+    clock.ran(5)  # a verify pass, timed alone
+    now[0] += 2.0
+    clock.next_step()
+    assert cost.one is not None and abs(cost.one - 1.0) < 1e-9  # not 0.1
+    assert list(cost.times[5]) == [2.0]

@@ -257,15 +257,15 @@ def decode(
             if stop:
                 finish = "interrupted"
                 break
-            if ahead is not None:
-                drafter.ahead_steps += 1
+            was_ahead = ahead is not None
+            drafter.ahead_steps += was_ahead
             if draft:
                 kept, y = _verify_pass(model, y, draft, cache, drafter, temp, top_p)
             else:
                 kept = 0
                 y, ahead = _plain_pass(model, y, ahead, cache, drafter, k, room, temp, top_p)
             new = [*draft[:kept], y]
-            timed.ran(1 + len(draft))
+            timed.ran(1 + len(draft), was_ahead)
             drafted, accepted = drafted + len(draft), accepted + kept
             drafter.advance(len(draft), kept, new, asked=k)
             ended, used = _add(text, new, max_tokens)
@@ -284,22 +284,38 @@ def decode(
     return out
 
 
+AHEAD_RUN = 4  # plain steps computed ahead timed together (`_StepClock`)
+
+
 class _StepClock:
-    """Times each decode step, start to start, into the drafter's PassCost."""
+    """Times each decode step, start to start, into the drafter's PassCost.
+
+    A plain step computed ahead is timed with the ones around it, AHEAD_RUN at a time:
+    its pass began during the step before, so one such step can look almost free
+    when the one before it waited long (a busy machine), and the fastest times are
+    the ones the cost keeps. Their mean is what such steps cost one after another."""
 
     def __init__(self, drafter: Drafter) -> None:
         self.cost = drafter.cost
         self.tokens = 0  # the last step's size (0: none yet)
+        self.ahead = False  # whether the last step's pass was computed ahead
         self.tic = 0.0
+        self.run: list[float] = []  # the times of the latest plain steps computed ahead
 
     def next_step(self) -> None:
         now = time.perf_counter()
         if self.cost is not None and self.tokens:
-            self.cost.took(self.tokens, now - self.tic)
+            if self.ahead:
+                self.run.append(now - self.tic)
+            else:
+                self.cost.took(self.tokens, now - self.tic)
+            if self.run and (not self.ahead or len(self.run) == AHEAD_RUN):
+                self.cost.took(1, sum(self.run) / len(self.run))
+                self.run = []
         self.tic, self.tokens = now, 0
 
-    def ran(self, tokens: int) -> None:
-        self.tokens = tokens
+    def ran(self, tokens: int, ahead: bool = False) -> None:
+        self.tokens, self.ahead = tokens, ahead
 
 
 def _verify_pass(
