@@ -16,6 +16,11 @@ through exokv.rank.batch.run_batch three ways, in turn, --repeats times:
 Decode tokens/s = all rows' tokens but their first / the wall time from the first
 text any row streams to run_batch's end (the prefill, the same in all three, is left
 out). Medians; every run's replies must equal `plain`'s.
+
+Before the runs, what one batch step costs with each row running k tokens (its
+token and a draft of k - 1) over a step of one token a row, medians of 3 after a
+prompt of about 90 tokens a row: with every draft kept a step of k yields k tokens a
+row, so k / that cost bounds what drafts can gain in a batch on these weights.
 """
 
 from __future__ import annotations
@@ -73,10 +78,38 @@ def once(model: Any, tokenizer: Any, streams: int, max_tokens: int, speculate: b
     }
 
 
+def step_costs(model: Any, rows: int, ks: Sequence[int] = (1, 2, 3, 5, 9)) -> dict[str, float]:
+    """Seconds of a batch step of `rows` rows × k tokens, over rows left-padded as a
+    merged batch is (mlx-lm's BatchKVCache), medians of 3 after one untimed step."""
+    import mlx.core as mx  # deferred: the model is loaded already
+    from mlx_lm.models.cache import BatchKVCache
+
+    lengths = [40 + 7 * i for i in range(rows)]
+    pads = [max(lengths) - n for n in lengths]
+    prompt = mx.array([[0] * p + list(range(5, 5 + n)) for p, n in zip(pads, lengths, strict=True)])
+    cache = [BatchKVCache(pads) for _ in model.layers]
+    mx.eval(model(prompt, cache=cache))
+    out = {}
+    for k in ks:
+        times = []
+        for _ in range(4):
+            tic = time.perf_counter()
+            mx.eval(model(mx.array([[7] * k] * rows), cache=cache))
+            times.append(time.perf_counter() - tic)
+            for c in cache:
+                c.trim(k)
+        out[str(k)] = statistics.median(times[1:])
+    return out
+
+
 def main() -> None:
     args = parse_args(doc=__doc__)  # the server run's options: the same rows, in process
     model, tokenizer = load_model(args.model)
     results: dict[str, Any] = {"model": args.model, "load_average_before": os.getloadavg()}
+    costs = step_costs(model, args.streams)
+    results["step_cost_s"] = {k: round(v, 3) for k, v in costs.items()}
+    results["best_case_gain"] = {k: round(int(k) * costs["1"] / v, 2) for k, v in costs.items()}
+    print("batch step cost", json.dumps(results["step_cost_s"]), file=sys.stderr, flush=True)
     runs: dict[str, list[dict]] = {"plain": [], "lookup": [], "right": []}
     plain = once(model, tokenizer, args.streams, args.max_tokens, False)  # warm-up, and scripts
     pairs = zip(plain["prompts"], plain["tokens"], strict=True)

@@ -1,7 +1,7 @@
 """`exokv serve` batch rows with drafts against `--no-speculate` (issue 46, item 3).
 
     python benchmarks/serve_speculate.py --model builtin:base --repeats 3 --json
-    python benchmarks/serve_speculate.py --model /path/to/smollm2-f16 --repeats 3 --json
+    python benchmarks/serve_speculate.py --model smollm2 --weights float16 --repeats 3 --json
 
 Two servers on the same model, both up at once, each in its own home, measured in
 turn (trials alternate, so a shared machine's noise falls on both alike): one as
@@ -102,8 +102,20 @@ def parse_args(argv: list[str] | None = None, doc: str | None = None) -> argpars
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=80)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--weights",
+        choices=("converted", "float16"),
+        default="converted",
+        help="float16: the model dequantized, made once as speculate.py makes it",
+    )
+    p.add_argument("--float16-dir", type=Path, default=Path(tempfile.gettempdir()) / "exokv-bench")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.weights == "float16":
+        from speculate import float16_copy  # deferred: it loads the engine's modules
+
+        args.model = float16_copy(args.model, args.float16_dir)
+    return args
 
 
 def run(args: argparse.Namespace, home: Path) -> dict[str, Any]:

@@ -96,11 +96,12 @@ def test_rank_0s_choice_and_pause_travel_so_every_rank_decides_alike() -> None:
 
         def any_with_values(self, flag: bool, values: list[int]) -> tuple[bool, list[int]]:
             assert values[0] == 0  # rank 1 proposes nothing of its own
-            return False, [0, 16, 0, 0, 0]  # rank 0's: no draft, a pause of 16
+            return False, [0, 16, 0, 0, 0, 0]  # rank 0's: no draft, a pause of 16, no tree
 
     drafter = Drafter([1, 2, 3, 1, 2], cost=learnt(float16))
     stop, got = StepAgreement(Rank1(), None).draft_step(3, drafter)  # type: ignore[arg-type]
     assert (stop, got, drafter.agreed_pause) == (False, [], 16)
+    assert drafter.agreed_others is False  # rank 0's word on its tree and draft model
     assert not drafter.why  # no decision of its own
     drafter.advance(0, 0, [4], asked=3)
     assert drafter.length.pause == 16  # rank 0's pause, not its own

@@ -38,7 +38,7 @@ from mlx_lm.generate import generation_stream
 from exokv.config import TEST_HOOKS
 from exokv.core.records import TurnRequest
 from exokv.rank import speculate
-from exokv.rank.draft import MIN_NGRAM, Drafter, ScriptedDrafter
+from exokv.rank.draft import Drafter, ScriptedDrafter
 
 
 def why_not(request: TurnRequest) -> str:
@@ -68,18 +68,12 @@ class RowDrafter:
         # No tree, no pass cost: see the module's note.
         self.drafter = Drafter(prompt) if script is None else ScriptedDrafter(prompt, script)
         self.scripted = script is not None
-        # The tokens seen with a token after them: a lookup finds a draft only after a
-        # tail of at least two tokens seen before, so only once the newest token but one
-        # is among them (`may_find`), whatever the newest one is.
-        self.followed = set(prompt[:-1])
         self.seen = 0  # of the row's generated tokens, those the lookup holds
         self.drafted = 0  # draft tokens the model checked
         self.accepted = 0  # of those, kept in the reply
 
     def catch_up(self, generated: Sequence[int]) -> None:
         if len(generated) > self.seen:
-            tokens = self.drafter.lookup.tokens
-            self.followed.update([*tokens[-1:], *generated[self.seen : -1]])
             self.drafter.advance(0, 0, generated[self.seen :])
             self.seen = len(generated)
 
@@ -91,8 +85,7 @@ class RowDrafter:
 
     def may_find(self) -> bool:
         """Whether a lookup could find a draft after the next token, whatever it is."""
-        tokens = self.drafter.lookup.tokens
-        return self.scripted or (len(tokens) >= MIN_NGRAM and tokens[-1] in self.followed)
+        return self.scripted or self.drafter.lookup.may_find_after_next()
 
     def propose(self, room: int) -> tuple[list[int], int]:
         """(its draft, the length it asked for)."""

@@ -48,6 +48,7 @@ class PromptLookup:
     def __init__(self, tokens: Sequence[int] = ()) -> None:
         self.tokens: list[int] = []
         self._after: dict[tuple[int, ...], int] = {}
+        self._heads: set[tuple[int, ...]] = set()  # the indexed MIN_NGRAM-grams but their last
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -56,7 +57,20 @@ class PromptLookup:
             for n in range(MIN_NGRAM, MAX_NGRAM + 1):
                 if end >= n:
                     self._after[tuple(self.tokens[end - n : end])] = end
+            if end >= MIN_NGRAM:
+                self._heads.add(tuple(self.tokens[end - MIN_NGRAM : end - 1]))
             self.tokens.append(t)
+
+    def may_find_after_next(self) -> bool:
+        """Whether `propose` could find anything once one more token, not known yet,
+        is added: only if some indexed MIN_NGRAM-gram begins as the tail then looked
+        up will (a longer tail matches only where its shorter end does). False: it
+        surely finds nothing, so the step after that token can be computed ahead."""
+        if len(self.tokens) < MIN_NGRAM - 1:
+            return False
+        head = tuple(self.tokens[len(self.tokens) - (MIN_NGRAM - 1) :])
+        # The next token indexes the n-gram ending with the last one, too.
+        return head in self._heads or tuple(self.tokens[-MIN_NGRAM:-1]) == head
 
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the longest tail of the tokens seen before."""
@@ -183,6 +197,12 @@ class PassCost:
 
     def __init__(self) -> None:
         self.times: dict[int, deque[float]] = {}
+        # Rank 0's pause after the next NOT_WORTH: it outlives the turn as the cost
+        # that set it does, so each turn does not ask again from FIRST_PAUSE up.
+        self.quiet = FIRST_PAUSE
+        # Rank 0's draft decisions weighed by this cost, over the turns (for probes: a
+        # turn asks only a few times, and a cost misjudged under load must be retried).
+        self.decisions = 0
 
     def took(self, tokens: int, seconds: float) -> None:
         """A step ran `tokens` through the model (1: a plain step) in `seconds`."""
@@ -321,21 +341,39 @@ class Drafter:
         self.source = ""  # where rank 0's last draft came from (CONVERSATION or MODEL)
         self.model_drafted = 0  # of the turn's draft tokens, the draft model's (rank 0)
         self.decisions = 0  # rank 0's draft decisions weighed by the cost (for probes)
-        self.quiet = FIRST_PAUSE  # rank 0: the pause after the next NOT_WORTH
+        self.quiet = cost.quiet if cost is not None else FIRST_PAUSE  # rank 0: the
+        # pause after the next NOT_WORTH
         self.wanted_pause = FIRST_PAUSE  # rank 0: the pause asked after an empty draft
         self.agreed_pause = FIRST_PAUSE  # the one every rank takes (rank 0's, carried)
         self.why: Counter[str] = Counter()  # rank 0: its draft steps' reasons
         self.lengths: Counter[int] = Counter()  # verify passes by draft length
         self.plain_steps = 0
+        self.ahead_steps = 0  # of the plain steps, those computed ahead (decode counts)
+        # Whether a source other than prompt lookup (the tree, a draft model) may still
+        # draft: rank 0's word, carried with each draft step so every rank holds the
+        # same (`may_find`); until then it may.
+        self.agreed_others = True
         self._why = ""
 
     def size(self, room: int) -> int:
         return self.length.next(room)
 
+    def others_may_draft(self) -> bool:
+        """Rank 0: whether the tree or the draft model may draft after the next token."""
+        tree = self.tree is not None and self.tree.node is not None
+        return tree or self.model is not None
+
+    def may_find(self) -> bool:
+        """Whether a draft step after the next token (not known yet) could find a
+        draft; when not, asking would only cost that step its computing ahead."""
+        return self.agreed_others or self.lookup.may_find_after_next()
+
     def plain_after(self, asked: int, room: int) -> bool:
         """Whether the step after a plain one (one token; `asked`: the draft it asked
         for, which came empty) is plain too, before that token is known: so its
         forward pass can start at once. Every rank answers alike."""
+        if not self.may_find():
+            return True
         if asked:
             return self.agreed_pause > 1 or room <= 2  # an empty draft step: a pause
         return self.length.pause > 1 or room <= 2
@@ -347,7 +385,8 @@ class Drafter:
             return min(k, START) if self.cost is not None else k
         best = self.cost.worth(k, rate, drafting)
         self.decisions += 1
-        if best < k and rate >= PROBE_RATE and self.decisions % PROBE_EVERY == 0:
+        self.cost.decisions += 1
+        if best < k and rate >= PROBE_RATE and self.cost.decisions % PROBE_EVERY == 0:
             self._why = PROBE
             return k
         self._why = BEST if best else NOT_WORTH
@@ -379,6 +418,8 @@ class Drafter:
             # Plain steps are cheapest while no draft pays: fewer draft steps, each
             # longer apart, as long as drafts keep not paying.
             self.wanted_pause, self.quiet = self.quiet, min(2 * self.quiet, LONGEST_PAUSE)
+            if self.cost is not None:
+                self.cost.quiet = self.quiet
         else:
             self.wanted_pause = FIRST_PAUSE
         return []
@@ -388,12 +429,16 @@ class Drafter:
         self.why[self._why] += 1
         if self._why == BEST:
             self.quiet = FIRST_PAUSE
+            if self.cost is not None:
+                self.cost.quiet = FIRST_PAUSE
         return draft
 
     def advance(self, drafted: int, accepted: int, new: Sequence[int], asked: int = 0) -> None:
         """A step's outcome: `drafted` proposed (of `asked`, 0 on a plain step),
         `accepted` kept, `new` tokens decoded."""
         if drafted:
+            if accepted and self.cost is not None:
+                self.quiet = self.cost.quiet = FIRST_PAUSE  # drafts pay again: ask often
             self.lengths[drafted] += 1
             rate = self.accepts[self.source or CONVERSATION].record(drafted, accepted)
             if self.source == MODEL:
@@ -417,6 +462,7 @@ class Drafter:
         one = cost.one if cost is not None else None
         return {
             "plain_steps": self.plain_steps,
+            "ahead_steps": self.ahead_steps,
             "verify_passes": {str(n): c for n, c in sorted(self.lengths.items())},
             "why": dict(sorted(self.why.items())),
             "acceptance": {CONVERSATION: round(self.rate, 3), MODEL: round(self.model_rate, 3)},
@@ -434,6 +480,9 @@ class ScriptedDrafter(Drafter):
         super().__init__(tokens, most)
         self.prompt = len(tokens)
         self.script = list(script)
+
+    def may_find(self) -> bool:
+        return True  # the script drafts at any step
 
     def propose(self, k: int) -> list[int]:
         at = len(self.lookup.tokens) - self.prompt

@@ -106,16 +106,20 @@ class StepAgreement:
 
     def draft_step(self, k: int, drafter: Drafter) -> tuple[bool, list[int]]:
         """Whether to stop, and rank 0's draft of at most `k` tokens; after an empty
-        one, rank 0's pause travels too (`Drafter.agreed_pause` on every rank)."""
+        one, rank 0's pause travels too (`Drafter.agreed_pause` on every rank), and
+        whether its tree or draft model may still draft (`Drafter.agreed_others`)."""
         if self.group.size == 1:
             draft = drafter.propose(k)
             drafter.agreed_pause = drafter.wanted_pause
+            drafter.agreed_others = drafter.others_may_draft()
             return self._local(), draft
-        mine = drafter.propose(k) if self.group.rank == 0 else []
-        values = [len(mine), drafter.wanted_pause, *mine, *[0] * (k - len(mine))]
+        rank0 = self.group.rank == 0
+        mine = drafter.propose(k) if rank0 else []
+        others = int(drafter.others_may_draft()) if rank0 else 0
+        values = [len(mine), drafter.wanted_pause, others, *mine, *[0] * (k - len(mine))]
         stop, shared = self.group.any_with_values(self._local(), values)
-        drafter.agreed_pause = shared[1]
-        return stop, shared[2 : 2 + shared[0]]
+        drafter.agreed_pause, drafter.agreed_others = shared[1], bool(shared[2])
+        return stop, shared[3 : 3 + shared[0]]
 
     def plain_step(self) -> bool:
         if self.group.size == 1:
@@ -253,13 +257,15 @@ def decode(
             if stop:
                 finish = "interrupted"
                 break
+            was_ahead = ahead is not None
+            drafter.ahead_steps += was_ahead
             if draft:
                 kept, y = _verify_pass(model, y, draft, cache, drafter, temp, top_p)
             else:
                 kept = 0
                 y, ahead = _plain_pass(model, y, ahead, cache, drafter, k, room, temp, top_p)
             new = [*draft[:kept], y]
-            timed.ran(1 + len(draft))
+            timed.ran(1 + len(draft), was_ahead)
             drafted, accepted = drafted + len(draft), accepted + kept
             drafter.advance(len(draft), kept, new, asked=k)
             ended, used = _add(text, new, max_tokens)
@@ -278,22 +284,38 @@ def decode(
     return out
 
 
+AHEAD_RUN = 4  # plain steps computed ahead timed together (`_StepClock`)
+
+
 class _StepClock:
-    """Times each decode step, start to start, into the drafter's PassCost."""
+    """Times each decode step, start to start, into the drafter's PassCost.
+
+    A plain step computed ahead is timed with the ones around it, AHEAD_RUN at a time:
+    its pass began during the step before, so one such step can look almost free
+    when the one before it waited long (a busy machine), and the fastest times are
+    the ones the cost keeps. Their mean is what such steps cost one after another."""
 
     def __init__(self, drafter: Drafter) -> None:
         self.cost = drafter.cost
         self.tokens = 0  # the last step's size (0: none yet)
+        self.ahead = False  # whether the last step's pass was computed ahead
         self.tic = 0.0
+        self.run: list[float] = []  # the times of the latest plain steps computed ahead
 
     def next_step(self) -> None:
         now = time.perf_counter()
         if self.cost is not None and self.tokens:
-            self.cost.took(self.tokens, now - self.tic)
+            if self.ahead:
+                self.run.append(now - self.tic)
+            else:
+                self.cost.took(self.tokens, now - self.tic)
+            if self.run and (not self.ahead or len(self.run) == AHEAD_RUN):
+                self.cost.took(1, sum(self.run) / len(self.run))
+                self.run = []
         self.tic, self.tokens = now, 0
 
-    def ran(self, tokens: int) -> None:
-        self.tokens = tokens
+    def ran(self, tokens: int, ahead: bool = False) -> None:
+        self.tokens, self.ahead = tokens, ahead
 
 
 def _verify_pass(
