@@ -25,7 +25,8 @@ whose idle-spinning ranks are paused while exokv is measured), each driven by th
    sent at once.
 
 For each: mean and p90 time to first token (request sent -> first content chunk),
-tokens/s (every completion token / first request sent to last token), and the longest
+tokens/s (every completion token / first request sent to last token), the CPU time the
+server's processes used (`server_cpu_s`; the text table: per token), and the longest
 pause a running stream sees while a --longest-token newcomer prefills (the largest gap
 between two content chunks of any stream that was decoding from before the newcomer
 was sent until after its first token; the gap counted if it overlaps that window).
@@ -46,6 +47,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_vs_mlx_lm as base  # noqa: E402 - its Server and the mlx_lm.server wrapper
@@ -92,6 +95,26 @@ def arrivals(
     return [r for r in runs if r is not None]
 
 
+def cpu_seconds(server: base.Server) -> float:
+    """CPU time (user + system) used so far by the server's process and its children
+    (its ranks): over a workload, the machine's share a server's way of serving costs,
+    which decides its tokens/s where the cores are all busy (two cores, two servers'
+    processes, the client's 64 threads and anyone else's work)."""
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def figures(runs: list[dict], long_ones: list[int]) -> dict[str, float]:
     ttfts = sorted((r["chunks"][0] if r["chunks"] else r["end"]) - r["sent"] for r in runs)
     wall = max(r["end"] for r in runs) - min(r["sent"] for r in runs)
@@ -99,6 +122,7 @@ def figures(runs: list[dict], long_ones: list[int]) -> dict[str, float]:
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         "tokens_per_s": sum(r["tokens"] for r in runs) / wall,
+        "tokens": float(sum(r["tokens"] for r in runs)),
     }
     pauses = []
     for k in long_ones:
@@ -301,7 +325,7 @@ def main() -> None:
     print(f"{args.ranks} rank(s); load average before {results['load_average_before']}")
     print(
         f"{'workload':<20} {'server':<10} {'mean TTFT':>10} {'p90 TTFT':>10} {'tok/s':>8} "
-        f"{'longest pause':>14}"
+        f"{'longest pause':>14} {'CPU ms/tok':>10}"
     )
     for work in cases(args):
         for name, figs in results[work].items():
@@ -310,7 +334,8 @@ def main() -> None:
                 shown = f"{pause * 1000:.0f} ms" if pause >= 0 else "-"
                 print(
                     f"{work:<20} {name:<10} {f['ttft_mean_s']:>9.2f}s {f['ttft_p90_s']:>9.2f}s "
-                    f"{f['tokens_per_s']:>8.1f} {shown:>14}"
+                    f"{f['tokens_per_s']:>8.1f} {shown:>14} "
+                    f"{1000 * f['server_cpu_s'] / max(f['tokens'], 1):>10.2f}"
                 )
     print(f"load average after {results['load_average_after']}")
 
@@ -368,7 +393,10 @@ def run(args: argparse.Namespace, path: Path, home: Path, tokenizer: Any) -> dic
             for trial in range(args.repeats):
                 for work, workload in runs.items():
                     for name, (server, model) in servers.items():
+                        cpu = cpu_seconds(server)
                         measured = workload(only(server), model, tokenizer, args, trial)
+                        measured["server_cpu_s"] = cpu_seconds(server) - cpu
+                        measured["load_average_1m"] = os.getloadavg()[0]
                         results[work][name].append(measured)
                         print(f"{work} {name}: {json.dumps(measured)}", file=sys.stderr)
         except Exception as err:  # a server that died mid-run: one line, exit 1
