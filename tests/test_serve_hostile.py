@@ -14,7 +14,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from exokv.core.records import RankStats, TurnRequest, TurnResult
+from exokv.core.records import NO_CALLS, BatchCalls, RankStats, RowOutcome, TurnRequest, TurnResult
 from exokv.errors import ExokvError, PromptTooLong, UsageError
 from exokv.frontend.start import ChatOptions
 from exokv.serve import api
@@ -91,9 +91,9 @@ class Scripted(StubClient):
 class App:
     """A service over `client`, its app in a TestClient, and its access log."""
 
-    def __init__(self, client: StubClient, **service: Any) -> None:
+    def __init__(self, client: StubClient, batch: int = 1, **service: Any) -> None:
         self.log: list[str] = []
-        self.queue = TurnQueue(client, 8)
+        self.queue = TurnQueue(client, 8, batch=batch)
         self.service = Service(
             model="m",
             names={"m"},
@@ -402,6 +402,34 @@ def test_byte_gauges_are_whole_numbers(make) -> None:
     text = app.metrics()
     assert 'exokv_cache_bytes{rank="0"} 1276930\n' in text
     assert "e+" not in text
+
+
+class WindingDown(Scripted):
+    """A batch that answers its one row, then goes on (storing the row's cache, as the
+    ranks do after the last answer) until `release`."""
+
+    def __init__(self) -> None:
+        super().__init__(["Hello"])
+        self.release = threading.Event()
+
+    def turns(self, requests: list[TurnRequest], calls: BatchCalls = NO_CALLS) -> list[RowOutcome]:
+        outcome = RowOutcome(result=self.turn(requests[0]))
+        assert calls.on_row is not None
+        calls.on_row(0, outcome)
+        self.release.wait(timeout=30)
+        return [outcome]
+
+
+def test_an_answered_request_is_not_in_flight_while_its_batch_winds_down() -> None:
+    client = WindingDown()
+    app = App(client, batch=8)
+    try:
+        assert app.post(CHAT, {"messages": USER}).status_code == 200
+        assert app.queue.busy  # the batch has not ended ...
+        assert "exokv_requests_in_flight 0\n" in app.metrics()  # ... its one request has
+    finally:
+        client.release.set()
+        app.close()
 
 
 def test_metrics_values_render_whole_and_fractional() -> None:

@@ -406,7 +406,9 @@ async def _model(service: Service, request: Request) -> Response:
 
 
 async def _metrics(service: Service, request: Request) -> Response:
-    text = service.metrics.render(service.queue.waiting, service.in_flight())
+    # Requests whose answer has not gone out: not in_flight(), which also counts a batch
+    # still storing its rows' caches after the last answer went (the drain waits for it).
+    text = service.metrics.render(service.queue.waiting, service.open)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
