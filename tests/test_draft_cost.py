@@ -133,6 +133,28 @@ def test_an_unmeasured_cost_drafts_a_short_draft_to_measure_it() -> None:
     assert drafter.why == {UNMEASURED: 1}
 
 
+def test_the_prefills_cost_per_token_decides_before_any_draft_is_timed() -> None:
+    def first_decision(per_token: float) -> tuple[int, dict]:
+        cost = PassCost()
+        cost.took(1, ONE)  # a plain step timed, no draft yet
+        cost.prefilled(per_token)
+        drafter = Drafter(list(range(10)) * 2, cost=cost)
+        return len(drafter.propose(8)), dict(drafter.why)
+
+    # 4-bit here: a prefill pass costs a plain step per token, so a draft cannot pay
+    assert first_decision(ONE) == (0, {NOT_WORTH: 1})
+    # float16: a token of a long pass costs a fraction of a plain step: draft long
+    drafted, why = first_decision(0.15 * ONE)
+    assert drafted >= 4 and why == {BEST: 1}
+    # the prefill's line counts only until a draft step of the model's own is timed
+    cost = PassCost()
+    cost.took(1, ONE)
+    cost.prefilled(ONE)
+    cost.took(9, 2.2 * ONE)
+    assert cost.table()["9"] == 2.2 and cost.worth(8, 0.9) == 8
+    assert not PassCost().known() and PassCost().estimate(2) is None
+
+
 def simulate(table: Callable[[int], float], reply: list[int], prompt: list[int]) -> float:
     """Decode `reply` after `prompt` with the drafter and a fake clock (each step's time
     off by up to 30%); its tokens/s over plain decoding's."""

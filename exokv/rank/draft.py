@@ -26,7 +26,11 @@ from exokv.rank.costline import line
 MAX_NGRAM = 3  # the longest tail looked up: a longer match is a likelier continuation
 MIN_NGRAM = 2  # one token matches too often to predict what follows
 MOST = 8  # the longest draft: what one verify pass may run besides its own token
-START = 4  # the draft length while the pass cost is not measured yet
+# The draft length while the pass cost is not measured yet: one token, so a first draft
+# that fails costs a two-token pass (on 4-bit weights here, 2.2 plain steps; a draft of
+# 4 cost 4.6 and lost a fresh chat's first reply 4 % of its speed), while the two sizes
+# timed already draw the line that finds long passes cheap where they are.
+START = 1
 MISSES = 3  # drafts rejected in a row before drafting pauses
 FIRST_PAUSE = 4  # tokens decoded plainly after those misses; doubles each time, to
 LONGEST_PAUSE = 32  # at most, so a reply that starts quoting late is still drafted
@@ -203,6 +207,16 @@ class PassCost:
         # Rank 0's draft decisions weighed by this cost, over the turns (for probes: a
         # turn asks only a few times, and a cost misjudged under load must be retried).
         self.decisions = 0
+        # Seconds per token of the prefill's passes (`prefilled`): the slope of the line
+        # until a draft step is timed, so an engine's first reply knows at once whether
+        # drafts can pay (on 4-bit weights here a token costs a plain step in a prefill
+        # pass as in a draft's), instead of paying a draft and failed asks to learn it.
+        self.per_token: float | None = None
+
+    def prefilled(self, per_token: float) -> None:
+        """The prefill's seconds per token (exokv.rank.pace), as measured so far."""
+        if per_token > 0:
+            self.per_token = per_token
 
     def took(self, tokens: int, seconds: float) -> None:
         """A step ran `tokens` through the model (1: a plain step) in `seconds`."""
@@ -216,14 +230,16 @@ class PassCost:
     def estimate(self, tokens: int) -> float | None:
         """Seconds of a step of `tokens`; None until some step was timed."""
         points = [(n, _low(t), len(t)) for n, t in self.times.items()]
+        if len(points) == 1 and 1 in self.times and self.per_token is not None:
+            return points[0][1] + self.per_token * (tokens - 1)  # no draft timed yet
         if len(points) < 2:
             return points[0][1] if points else None
         slope, at = line(points)
         return at + slope * tokens
 
     def known(self) -> bool:
-        """Whether a plain step and a draft step were both timed."""
-        return 1 in self.times and len(self.times) >= 2
+        """Whether a plain step was timed, and a draft step or the prefill's passes."""
+        return 1 in self.times and (len(self.times) >= 2 or self.per_token is not None)
 
     def speed(self, j: int, rate: float, drafting: float = 0.0) -> float:
         """Expected tokens per second of a step with j draft tokens (`known` first)."""
@@ -280,8 +296,9 @@ class ModelSource(Protocol):
 CONVERSATION, MODEL = "conversation", "model"  # where a draft came from
 
 # Why rank 0's draft step drafted what it did (`Drafter.why`; the JSON's
-# speculation_detail.why). UNMEASURED: the pass cost is not known yet, a START-token
-# draft measures it; BEST: the length with the most expected tokens per second;
+# speculation_detail.why). UNMEASURED: the pass cost is not known yet (no plain step
+# timed, or neither a draft step nor the prefill's passes), a START-token draft
+# measures it; BEST: the length with the most expected tokens per second;
 # PROBE: the longest draft instead, to time it (so a cheap long pass is found even
 # when the estimate says otherwise); NOT_WORTH: no draft beats a plain step (drafting
 # pauses, twice as long each time); NOTHING: no source had a draft.

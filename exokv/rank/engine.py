@@ -661,6 +661,8 @@ class Engine:
     ) -> Decoded:
         script = TEST_HOOKS.drafts()  # tests only: drafts that are partly wrong
         tree = self.cache.tree if request.use_cache else None
+        if self.pass_cost is not None and self.pace.times:
+            self.pass_cost.prefilled(self.pace.cost()[1])
         drafter = (
             ScriptedDrafter(tokens, script)
             if script is not None
