@@ -112,8 +112,12 @@ def test_rank_0s_choice_and_pause_travel_so_every_rank_decides_alike() -> None:
     ]
 
 
+def dear(tokens: int) -> float:
+    return ONE * (1 + 0.6 * (tokens - 1))  # 9 tokens: 5.8 plain steps, worth it only if kept
+
+
 def test_a_step_not_worth_drafting_pauses_longer_each_time_and_probes_now_and_then() -> None:
-    drafter = Drafter(list(range(10)) * 3, cost=learnt(four_bit))
+    drafter = Drafter(list(range(10)) * 3, cost=learnt(dear))
     pauses, whys = [], []
     for _ in range(draft_mod.PROBE_EVERY):
         drafted = drafter.propose(8)
@@ -122,9 +126,21 @@ def test_a_step_not_worth_drafting_pauses_longer_each_time_and_probes_now_and_th
     assert whys == [NOT_WORTH] * (draft_mod.PROBE_EVERY - 1) + [PROBE]
     assert pauses[:4] == [4, 8, 16, 32] and max(pauses) == draft_mod.LONGEST_PAUSE
     assert drafter.why == {NOT_WORTH: draft_mod.PROBE_EVERY - 1, PROBE: 1}
-    shy = Drafter(list(range(10)) * 3, cost=learnt(four_bit))
+    shy = Drafter(list(range(10)) * 3, cost=learnt(dear))
     shy.rate = 0.3  # drafts that fail: not even a probe
     assert not any(shy.propose(8) for _ in range(3 * draft_mod.PROBE_EVERY))
+    # Where not even drafts that are always kept would pay, the longest pause at once.
+    hopeless = Drafter(list(range(10)) * 3, cost=learnt(four_bit))
+    assert hopeless.propose(8) == [] and hopeless.wanted_pause == draft_mod.LONGEST_PAUSE
+
+
+def test_no_step_asks_before_a_plain_step_is_timed() -> None:
+    cost = PassCost()
+    drafter = Drafter(list(range(10)) * 3, cost=cost)
+    assert drafter.size(80) == 0 and not drafter.may_find()  # steps stay computed ahead
+    cost.took(1, ONE)
+    assert drafter.size(80) == draft_mod.MOST and drafter.may_find()
+    assert Drafter(list(range(10)) * 3).size(80) == draft_mod.MOST  # no cost: no timing
 
 
 def test_an_unmeasured_cost_drafts_a_short_draft_to_measure_it() -> None:

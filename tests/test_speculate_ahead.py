@@ -146,7 +146,7 @@ def test_drafts_not_worth_their_pass_stay_quiet_into_the_next_turn() -> None:
     cost = PassCost()
     for _ in range(5):
         for n in (1, 3, 5, 9):
-            cost.took(n, 0.4 * n)  # each token costs a whole pass: no draft pays
+            cost.took(n, 0.4 * (1 + 0.6 * (n - 1)))  # dear: only drafts always kept pay
     tokens = list(range(10)) * 3
     first = Drafter(tokens, cost=cost)
     pauses = []

@@ -373,7 +373,14 @@ class Drafter:
         self._why = ""
 
     def size(self, room: int) -> int:
-        return self.length.next(room)
+        return 0 if self.warming() else self.length.next(room)
+
+    def warming(self) -> bool:
+        """Whether no plain step of this engine has been timed yet: until one is, a
+        draft cannot be weighed, and a step that asks loses its computing ahead (on
+        two pipeline ranks about a step's time each). The plain steps are timed at
+        the same steps on every rank, so every rank answers alike."""
+        return self.cost is not None and 1 not in self.cost.times
 
     def others_may_draft(self) -> bool:
         """Rank 0: whether the tree or the draft model may draft after the next token."""
@@ -383,6 +390,8 @@ class Drafter:
     def may_find(self) -> bool:
         """Whether a draft step after the next token (not known yet) could find a
         draft; when not, asking would only cost that step its computing ahead."""
+        if self.warming():
+            return False
         return self.agreed_others or self.lookup.may_find_after_next()
 
     def plain_after(self, asked: int, room: int) -> bool:
@@ -433,7 +442,11 @@ class Drafter:
         self.why[why] += 1
         if why == NOT_WORTH:
             # Plain steps are cheapest while no draft pays: fewer draft steps, each
-            # longer apart, as long as drafts keep not paying.
+            # longer apart, as long as drafts keep not paying; the longest at once
+            # where not even a draft that is always kept would pay (4-bit weights
+            # here), since asking more often cannot find one that does.
+            if self.cost is not None and self.cost.worth(self.length.most, 1.0) == 0:
+                self.quiet = LONGEST_PAUSE
             self.wanted_pause, self.quiet = self.quiet, min(2 * self.quiet, LONGEST_PAUSE)
             if self.cost is not None:
                 self.cost.quiet = self.quiet
