@@ -134,6 +134,25 @@ def test_a_step_not_worth_drafting_pauses_longer_each_time_and_probes_now_and_th
     assert hopeless.propose(8) == [] and hopeless.wanted_pause == draft_mod.LONGEST_PAUSE
 
 
+def test_with_the_prefills_line_alone_a_found_draft_that_could_pay_is_drafted_whole() -> None:
+    def untimed(per_token: float, tokens: list[int]) -> Drafter:
+        cost = PassCost()
+        cost.took(1, ONE)
+        cost.prefilled(per_token)
+        return Drafter(tokens, cost=cost)
+
+    quoting = list(range(10)) * 2  # the lookup finds the rest of the run
+    dear = untimed(0.6 * ONE, quoting)  # not worth at the guessed rate, but if kept
+    assert len(dear.propose(8)) == 8 and dear.why == {PROBE: 1}
+    hopeless = untimed(ONE, quoting)  # not even a draft always kept would pay
+    assert hopeless.propose(8) == [] and hopeless.why == {NOT_WORTH: 1}
+    unquoting = untimed(0.6 * ONE, list(range(20)))  # nothing to draft: a pause, as before
+    assert unquoting.propose(8) == [] and unquoting.why == {NOT_WORTH: 1}
+    assert unquoting.wanted_pause == draft_mod.FIRST_PAUSE
+    dear.cost.took(9, 5.8 * ONE)  # once a draft step is timed, its own line decides
+    assert dear.propose(8) == [] and dear.why == {PROBE: 1, NOT_WORTH: 1}
+
+
 def test_no_step_asks_before_a_plain_step_is_timed() -> None:
     cost = PassCost()
     drafter = Drafter(list(range(10)) * 3, cost=cost)

@@ -418,15 +418,30 @@ class Drafter:
         self._why = BEST if best else NOT_WORTH
         return best
 
+    def _untimed_may_pay(self, k: int) -> bool:
+        cost = self.cost
+        return (
+            cost is not None
+            and len(cost.times) == 1  # plain steps only: the slope is the prefill's
+            and self.rate >= PROBE_RATE
+            and cost.worth(k, 1.0) > 0
+        )
+
     def propose(self, k: int) -> list[int]:
         """Rank 0's draft of at most `k` tokens (fewer where a longer one is not worth
         its pass, by `cost`)."""
         self.source = ""
         free = self._choose(k, self.rate)
-        if free > 0:
-            stored = self.tree.propose(free) if self.tree is not None else []
-            found = stored or self.lookup.propose(free)
+        # The prefill's line alone (no draft step timed) judges a draft by its guessed
+        # rate: where a draft kept whole would pay, one the conversation has is drafted
+        # whole (a probe) so the model's own pass is timed, and quoting is found to pay.
+        untimed = free == 0 and self._untimed_may_pay(k)
+        if free > 0 or untimed:
+            stored = self.tree.propose(k if untimed else free) if self.tree is not None else []
+            found = stored or self.lookup.propose(k if untimed else free)
             if found:
+                if untimed:
+                    self._why = PROBE
                 return self._drafting(CONVERSATION, found)
         why = NOTHING if free > 0 else self._why
         if self.model is not None and (self.cost is None or self.cost.one is not None):
