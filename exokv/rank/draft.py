@@ -296,9 +296,8 @@ class ModelSource(Protocol):
 CONVERSATION, MODEL = "conversation", "model"  # where a draft came from
 
 # Why rank 0's draft step drafted what it did (`Drafter.why`; the JSON's
-# speculation_detail.why). UNMEASURED: the pass cost is not known yet (no plain step
-# timed, or neither a draft step nor the prefill's passes), a START-token draft
-# measures it; BEST: the length with the most expected tokens per second;
+# speculation_detail.why). UNMEASURED: the pass cost is not known yet (neither a draft
+# step nor the prefill's passes timed), a START-token draft measures it; BEST: the length with the most expected tokens per second;
 # PROBE: the longest draft instead, to time it (so a cheap long pass is found even
 # when the estimate says otherwise); NOT_WORTH: no draft beats a plain step (drafting
 # pauses, twice as long each time); NOTHING: no source had a draft.
