@@ -26,10 +26,10 @@ from exokv.rank.costline import line
 MAX_NGRAM = 3  # the longest tail looked up: a longer match is a likelier continuation
 MIN_NGRAM = 2  # one token matches too often to predict what follows
 MOST = 8  # the longest draft: what one verify pass may run besides its own token
-# The draft length while the pass cost is not measured yet: one token, so a first draft
-# that fails costs a two-token pass (on 4-bit weights here, 2.2 plain steps; a draft of
-# 4 cost 4.6 and lost a fresh chat's first reply 4 % of its speed), while the two sizes
-# timed already draw the line that finds long passes cheap where they are.
+# The draft length while the pass cost is not known (no draft step timed and no prefill
+# to read): one token, so a first draft that fails costs a two-token pass (on 4-bit
+# weights here 2.2 plain steps, where a draft of 4 cost 4.6), while the two sizes timed
+# already draw the line that finds long passes cheap where they are.
 START = 1
 MISSES = 3  # drafts rejected in a row before drafting pauses
 FIRST_PAUSE = 4  # tokens decoded plainly after those misses; doubles each time, to
@@ -297,7 +297,8 @@ CONVERSATION, MODEL = "conversation", "model"  # where a draft came from
 
 # Why rank 0's draft step drafted what it did (`Drafter.why`; the JSON's
 # speculation_detail.why). UNMEASURED: the pass cost is not known yet (neither a draft
-# step nor the prefill's passes timed), a START-token draft measures it; BEST: the length with the most expected tokens per second;
+# step nor the prefill's passes timed), a START-token draft measures it; BEST: the
+# length with the most expected tokens per second;
 # PROBE: the longest draft instead, to time it (so a cheap long pass is found even
 # when the estimate says otherwise); NOT_WORTH: no draft beats a plain step (drafting
 # pauses, twice as long each time); NOTHING: no source had a draft.
