@@ -229,13 +229,24 @@ class PassCost:
 
     def estimate(self, tokens: int) -> float | None:
         """Seconds of a step of `tokens`; None until some step was timed."""
+        if self.prefill_only:
+            assert self.per_token is not None
+            return _low(self.times[1]) + self.per_token * (tokens - 1)
         points = [(n, _low(t), len(t)) for n, t in self.times.items()]
-        if len(points) == 1 and 1 in self.times and self.per_token is not None:
-            return points[0][1] + self.per_token * (tokens - 1)  # no draft timed yet
         if len(points) < 2:
             return points[0][1] if points else None
         slope, at = line(points)
         return at + slope * tokens
+
+    @property
+    def prefill_only(self) -> bool:
+        """Whether the line is a plain step's time and the prefill's slope: no draft
+        step timed yet."""
+        return list(self.times) == [1] and self.per_token is not None
+
+    def may_ever_pay(self, k: int) -> bool:
+        """Whether a draft of up to `k` tokens would pay if every token were kept."""
+        return self.worth(k, 1.0) > 0
 
     def known(self) -> bool:
         """Whether a plain step was timed, and a draft step or the prefill's passes."""
@@ -422,9 +433,9 @@ class Drafter:
         cost = self.cost
         return (
             cost is not None
-            and len(cost.times) == 1  # plain steps only: the slope is the prefill's
+            and cost.prefill_only
             and self.rate >= PROBE_RATE
-            and cost.worth(k, 1.0) > 0
+            and cost.may_ever_pay(k)
         )
 
     def propose(self, k: int) -> list[int]:
@@ -460,7 +471,7 @@ class Drafter:
             # longer apart, as long as drafts keep not paying; the longest at once
             # where not even a draft that is always kept would pay (4-bit weights
             # here), since asking more often cannot find one that does.
-            if self.cost is not None and self.cost.worth(self.length.most, 1.0) == 0:
+            if self.cost is not None and not self.cost.may_ever_pay(self.length.most):
                 self.quiet = LONGEST_PAUSE
             self.wanted_pause, self.quiet = self.quiet, min(2 * self.quiet, LONGEST_PAUSE)
             if self.cost is not None:
