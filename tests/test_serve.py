@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from tests.chat_helpers import cache_json, chat_json, home_with_models, run_exokv
@@ -88,6 +89,9 @@ def test_models_and_health(server) -> None:
     assert [m.id for m in listed.data] == [MODEL]
     status, _, doc = raw(server.url + "/health")
     assert status == 200 and doc["status"] == "ok" and doc["ranks"] == 1
+    # Its one rank runs in a process of its own, not beside the event loop.
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert [p.environ().get("MLX_RANK") for p in children].count("0") == 1
 
 
 @pytest.mark.parametrize(

@@ -134,12 +134,19 @@ class Client(Protocol):
     def close(self) -> None: ...
 
 
-def make_client(opts: ClusterOptions, progress: Callable[[str], None] | None = None) -> Client:
-    """The client `opts` asks for: the engine in this process for one local rank, else
-    ranks started by mlx.launch. `progress` hears the ranks' start-up, one line at a time."""
+def make_client(
+    opts: ClusterOptions,
+    progress: Callable[[str], None] | None = None,
+    in_process: bool = True,
+) -> Client:
+    """The client `opts` asks for: the engine in this process for one local rank where
+    `in_process` allows it, else ranks started by mlx.launch. `progress` hears the
+    ranks' start-up, one line at a time."""
     # One rank runs here unless a hostfile names its machine (a --hosts of one name
-    # runs here too, as it always has).
-    if opts.rank_count == 1 and (opts.hosts is None or opts.hosts.hostfile is None):
+    # runs here too, as it always has), or the front end keeps its own process for
+    # other work (a server's event loop: see exokv.frontend.start.started).
+    local = opts.hosts is None or opts.hosts.hostfile is None
+    if in_process and opts.rank_count == 1 and local:
         # The engine's modules import mlx-lm (seconds): only a chat that runs it here does.
         from exokv.client.local import LocalClient
         from exokv.rank.options import engine_options
