@@ -194,25 +194,6 @@ def _refuse(what: str) -> None:
         )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most slow tests first, the fast files last (each file's tests in
-    their order). With `--dist loadfile` a worker takes the next file when it is free, in
-    this order: in name order, test_zoo_chat.py (21 slow tests, 3-4 minutes) came last
-    and ran alone while the other workers had finished, minutes of the suite's wall time;
-    ended by the fast files, the workers finish within seconds of each other."""
-    slow: dict[Any, int] = {}
-    for item in items:
-        module = item.module if isinstance(item, pytest.Function) else None
-        slow[module] = slow.get(module, 0) + (item.get_closest_marker("slow") is not None)
-    first_seen = {module: n for n, module in enumerate(slow)}
-    items.sort(key=lambda item: _file_order(item, slow, first_seen))
-
-
-def _file_order(item: pytest.Item, slow: dict[Any, int], first_seen: dict[Any, int]) -> tuple:
-    module = item.module if isinstance(item, pytest.Function) else None
-    return (-slow[module], first_seen[module])
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _running["item"] = item  # before its fixtures, module- and session-scoped ones too
