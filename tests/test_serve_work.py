@@ -191,3 +191,41 @@ def test_past_the_old_eight_every_newcomer_joins_the_running_batch() -> None:
     assert batch >= 32
     assert client.calls == [first + later]
     assert {j.batch for j in jobs} == {16}
+
+
+class DeafClient(RecordingClient):
+    """A batch whose rows never hear a stop: the ranks' end of a stop that was lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.stops: list[int] = []
+
+    def turns(self, requests: list[TurnRequest], calls: object = None) -> list[RowOutcome]:
+        self.calls.append([r.session for r in requests])
+        self.release.wait(timeout=60)
+        return [RowOutcome(result=_result(r), batch=len(requests)) for r in requests]
+
+    def stop_row(self, row: int) -> None:
+        self.stops.append(row)
+
+
+def test_a_stop_that_never_lands_fails_the_open_requests_within_the_bound() -> None:
+    client = DeafClient()
+    queue = TurnQueue(client, size=8, batch=4, gather_s=1.0)  # both in one batch
+    queue.stopped_within_s = 0.5
+    jobs = _submit_apart(queue, ["a", "b"], gap_s=0.0)
+    deadline = time.monotonic() + 10
+    while client.calls != [["a", "b"]] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    try:
+        queue.close(timeout=0.0)
+        assert time.monotonic() - started < 5  # not the 60 s the batch would take
+        assert client.stops == [0, 1]  # each row was asked to stop first
+        for job in jobs:
+            assert job.finished
+            kind, error = job.loop.run_until_complete(job.events.get())
+            assert (kind, error.status) == ("error", 503), (kind, error)
+    finally:
+        client.release.set()

@@ -30,6 +30,11 @@ from exokv.rank.stops import TextStops
 from exokv.serve.errors import ApiError
 
 RETRY_AFTER_S = 1
+# After close() stops what runs, how long the ranks get to end it (they end a stopped
+# turn or row within a decode step). Past it the requests still open fail with a 503,
+# so each stream gets its last chunk and the server can exit, rather than wait on a
+# stop that never lands.
+STOPPED_WITHIN_S = 30.0
 
 
 class Job:
@@ -106,6 +111,7 @@ class TurnQueue:
         self._current: Job | None = None
         self._lock = threading.Lock()
         self._closing = False
+        self.stopped_within_s = STOPPED_WITHIN_S
         self._thread = threading.Thread(target=self._work, name="exokv-serve-turns", daemon=True)
         self._thread.start()
 
@@ -146,7 +152,8 @@ class TurnQueue:
 
     def close(self, timeout: float) -> None:
         """Take no more jobs; wait up to `timeout` for the queued and running ones, then
-        stop the running one and wait for the ranks to end it (the caches stay alike)."""
+        stop the running one and wait for the ranks to end it (the caches stay alike),
+        up to `stopped_within_s`; what is still open then fails (503)."""
         self._closing = True
         deadline = time.monotonic() + timeout
         while (self.busy or self.waiting) and time.monotonic() < deadline:
@@ -165,7 +172,12 @@ class TurnQueue:
             for row in range(len(self._rows)):
                 self.client.stop_row(row)
         self._jobs.put(None)
-        self._thread.join()
+        self._thread.join(self.stopped_within_s)
+        if self._thread.is_alive():
+            with self._lock:
+                still = [j for j in [self._current, *self._rows] if j and not j.finished]
+            for job in still:
+                job.fail(ApiError(503, "the server is shutting down"))
 
     # -- the worker ---------------------------------------------------------------
 
