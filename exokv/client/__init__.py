@@ -145,8 +145,8 @@ def make_client(
     # One rank runs here unless a hostfile names its machine (a --hosts of one name
     # runs here too, as it always has), or the front end keeps its own process for
     # other work (a server's event loop: see exokv.frontend.start.started).
-    local = opts.hosts is None or opts.hosts.hostfile is None
-    if in_process and opts.rank_count == 1 and local:
+    no_hostfile = opts.hosts is None or opts.hosts.hostfile is None
+    if in_process and opts.rank_count == 1 and no_hostfile:
         # The engine's modules import mlx-lm (seconds): only a chat that runs it here does.
         from exokv.client.local import LocalClient
         from exokv.rank.options import engine_options

@@ -448,8 +448,9 @@ class Drafter:
         # whole (a probe) so the model's own pass is timed, and quoting is found to pay.
         untimed = free == 0 and self._untimed_may_pay(k)
         if free > 0 or untimed:
-            stored = self.tree.propose(k if untimed else free) if self.tree is not None else []
-            found = stored or self.lookup.propose(k if untimed else free)
+            n = k if untimed else free
+            stored = self.tree.propose(n) if self.tree is not None else []
+            found = stored or self.lookup.propose(n)
             if found:
                 if untimed:
                     self._why = PROBE

@@ -112,6 +112,7 @@ class TurnQueue:
         self._lock = threading.Lock()
         self._closing = False
         self.stopped_within_s = STOPPED_WITHIN_S
+        self._stopped_by: float | None = None  # the first close()'s bound, kept by later ones
         self._thread = threading.Thread(target=self._work, name="exokv-serve-turns", daemon=True)
         self._thread.start()
 
@@ -164,7 +165,7 @@ class TurnQueue:
             except queue.Empty:
                 break
             if job is not None:
-                job.fail(ApiError(503, "the server is shutting down"))
+                job.fail(_shutting_down())
         with self._lock:
             self._halt = True  # a batch's rows see it at their next decode step
             if self._current is not None:
@@ -172,12 +173,14 @@ class TurnQueue:
             for row in range(len(self._rows)):
                 self.client.stop_row(row)
         self._jobs.put(None)
-        self._thread.join(self.stopped_within_s)
+        if self._stopped_by is None:  # a second close() (the server's end) waits no longer
+            self._stopped_by = time.monotonic() + self.stopped_within_s
+        self._thread.join(max(0.0, self._stopped_by - time.monotonic()))
         if self._thread.is_alive():
             with self._lock:
                 still = [j for j in [self._current, *self._rows] if j and not j.finished]
             for job in still:
-                job.fail(ApiError(503, "the server is shutting down"))
+                job.fail(_shutting_down())
 
     # -- the worker ---------------------------------------------------------------
 
@@ -347,6 +350,11 @@ class TurnQueue:
             self._failed(job, err)
             return
         self._finish(job, result)
+
+
+def _shutting_down() -> ApiError:
+    """What a request the drain did not run, or could not end, is answered."""
+    return ApiError(503, "the server is shutting down")
 
 
 def _left_before_run(job: Job) -> bool:
