@@ -293,6 +293,28 @@ def test_another_programs_sqlite_file_is_not_touched(tmp_path: Path) -> None:
     assert path.read_bytes() == before
 
 
+def test_a_second_store_in_a_process_keeps_the_first_ones_locks(tmp_path: Path) -> None:
+    """POSIX drops every lock a process holds on a file when it closes any descriptor
+    of it. Opening a second Store must not do that to the first one's connection, or
+    another process takes itself for the database's last user when it closes and
+    deletes the WAL under the live writer (a CI run lost 37 of 50 turns that way)."""
+    with Store.open(tmp_path) as writer:
+        run = writer.start_run(MODEL, 2, [None, None])
+        writer.record_turn(run, "s", MESSAGES, turn_result(), MODEL)
+        wal = Path(str(db_path(tmp_path)) + "-wal")
+        assert wal.exists()
+        with Store.open(tmp_path):
+            other = (
+                f"import sqlite3; db = sqlite3.connect({str(db_path(tmp_path))!r}); "
+                "db.execute('SELECT COUNT(*) FROM sqlite_master').fetchone(); db.close()"
+            )
+            subprocess.run([sys.executable, "-c", other], check=True, timeout=30)
+            assert wal.exists(), "another process deleted the WAL of a live connection"
+            writer.record_turn(run, "s", MESSAGES * 2, turn_result(), MODEL)
+    with Store.open(tmp_path) as s:
+        assert s.stats()["total"]["turns"] == 2
+
+
 def _real_db_bytes(home: Path) -> bytes:
     with Store.open(home) as s:
         run = s.start_run(MODEL, 2, [None, None])

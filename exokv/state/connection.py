@@ -27,7 +27,6 @@ from exokv.state.schema import LATEST, current_version, foreign_tables, migrate
 
 DB_NAME = "exokv.db"
 BUSY_TIMEOUT_S = 10.0
-_MAGIC = b"SQLite format 3\x00"
 SYNCHRONOUS = "FULL"  # see the module's docstring
 
 
@@ -121,15 +120,15 @@ def _warn_if_emptied(path: Path) -> None:
         )
 
 
-def _check_header(path: Path) -> None:
-    try:
-        with path.open("rb") as f:
-            head = f.read(100)
-    except OSError as err:
-        raise ExokvError(f"cannot read the state database {path}: {err.strerror}") from err
-    # An empty file is what sqlite3 itself creates: a new database, nothing to lose.
-    if head and (len(head) < 100 or not head.startswith(_MAGIC)):
-        raise _corrupt(path, "not an SQLite database")
+def _check_readable(path: Path) -> None:
+    """The file's header is left to SQLite ("file is not a database", which
+    _check_integrity reports as damage): opening the file here would be unsafe. POSIX
+    drops all of a process's locks on a file when any descriptor of it is closed, so
+    reading it while this process has a connection to it (a second Store in another
+    thread) would let another process take it for the last user and delete the WAL
+    under the live writer, losing its turns."""
+    if not os.access(path, os.R_OK):
+        raise ExokvError(f"cannot read the state database {path}: permission denied")
 
 
 class _Damaged(Exception):
@@ -158,7 +157,7 @@ def connect(path: Path, read_only_ok: bool = False) -> sqlite3.Connection:
     """
     existed = path.exists()
     if existed:
-        _check_header(path)
+        _check_readable(path)
         if not _writable(path):
             if not read_only_ok:
                 raise read_only_error(path)
