@@ -194,23 +194,6 @@ def _refuse(what: str) -> None:
         )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with slow tests first (most tests first, as pytest-xdist orders files),
-    then the files of fast tests only, so the many short files fill the end of the run
-    while the other workers finish. pytest-xdist's own order (by test count alone,
-    turned off in pyproject.toml) ends with the files of one or two slow tests, the
-    longest ones (ssh hosts, real models), which one worker then ran while the others
-    had nothing left (a simulation of its scheduler on a full run's times: 36 s more)."""
-    files: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-
-    def heavy_first(tests: list[pytest.Item]) -> tuple[bool, int]:
-        return (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
-
-    items[:] = [item for tests in sorted(files.values(), key=heavy_first) for item in tests]
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _running["item"] = item  # before its fixtures, module- and session-scoped ones too
