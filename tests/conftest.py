@@ -142,7 +142,7 @@ SLOW_FIXTURES = {
     "ssh_hosts": "the ssh hosts (an sshd)",
     "three_hosts": "the three ssh hosts (an sshd each)",
 }
-_SLOW_PROGRAMS = {"exokv", "mlx.launch", "mlx_lm.server", "sshd", "uvicorn"}
+_SLOW_PROGRAMS = {"exokv", "exokv-launch", "mlx.launch", "mlx_lm.server", "sshd", "uvicorn"}
 _SLOW_MODULES = {"exokv", "exokv.rank.main", "mlx.launch", "mlx_lm.server", "uvicorn"}
 # in `python -c CODE`: the CLI, a rank's entry (exokv.launch.command.rank_command), turns
 # on a client of ours, a server. Importing modules to look at them is not among them.

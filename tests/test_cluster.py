@@ -75,7 +75,7 @@ def replies(turns: list[dict[str, Any]]) -> list[str]:
 def test_plan_local_ranks_use_mlx_launch_on_loopback() -> None:
     plan = plan_launch(["python", "-m", "exokv.rank.main"], ranks=3, starting_port=25000)
     argv = plan.argv
-    assert Path(argv[0]).name == "mlx.launch"
+    assert Path(argv[0]).name == "exokv-launch"  # mlx.launch, paced (exokv.launch.paced)
     assert argv[argv.index("-n") + 1] == "3"
     assert argv[argv.index("--starting-port") + 1] == "25000"
     assert argv[argv.index("--") + 1 :] == ["python", "-m", "exokv.rank.main"]

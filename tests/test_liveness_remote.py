@@ -24,6 +24,7 @@ from test_multihost import SCRIPT, _hostfile, _ranks_left
 pytestmark = pytest.mark.slow  # starts ranks, servers or real models: see tests/conftest.py
 
 HOLD_S = 30
+IDLE_BOUND = 0.1  # of one core: the launcher spinning on the ranks' stdin used 1.3
 
 
 class RemoteChat:
@@ -117,7 +118,16 @@ def test_a_remote_rank_whose_heartbeat_is_held_is_busy_not_dead(
     chat = RemoteChat(home, ssh_hosts, 28700, EXOKV_TEST_HOLD_BEAT=f"1:{HOLD_S}", EXOKV_DEBUG="1")
     turns = [chat.send(SCRIPT[0])]
     held = chat.when("rank 1 holds its heartbeat", timeout=60)
+    # The launcher relays both ranks through `ssh -tt`, whose stdin never refuses a
+    # write: mlx.launch's relay spun on it for the whole chat (1.3 cores of this
+    # machine while idle); exokv-launch waits for output instead (exokv.launch.paced).
+    (launcher,) = [
+        p for p in psutil.Process(chat.proc.pid).children() if "exokv-launch" in str(p.cmdline())
+    ]
+    before, tic = sum(launcher.cpu_times()[:2]), time.monotonic()
     time.sleep(max(0.0, held + 13 - time.monotonic()))  # silent past the 10 s timeout
+    idle = (sum(launcher.cpu_times()[:2]) - before) / (time.monotonic() - tic)
+    assert idle < IDLE_BOUND, f"the launcher used {idle:.0%} of a core while the chat idled"
     turns.append(chat.send(SCRIPT[1]))
     answered = time.monotonic()
     again = chat.when("rank 1 beats again", timeout=HOLD_S + 30)

@@ -95,7 +95,7 @@ def test_an_idle_two_rank_chat_leaves_the_cores_alone(tmp_path: Path, models_dir
         assert len(procs) >= 4, procs  # front end, launcher, two ranks
         # Nor while they started: spinning on the ranks' stdin until they were ready,
         # the launcher took half the cores of a 2-core machine from their start-up.
-        (launcher,) = [p for p in procs if any("mlx.launch" in a for a in p.cmdline())]
+        (launcher,) = [p for p in procs if any("exokv-launch" in a for a in p.cmdline())]
         spent, age = _cpu(launcher), time.time() - launcher.create_time()
         assert spent is not None and spent / age < STARTUP_BOUND, (spent, age)
         before = {p.pid: _cpu(p) for p in procs}

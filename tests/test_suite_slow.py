@@ -17,6 +17,7 @@ from conftest import StartsSlowThings, what_it_starts
         [sys.executable, "-c", "from exokv.cli.app import main; main()", "bench"],
         [sys.executable, "-c", "import sys; from exokv.rank.main import main; sys.exit(main())"],
         ["/venv/bin/mlx.launch", "--hostfile", "h.json", "--", "python"],
+        ["/venv/bin/exokv-launch", "-n", "2", "--", "python"],
         ["/venv/bin/exokv", "serve"],
         [sys.executable, "-m", "mlx_lm.server", "--port", "8080"],
         ["/usr/sbin/sshd", "-D"],

@@ -227,14 +227,16 @@ def _probe(name: str, timeout: float) -> str:
 
 
 def launcher() -> str:
-    """mlx.launch from the same environment as this python, else from PATH."""
-    beside = Path(sys.executable).parent / "mlx.launch"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mlx.launch")
-    if found is None:
-        raise ExokvError("mlx.launch not found: install mlx in this environment (pip install mlx)")
-    return found
+    """exokv-launch (mlx.launch, paced: exokv.launch.paced) from the same environment as
+    this python, else from PATH; mlx.launch itself where exokv was not installed."""
+    for name in ("exokv-launch", "mlx.launch"):
+        beside = Path(sys.executable).parent / name
+        if beside.exists():
+            return str(beside)
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    raise ExokvError("mlx.launch not found: install mlx in this environment (pip install mlx)")
 
 
 # `python -m` (and `-c`) put the working folder first on sys.path, where a user's
